@@ -1,0 +1,1 @@
+"""vitserve.deployments: Ray Serve deployments, app builders, config, metrics and the CLI."""

@@ -1,0 +1,72 @@
+"""The one exception hierarchy of vitserve.
+
+Every error vitserve raises on purpose derives from :class:`VitserveError`. Subclasses carry
+structured fields (never only a message) and say, through ``retryable``, whether trying the same
+call again can help. The HTTP layer maps ``http_status`` to a response code.
+"""
+
+from __future__ import annotations
+
+
+class VitserveError(Exception):
+    """Root of every error vitserve raises on purpose."""
+
+    retryable: bool = False
+    http_status: int = 500
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-able description: the class name, the message and the structured fields."""
+        fields = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        return {"error": type(self).__name__, "message": str(self), **fields}
+
+
+class ConfigError(VitserveError):
+    """A setting or argument is invalid (unknown dtype, device, preset, ...)."""
+
+    http_status = 422
+
+
+class ModelLoadError(VitserveError):
+    """A model could not be loaded: unknown family, missing files, tensors that do not match."""
+
+    def __init__(self, model: str, reason: str) -> None:
+        super().__init__(f"cannot load model {model!r}: {reason}")
+        self.model = model
+        self.reason = reason
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The checkpoint is of a model family vitserve has no adapter for."""
+
+    http_status = 422
+
+
+class ImageError(VitserveError):
+    """An input image was refused. ``index`` is its position in the call's image list."""
+
+    http_status = 422
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"image {index}: {reason}")
+        self.index = index
+        self.reason = reason
+
+
+class ImageDecodeError(ImageError):
+    """The bytes are not an image vitserve can decode (empty, truncated, unknown format)."""
+
+
+class ImageTooLargeError(ImageError):
+    """The image exceeds a configured limit; checked before the pixels are decoded.
+
+    ``limit_name`` says which limit (``max_image_bytes`` or ``max_image_pixels``), ``value`` is
+    what the image has and ``limit`` what is allowed.
+    """
+
+    http_status = 413
+
+    def __init__(self, index: int, limit_name: str, value: int, limit: int) -> None:
+        super().__init__(index, f"{limit_name} exceeded: {value} > {limit}")
+        self.limit_name = limit_name
+        self.value = value
+        self.limit = limit
