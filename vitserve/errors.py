@@ -70,3 +70,7 @@ class ImageTooLargeError(ImageError):
         self.limit_name = limit_name
         self.value = value
         self.limit = limit
+
+
+class ImagePreprocessError(ImageError):
+    """The image decoded but the model's image processor could not turn it into patches."""

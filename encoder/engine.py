@@ -1,0 +1,228 @@
+"""The encoder engine: bytes in, per-image embeddings out, batched by bucket under a budget.
+
+``engine.encode(images)`` = ``prepare`` (CPU: decode with limits, content key, the family's
+image processor) then ``run`` (plan batches with :func:`plan_batches`, one tower forward and one
+projector call per batch, outputs back in input order). The two halves are public so that a
+service can prepare on CPU workers and run on the GPU worker.
+
+Invariants:
+
+* ``encode`` returns one result per input, in input order: an :class:`Embedding`, or the
+  :class:`~vitserve.errors.ImageError` that refused that image (which carries its index). A bad
+  image never stops the others.
+* Every embedding equals what encoding its image alone gives (tested per family).
+* No copy of pixels or embeddings on the hot path beyond the one pack of each batch's pixels
+  into the tower's input buffer: the processor's numpy output is used as is, and each
+  embedding is a contiguous row slice of its batch's output.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vitserve.encoder.device import (
+    default_budget_bytes,
+    default_dtype,
+    dtype_name,
+    parse_dtype,
+    resolve_device,
+)
+from vitserve.encoder.families import FamilyAdapter, PreparedImage
+from vitserve.encoder.images import DEFAULT_LIMITS, ImageLimits, decode_image
+from vitserve.encoder.keys import content_key, model_fingerprint
+from vitserve.encoder.loading import LoadReport, load_vision
+from vitserve.encoder.planner import Plan, PlanItem, plan_batches
+from vitserve.errors import ConfigError, ImageError, ImagePreprocessError
+
+
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    """One image's embedding: exactly what the LLM consumes for its placeholder tokens.
+
+    ``tensor`` is ``[num_tokens, hidden]`` on the engine's device in its dtype; ``grid`` is
+    Qwen's ``(t, h, w)`` patch grid (else ``None``); ``extras`` holds further per-image tensors
+    with ``num_tokens`` rows (Qwen3-VL: ``deepstack_0``...).
+    """
+
+    key: str
+    tensor: Any
+    num_tokens: int
+    grid: tuple[int, int, int] | None
+    extras: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCounters:
+    """Monotonic counters of an engine (read them; the engine updates them under a lock)."""
+
+    forward_calls: int = 0
+    images: int = 0  # images run through the tower
+    patches: int = 0
+    oversize: int = 0  # images that exceeded the budget alone and ran alone
+    refused: int = 0  # inputs refused by decoding, limits or preprocessing
+    forward_calls_by_bucket: Counter = field(default_factory=Counter)
+
+
+class EncoderEngine:
+    """Encodes images with one model's vision tower and projector."""
+
+    def __init__(
+        self,
+        adapter: FamilyAdapter,
+        *,
+        fingerprint: str,
+        budget_bytes: int | None = None,
+        limits: ImageLimits = DEFAULT_LIMITS,
+        namespace: str = "",
+        load_report: LoadReport | None = None,
+    ) -> None:
+        if budget_bytes is not None and budget_bytes <= 0:
+            raise ConfigError(f"budget_bytes must be positive, got {budget_bytes}")
+        self.adapter = adapter
+        self.fingerprint = fingerprint
+        self.budget_bytes = budget_bytes or default_budget_bytes(adapter.device)
+        self.limits = limits
+        self.namespace = namespace
+        self.load_report = load_report
+        self.counters = EngineCounters()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str,
+        device: str | Any | None = None,
+        dtype: str | Any | None = None,
+        budget_bytes: int | None = None,
+        *,
+        revision: str | None = None,
+        limits: ImageLimits = DEFAULT_LIMITS,
+        namespace: str = "",
+    ) -> EncoderEngine:
+        """Load the vision side of ``model`` (HF id or local folder); see :mod:`.loading`."""
+        dev = resolve_device(device)
+        dt = parse_dtype(dtype) if dtype is not None else default_dtype(dev)
+        loaded = load_vision(model, device=dev, dtype=dt, revision=revision)
+        adapter = loaded.adapter
+        # A local folder is identified by its weights alone, so replicas that mount the same
+        # weights at different paths share keys; an HF id also names its repo and commit.
+        identity = f"hf:{model}@{loaded.revision}" if loaded.revision else "local"
+        fingerprint = model_fingerprint(
+            model=identity,
+            weights=loaded.weight_digest,
+            processor=adapter.processor_settings(),
+            dtype=dtype_name(dt),
+            settings=adapter.settings(),
+        )
+        return cls(
+            adapter,
+            fingerprint=fingerprint,
+            budget_bytes=budget_bytes,
+            limits=limits,
+            namespace=namespace,
+            load_report=loaded.report,
+        )
+
+    @property
+    def device(self) -> Any:
+        return self.adapter.device
+
+    @property
+    def dtype(self) -> Any:
+        return self.adapter.dtype
+
+    @property
+    def family(self) -> str:
+        return str(self.adapter.config.model_type)
+
+    def key(self, data: bytes | bytearray | memoryview) -> str:
+        """The content key of an image's bytes under this engine's model and namespace."""
+        return content_key(data, self.fingerprint, self.namespace)
+
+    # -- CPU half ----------------------------------------------------------------------------
+    def prepare_one(self, data: bytes | bytearray | memoryview, index: int = 0) -> PreparedImage:
+        """Decode (limits first), key and preprocess one image; raises ImageError."""
+        image = decode_image(data, index=index, limits=self.limits)
+        try:
+            return self.adapter.preprocess(image, self.key(data))
+        except Exception as exc:
+            raise ImagePreprocessError(index, f"{type(exc).__name__}: {exc}") from exc
+
+    def prepare(
+        self, images: Sequence[bytes | bytearray | memoryview]
+    ) -> list[PreparedImage | ImageError]:
+        """``prepare_one`` for each image; a refused image yields its error in its place."""
+        out: list[PreparedImage | ImageError] = []
+        for i, data in enumerate(images):
+            try:
+                out.append(self.prepare_one(data, i))
+            except ImageError as exc:
+                out.append(exc)
+        refused = sum(isinstance(r, ImageError) for r in out)
+        if refused:
+            with self._lock:
+                self.counters.refused += refused
+        return out
+
+    # -- device half -------------------------------------------------------------------------
+    def plan(self, prepared: Sequence[PreparedImage]) -> Plan:
+        """The batches ``run`` would form for ``prepared`` (pure; no forward)."""
+        items = [
+            PlanItem(
+                index=i,
+                bucket=p.bucket,
+                patches=p.patches,
+                act_bytes=max(1, self.adapter.activation_bytes(p)),
+            )
+            for i, p in enumerate(prepared)
+        ]
+        return plan_batches(items, self.budget_bytes)
+
+    def run(self, prepared: Sequence[PreparedImage], plan: Plan | None = None) -> list[Embedding]:
+        """Encode prepared images: one forward per planned batch; results in input order."""
+        plan = plan or self.plan(prepared)
+        outputs = []
+        for batch in plan.batches:
+            members = [prepared[i] for i in batch.indices]
+            features = self.adapter.forward(members)
+            if len(features) != len(members):
+                raise RuntimeError(
+                    f"{self.family} forward returned {len(features)} outputs for {len(members)}"
+                )
+            outputs.append(
+                [
+                    Embedding(
+                        key=p.key,
+                        tensor=f.tokens,
+                        num_tokens=p.num_tokens,
+                        grid=p.grid,
+                        extras=f.extras,
+                    )
+                    for p, f in zip(members, features, strict=True)
+                ]
+            )
+            with self._lock:
+                self.counters.forward_calls += 1
+                self.counters.forward_calls_by_bucket[batch.bucket] += 1
+                self.counters.images += len(members)
+                self.counters.patches += batch.patches
+                self.counters.oversize += int(batch.oversize)
+        for e in (e for group in outputs for e in group):
+            if e.tensor.shape[0] != e.num_tokens:
+                raise RuntimeError(
+                    f"{self.family} produced {e.tensor.shape[0]} rows for {e.num_tokens} tokens"
+                )
+        return plan.gather(outputs)
+
+    def encode(
+        self, images: Sequence[bytes | bytearray | memoryview]
+    ) -> list[Embedding | ImageError]:
+        """Encode images; one result per input in input order (an Embedding or its error)."""
+        prepared = self.prepare(images)
+        good = [p for p in prepared if not isinstance(p, ImageError)]
+        embeddings = iter(self.run(good)) if good else iter(())
+        return [p if isinstance(p, ImageError) else next(embeddings) for p in prepared]

@@ -1,0 +1,189 @@
+"""The one small protocol every model family implements, and the pieces they share.
+
+A family adapter turns a decoded RGB image into a :class:`PreparedImage` (CPU: the family's own
+transformers image processor, one image at a time), says which bucket it belongs to and what it
+costs, and runs one tower forward plus one projector/merger call over a batch of prepared images
+of one bucket, returning each image's :class:`ImageFeatures` in batch order.
+
+Invariants every adapter keeps:
+
+* ``forward(batch)`` returns exactly ``len(batch)`` features, in batch order, and each image's
+  features equal those of ``forward([image])`` (tested per family).
+* ``ImageFeatures.tokens`` is ``[num_tokens, hidden]``: exactly what the language model consumes
+  in place of the image's placeholder tokens (post-projector / post-merger); ``extras`` holds any
+  further per-image tensors the LLM needs (Qwen3-VL's deepstack features), each with
+  ``num_tokens`` rows.
+* Outputs are contiguous row slices (views) of the batch output, never copies.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedImage:
+    """One image after decoding and the family's image processor; plain numpy, picklable.
+
+    ``pixels`` is the processor's output for this image alone (float32): Qwen
+    ``[patches, C*T*P*P]``, fixed-size towers ``[C, H, W]``. ``grid`` is Qwen's ``(t, h, w)`` in
+    patches, else ``None``. ``seq_len`` is the tower's sequence length for this image (patches,
+    plus a CLS row where the tower has one).
+    """
+
+    key: str
+    pixels: np.ndarray
+    grid: tuple[int, int, int] | None
+    num_tokens: int
+    patches: int
+    seq_len: int
+    bucket: Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class ImageFeatures:
+    """What the LLM consumes for one image: ``tokens`` ``[num_tokens, hidden]`` plus extras."""
+
+    tokens: torch.Tensor
+    extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TowerShape:
+    """The dimensions of a ViT that its cost estimates need."""
+
+    width: int
+    depth: int
+    heads: int
+    mlp: int
+    mlp_matrices: int  # 2 for fc1/fc2, 3 for a gated (SwiGLU) MLP
+    patch_dim: int  # input values per patch
+
+
+class FamilyAdapter(ABC):
+    """One model family's vision side: preprocessing, buckets, costs and the batched forward.
+
+    Subclasses declare ``families`` (transformers ``model_type`` values) and
+    ``weight_prefixes``: for each module the loader builds, the checkpoint tensor-name prefixes
+    (regular expressions, one per checkpoint layout, most specific first) whose tensors it holds.
+    """
+
+    families: ClassVar[tuple[str, ...]]
+    weight_prefixes: ClassVar[Mapping[str, tuple[str, ...]]]
+
+    def __init__(
+        self,
+        config: Any,
+        processor: Any,
+        modules: Mapping[str, torch.nn.Module],
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.config = config
+        self.processor = processor
+        self.modules = dict(modules)
+        self.device = device
+        self.dtype = dtype
+        for module in self.modules.values():
+            module.eval()
+            module.requires_grad_(False)
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def build_modules(cls, config: Any) -> dict[str, torch.nn.Module]:
+        """Instantiate the vision modules (tower, projector) from the full VLM config.
+
+        Called by the loader with weight initialisation disabled; the language model is never
+        built.
+        """
+
+    @classmethod
+    def check_processor(cls, processor: Any) -> None:
+        """Raise ModelLoadError for processor settings this adapter cannot serve."""
+        del processor  # every setting is servable unless a family says otherwise
+
+    # -- per image (CPU) ---------------------------------------------------------------------
+    @abstractmethod
+    def preprocess(self, image: Image.Image, key: str) -> PreparedImage:
+        """Run the family's image processor on one decoded RGB image."""
+
+    # -- per batch (device) ------------------------------------------------------------------
+    @abstractmethod
+    def forward(self, batch: Sequence[PreparedImage]) -> list[ImageFeatures]:
+        """One tower forward and one projector/merger call over ``batch`` (one bucket)."""
+
+    # -- description -------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def tower_shape(self) -> TowerShape:
+        """The tower's dimensions, for cost estimates."""
+
+    @abstractmethod
+    def settings(self) -> dict[str, Any]:
+        """Output-affecting settings beyond weights and processor (part of the fingerprint)."""
+
+    def processor_settings(self) -> dict[str, Any]:
+        """The image processor's settings, as saved in ``preprocessor_config.json``."""
+        settings = dict(self.processor.to_dict())
+        settings.pop("processor_class", None)
+        return settings
+
+    def attention_span(self, p: PreparedImage) -> float:
+        """Mean number of keys each query attends to, averaged over layers (full: seq_len)."""
+        return float(p.seq_len)
+
+    def activation_bytes(self, p: PreparedImage) -> int:
+        """Estimated peak activation bytes of ``p``'s share of a forward.
+
+        Per token: the residual stream, q/k/v and the MLP's intermediate at once, plus one
+        materialised attention matrix (heads x seq x span) as CPU SDPA builds it. A deliberate
+        over-estimate on GPUs whose attention kernels never materialise it.
+        """
+        s = self.tower_shape
+        itemsize = _itemsize(self.dtype)
+        per_token = 4 * s.width + s.mlp * (s.mlp_matrices - 1)
+        attention = s.heads * p.seq_len * self.attention_span(p)
+        return int(itemsize * (p.seq_len * per_token + attention))
+
+    def flops(self, p: PreparedImage) -> float:
+        """Forward FLOPs of the tower for ``p`` (matmuls only: patch embedding, attention, MLP)."""
+        s = self.tower_shape
+        n = p.seq_len
+        linear = 2 * n * (4 * s.width * s.width + s.mlp_matrices * s.width * s.mlp)
+        attention = 4 * n * self.attention_span(p) * s.width
+        return float(2 * n * s.patch_dim * s.width + s.depth * (linear + attention))
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def pack_rows(
+    arrays: Sequence[np.ndarray], *, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """Concatenate same-width row blocks (``[n_i, ...]``) into one device tensor of ``dtype``.
+
+    The one copy of the pixels on the way to the tower: each image's float32 block is written
+    straight into its slice of the batch buffer, converted to ``dtype`` on the way (the tower
+    needs one contiguous input; there is no intermediate concatenated float32 array).
+    """
+    import torch
+
+    total = sum(a.shape[0] for a in arrays)
+    out = torch.empty((total, *arrays[0].shape[1:]), dtype=dtype, device=device)
+    row = 0
+    for a in arrays:
+        out[row : row + a.shape[0]].copy_(torch.from_numpy(a), non_blocking=True)
+        row += a.shape[0]
+    return out

@@ -1,0 +1,72 @@
+"""Content keys: what names an image's embedding in every store.
+
+``key = blake3(len-prefixed namespace || len-prefixed model fingerprint || image bytes)``, the
+full 256 bits as 64 hex characters. The fingerprint covers everything that changes the
+embedding of the same bytes: the model's identity, its vision weights, the image-processor
+settings, the family's output settings (feature layer, deepstack taps, ...) and the dtype. So two
+different images, models, processor settings, dtypes or tenants never share a key, and the same
+image under the same model always does, whichever process computes it.
+
+Both fields are length-prefixed so that no choice of namespace can make one (namespace,
+fingerprint) pair collide with another.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import blake3
+
+KEY_FORMAT_VERSION = 1
+KEY_HEX_CHARS = 64
+
+
+def _canonical(value: Any) -> Any:
+    """JSON-able, order-independent form of processor/config settings (tuples become lists)."""
+    if isinstance(value, Mapping):
+        return {str(k): _canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def model_fingerprint(
+    *,
+    model: str,
+    weights: str,
+    processor: Mapping[str, Any],
+    dtype: str,
+    settings: Mapping[str, Any] | None = None,
+) -> str:
+    """A 64-hex digest naming one (model, weights, preprocessing, output settings, dtype).
+
+    ``model`` is the model's identity (an HF id, or a label for a local folder); ``weights`` is
+    what pins its vision weights (a revision and/or a digest of the tensors); ``processor`` is the
+    image processor's settings; ``settings`` the family adapter's output-affecting settings.
+    """
+    doc = {
+        "v": KEY_FORMAT_VERSION,
+        "model": model,
+        "weights": weights,
+        "processor": _canonical(processor),
+        "settings": _canonical(settings or {}),
+        "dtype": dtype,
+    }
+    blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    return blake3.blake3(blob).hexdigest()
+
+
+def content_key(
+    image_bytes: bytes | bytearray | memoryview, fingerprint: str, namespace: str = ""
+) -> str:
+    """The 64-hex blake3 key of ``image_bytes`` under ``fingerprint`` in ``namespace``."""
+    h = blake3.blake3()
+    for field in (namespace.encode(), fingerprint.encode()):
+        h.update(len(field).to_bytes(8, "little"))
+        h.update(field)
+    h.update(image_bytes)
+    return h.hexdigest()

@@ -1,0 +1,271 @@
+"""Vision-only loading: the tower and projector of a VLM checkpoint, never its language model.
+
+``load_vision(model)`` takes a local folder or an HF id. It reads ``config.json`` and the image
+processor's config, then the safetensors index (or the single file's header), picks the tensors
+whose names match the family's vision/projector prefixes, opens only the shards that hold them
+(for an HF id, downloads only those shards), and reads each of those tensors with one positioned
+read straight into its final buffer. Language-model tensors are never read, and the language
+model is never instantiated. The modules are built with weight initialisation disabled and
+loaded with ``strict`` name checking: a missing or unexpected vision tensor is an error, not a
+silently random weight.
+
+Checkpoints name tensors in more than one layout (published Qwen2/2.5-VL: ``visual.*``,
+in-memory: ``model.visual.*``; published LLaVA/Gemma 3: ``vision_tower.vision_model.*``, ...):
+each adapter lists the alternatives, and exactly one must match.
+
+While reading, the loader hashes the vision tensors' names, dtypes, shapes and bytes (blake3):
+``weight_digest`` pins exactly the weights that determine the embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from vitserve.encoder.families import FamilyAdapter, adapter_class
+from vitserve.errors import ModelLoadError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# safetensors dtype tags -> torch dtype names
+_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """What the loader read, to show that only vision/projector tensors were touched."""
+
+    tensors_read: int
+    bytes_read: int  # header bytes plus tensor bytes actually read from disk
+    checkpoint_bytes: int  # total size of all safetensors shards of the checkpoint
+    shards_read: tuple[str, ...]
+    shards_total: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedVision:
+    """A loaded vision side: the adapter (holding the modules), and what identifies it."""
+
+    adapter: FamilyAdapter
+    model: str  # the HF id, or the local folder as given
+    revision: str | None  # the hub commit for an HF id, else None
+    weight_digest: str
+    report: LoadReport
+
+
+class _Source:
+    """Where checkpoint files come from: a local folder, or an HF repo through its cache."""
+
+    def __init__(self, model: str, revision: str | None) -> None:
+        self.model = model
+        path = Path(model).expanduser()
+        self.local = path.is_dir()
+        self.revision: str | None = None
+        if self.local:
+            self.folder = path
+            return
+        if path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1:
+            raise ModelLoadError(model, "no such model folder")
+        self.repo = model
+        self.requested_revision = revision
+
+    def exists(self, name: str) -> bool:
+        if self.local:
+            return (self.folder / name).is_file()
+        from huggingface_hub import file_exists
+
+        try:
+            return file_exists(self.repo, name, revision=self.requested_revision)
+        except Exception:
+            # Offline: fall back to whether the file is in the local cache.
+            from huggingface_hub import try_to_load_from_cache
+
+            hit = try_to_load_from_cache(self.repo, name, revision=self.requested_revision)
+            return isinstance(hit, str)
+
+    def fetch(self, name: str) -> Path:
+        """The local path of ``name``, downloading it (and only it) for an HF id."""
+        if self.local:
+            path = self.folder / name
+            if not path.is_file():
+                raise ModelLoadError(self.model, f"missing file {name}")
+            return path
+        from huggingface_hub import hf_hub_download
+
+        try:
+            local = Path(hf_hub_download(self.repo, name, revision=self.requested_revision))
+        except Exception as exc:
+            raise ModelLoadError(self.model, f"cannot fetch {name}: {exc}") from exc
+        # The cache lays files out as .../snapshots/<commit>/<name>: the commit pins the weights.
+        self.folder = local.parents[len(Path(name).parts) - 1]
+        self.revision = self.folder.name
+        return local
+
+
+def _read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header and the offset where its data starts."""
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ModelLoadError(str(path), "truncated safetensors file")
+        (size,) = struct.unpack("<Q", raw)
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def _match(
+    prefixes: Mapping[str, tuple[str, ...]], names: list[str], model: str
+) -> dict[str, dict[str, str]]:
+    """For each module, {checkpoint tensor name: module state-dict key}; exactly one layout."""
+    plan: dict[str, dict[str, str]] = {}
+    for module, alternatives in prefixes.items():
+        for pattern in alternatives:
+            rx = re.compile(pattern)
+            hits = {n: n[m.end() :] for n in names if (m := rx.match(n))}
+            if hits:
+                plan[module] = hits
+                break
+        else:
+            raise ModelLoadError(
+                model, f"no {module} tensors (looked for {', '.join(alternatives)})"
+            )
+    claimed = [n for hits in plan.values() for n in hits]
+    if len(claimed) != len(set(claimed)):
+        raise ModelLoadError(model, "a tensor matches the prefixes of two modules")
+    return plan
+
+
+def _read_tensor(f: Any, base: int, info: Mapping[str, Any], digest: Any) -> Any:
+    """Read one tensor with a positioned read straight into its torch buffer (no extra copy)."""
+    import torch
+
+    dtype = getattr(torch, _DTYPES[info["dtype"]])
+    begin, end = info["data_offsets"]
+    tensor = torch.empty(info["shape"], dtype=dtype)
+    buf = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    if len(buf) != end - begin:
+        raise ModelLoadError(f.name, f"tensor size {end - begin} does not match its shape")
+    f.seek(base + begin)
+    done = 0
+    while done < len(buf):
+        n = f.readinto(buf[done:])
+        if not n:
+            raise ModelLoadError(f.name, "truncated safetensors file")
+        done += n
+    digest.update(buf)
+    return tensor
+
+
+def load_vision(
+    model: str,
+    *,
+    device: Any,
+    dtype: Any,
+    revision: str | None = None,
+    on_adapter: Callable[[type[FamilyAdapter]], None] | None = None,
+) -> LoadedVision:
+    """Load only the vision tower and projector of ``model`` onto ``device`` in ``dtype``."""
+    import torch
+    from transformers import AutoConfig, AutoImageProcessor
+    from transformers.initialization import no_init_weights
+
+    started = time.perf_counter()
+    source = _Source(model, revision)
+    config_path = source.fetch("config.json")
+    source.fetch("preprocessor_config.json")
+    try:
+        config = AutoConfig.from_pretrained(config_path.parent)
+        processor = AutoImageProcessor.from_pretrained(config_path.parent)
+    except Exception as exc:
+        raise ModelLoadError(model, f"cannot read config or image processor: {exc}") from exc
+    adapter_cls = adapter_class(getattr(config, "model_type", ""), model=model)
+    if on_adapter:
+        on_adapter(adapter_cls)
+    adapter_cls.check_processor(processor)
+
+    total_size = None
+    if source.exists(INDEX_FILE):
+        index = json.loads(source.fetch(INDEX_FILE).read_text())
+        weight_map: dict[str, str] = index["weight_map"]
+        total_size = index.get("metadata", {}).get("total_size")
+    elif source.exists(SINGLE_FILE):
+        header, _ = _read_header(source.fetch(SINGLE_FILE))
+        weight_map = dict.fromkeys(header, SINGLE_FILE)
+    else:
+        raise ModelLoadError(model, f"no {INDEX_FILE} or {SINGLE_FILE}")
+    plan = _match(adapter_cls.weight_prefixes, sorted(weight_map), model)
+
+    by_shard: dict[str, list[str]] = {}
+    for hits in plan.values():
+        for name in hits:
+            by_shard.setdefault(weight_map[name], []).append(name)
+
+    tensors: dict[str, Any] = {}
+    digest = blake3.blake3()
+    bytes_read = 0
+    for shard in sorted(by_shard):
+        path = source.fetch(shard)
+        header, base = _read_header(path)
+        bytes_read += base
+        wanted = sorted(by_shard[shard], key=lambda n: header[n]["data_offsets"][0])
+        with path.open("rb", buffering=0) as f:
+            for name in wanted:
+                info = header.get(name)
+                if info is None:
+                    raise ModelLoadError(model, f"{name} is in the index but not in {shard}")
+                digest.update(f"{name}|{info['dtype']}|{info['shape']}".encode())
+                tensors[name] = _read_tensor(f, base, info, digest)
+                bytes_read += info["data_offsets"][1] - info["data_offsets"][0]
+
+    with no_init_weights(), torch.device("cpu"):
+        modules = adapter_cls.build_modules(config)
+    for module_name, hits in plan.items():
+        module = modules[module_name]
+        state = {}
+        for name, key in hits.items():
+            t = tensors.pop(name)
+            # Cast floating weights to the serving dtype (a copy only when the dtypes differ).
+            state[key] = t.to(dtype) if t.is_floating_point() else t
+        try:
+            module.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as exc:
+            raise ModelLoadError(
+                model, f"{module_name} weights do not match the config: {exc}"
+            ) from exc
+        module.to(device=device)
+
+    shard_names = set(weight_map.values())
+    if source.local:
+        checkpoint_bytes = sum((source.folder / s).stat().st_size for s in shard_names)
+    else:  # never download a shard just to size it: the index states its tensors' total
+        checkpoint_bytes = int(total_size or 0)
+    report = LoadReport(
+        tensors_read=sum(len(h) for h in plan.values()),
+        bytes_read=bytes_read,
+        checkpoint_bytes=checkpoint_bytes,
+        shards_read=tuple(sorted(by_shard)),
+        shards_total=len(shard_names),
+        seconds=time.perf_counter() - started,
+    )
+    adapter = adapter_cls(config, processor, modules, device=torch.device(device), dtype=dtype)
+    return LoadedVision(
+        adapter=adapter,
+        model=model,
+        revision=source.revision,
+        weight_digest=digest.hexdigest(),
+        report=report,
+    )

@@ -1,0 +1,60 @@
+"""Synthetic images for tests, the demo and benchmarks (no files, no network).
+
+Images are smooth gradients plus seeded noise, so that different seeds give visibly different
+embeddings and compression stays realistic (pure noise would make PNGs huge and JPEGs odd).
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image
+
+
+def make_image(
+    width: int,
+    height: int,
+    *,
+    mode: str = "RGB",
+    fmt: str = "PNG",
+    seed: int = 0,
+    quality: int = 90,
+) -> bytes:
+    """Encoded bytes of a ``width`` x ``height`` image in PIL ``mode``, saved as ``fmt``."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    phase = rng.uniform(0, 2 * np.pi, size=3)
+    freq = rng.uniform(2, 8, size=3)
+    channels = [
+        127 + 90 * np.sin(freq[c] * (x / width + y / height) * np.pi + phase[c]) for c in range(3)
+    ]
+    rgb = np.stack(channels, axis=-1) + rng.normal(0, 12, size=(height, width, 3))
+    image = Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8), "RGB")
+    if mode == "RGBA":
+        alpha = (np.linspace(0, 255, width, dtype=np.float32)[None, :] * np.ones((height, 1)))
+        image.putalpha(Image.fromarray(alpha.astype(np.uint8), "L"))
+    elif mode == "P":
+        image = image.quantize(colors=64)
+    elif mode != "RGB":
+        image = image.convert(mode)
+    buf = io.BytesIO()
+    kwargs = {"quality": quality} if fmt in ("JPEG", "WEBP") else {}
+    image.save(buf, fmt, **kwargs)
+    return buf.getvalue()
+
+
+def mixed_set(seed: int = 0) -> list[tuple[str, bytes]]:
+    """A named mix of sizes and modes: odd sizes, grayscale, RGBA, palette, CMYK, formats."""
+    return [
+        ("odd-333x517-png", make_image(333, 517, seed=seed + 1)),
+        ("square-480-jpeg", make_image(480, 480, fmt="JPEG", seed=seed + 2)),
+        ("odd-333x517-b", make_image(333, 517, seed=seed + 3)),
+        ("gray-200x120", make_image(200, 120, mode="L", seed=seed + 4)),
+        ("rgba-500x300", make_image(500, 300, mode="RGBA", seed=seed + 5)),
+        ("palette-257x181", make_image(257, 181, mode="P", seed=seed + 6)),
+        ("cmyk-jpeg-320x240", make_image(320, 240, mode="CMYK", fmt="JPEG", seed=seed + 7)),
+        ("tiny-64x64-webp", make_image(64, 64, fmt="WEBP", seed=seed + 8)),
+        ("wide-1280x720-jpeg", make_image(1280, 720, fmt="JPEG", seed=seed + 9)),
+        ("square-480-b-bmp", make_image(480, 480, fmt="BMP", seed=seed + 10)),
+    ]

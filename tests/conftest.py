@@ -1,0 +1,34 @@
+"""Session-wide fixtures: offline mode and the tiny random-weight models of every family."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Nothing in the suite may reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """family -> folder of a tiny random-weight full VLM saved with save_pretrained."""
+    from vitserve.encoder.testmodels import make_model
+
+    root = tmp_path_factory.mktemp("models")
+    return {family: make_model(family, "tiny", root / family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def engines(tiny_models: dict[str, Path]):
+    """family -> fp32 CPU EncoderEngine over the tiny model (shared; read counters as deltas)."""
+    from vitserve.encoder.engine import EncoderEngine
+
+    return {
+        f: EncoderEngine.from_pretrained(str(p), device="cpu", dtype="fp32")
+        for f, p in tiny_models.items()
+    }
