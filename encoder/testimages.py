@@ -32,7 +32,7 @@ def make_image(
     rgb = np.stack(channels, axis=-1) + rng.normal(0, 12, size=(height, width, 3))
     image = Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8), "RGB")
     if mode == "RGBA":
-        alpha = (np.linspace(0, 255, width, dtype=np.float32)[None, :] * np.ones((height, 1)))
+        alpha = np.linspace(0, 255, width, dtype=np.float32)[None, :] * np.ones((height, 1))
         image.putalpha(Image.fromarray(alpha.astype(np.uint8), "L"))
     elif mode == "P":
         image = image.quantize(colors=64)

@@ -11,13 +11,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3")
-
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """family -> folder of a tiny random-weight full VLM saved with save_pretrained."""
-    from vitserve.encoder.testmodels import make_model
+    from vitserve.encoder.testmodels import FAMILIES, make_model
 
     root = tmp_path_factory.mktemp("models")
     return {family: make_model(family, "tiny", root / family) for family in FAMILIES}

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAMILIES
 from vitserve.encoder.images import decode_image
 from vitserve.encoder.testimages import mixed_set
+from vitserve.encoder.testmodels import FAMILIES
 
 MIXED = mixed_set()
 IMAGES = [b for _, b in MIXED]
