@@ -78,6 +78,8 @@ class EncoderEngine:
         budget_bytes: int | None = None,
         limits: ImageLimits = DEFAULT_LIMITS,
         namespace: str = "",
+        model: str = "",
+        revision: str | None = None,
         load_report: LoadReport | None = None,
     ) -> None:
         if budget_bytes is not None and budget_bytes <= 0:
@@ -87,6 +89,8 @@ class EncoderEngine:
         self.budget_bytes = budget_bytes or default_budget_bytes(adapter.device)
         self.limits = limits
         self.namespace = namespace
+        self.model = model
+        self.revision = revision
         self.load_report = load_report
         self.counters = EngineCounters()
         self._lock = threading.Lock()
@@ -124,6 +128,8 @@ class EncoderEngine:
             budget_bytes=budget_bytes,
             limits=limits,
             namespace=namespace,
+            model=model,
+            revision=loaded.revision,
             load_report=loaded.report,
         )
 

@@ -13,8 +13,9 @@ Checkpoints name tensors in more than one layout (published Qwen2/2.5-VL: ``visu
 in-memory: ``model.visual.*``; published LLaVA/Gemma 3: ``vision_tower.vision_model.*``, ...):
 each adapter lists the alternatives, and exactly one must match.
 
-While reading, the loader hashes the vision tensors' names, dtypes, shapes and bytes (blake3):
-``weight_digest`` pins exactly the weights that determine the embeddings.
+While reading, the loader hashes each vision tensor's bytes (blake3); ``weight_digest`` combines
+those hashes with the tensors' module names, dtypes and shapes in name order. It pins exactly the
+weights that determine the embeddings, whatever the checkpoint's naming layout or sharding.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class LoadReport:
 
     tensors_read: int
     bytes_read: int  # header bytes plus tensor bytes actually read from disk
-    checkpoint_bytes: int  # total size of all safetensors shards of the checkpoint
+    checkpoint_bytes: int  # tensor bytes of the whole checkpoint (the index's total_size)
     shards_read: tuple[str, ...]
     shards_total: int
     seconds: float
@@ -149,8 +150,11 @@ def _match(
     return plan
 
 
-def _read_tensor(f: Any, base: int, info: Mapping[str, Any], digest: Any) -> Any:
-    """Read one tensor with a positioned read straight into its torch buffer (no extra copy)."""
+def _read_tensor(f: Any, base: int, info: Mapping[str, Any]) -> tuple[Any, str]:
+    """Read one tensor with a positioned read straight into its torch buffer (no extra copy).
+
+    Returns the tensor and the blake3 hex digest of its bytes.
+    """
     import torch
 
     dtype = getattr(torch, _DTYPES[info["dtype"]])
@@ -166,8 +170,7 @@ def _read_tensor(f: Any, base: int, info: Mapping[str, Any], digest: Any) -> Any
         if not n:
             raise ModelLoadError(f.name, "truncated safetensors file")
         done += n
-    digest.update(buf)
-    return tensor
+    return tensor, blake3.blake3(buf).hexdigest()
 
 
 def load_vision(
@@ -214,8 +217,11 @@ def load_vision(
         for name in hits:
             by_shard.setdefault(weight_map[name], []).append(name)
 
+    targets = {
+        name: f"{module}.{key}" for module, hits in plan.items() for name, key in hits.items()
+    }
     tensors: dict[str, Any] = {}
-    digest = blake3.blake3()
+    tensor_digests: dict[str, str] = {}
     bytes_read = 0
     for shard in sorted(by_shard):
         path = source.fetch(shard)
@@ -227,8 +233,8 @@ def load_vision(
                 info = header.get(name)
                 if info is None:
                     raise ModelLoadError(model, f"{name} is in the index but not in {shard}")
-                digest.update(f"{name}|{info['dtype']}|{info['shape']}".encode())
-                tensors[name] = _read_tensor(f, base, info, digest)
+                tensors[name], data_digest = _read_tensor(f, base, info)
+                tensor_digests[targets[name]] = f"{info['dtype']}|{info['shape']}|{data_digest}"
                 bytes_read += info["data_offsets"][1] - info["data_offsets"][0]
 
     with no_init_weights(), torch.device("cpu"):
@@ -249,10 +255,8 @@ def load_vision(
         module.to(device=device)
 
     shard_names = set(weight_map.values())
-    if source.local:
-        checkpoint_bytes = sum((source.folder / s).stat().st_size for s in shard_names)
-    else:  # never download a shard just to size it: the index states its tensors' total
-        checkpoint_bytes = int(total_size or 0)
+    # Sized from the index (tensor bytes of every shard), so no shard is opened just to size it.
+    checkpoint_bytes = int(total_size) if total_size else source.fetch(SINGLE_FILE).stat().st_size
     report = LoadReport(
         tensors_read=sum(len(h) for h in plan.values()),
         bytes_read=bytes_read,
@@ -266,6 +270,8 @@ def load_vision(
         adapter=adapter,
         model=model,
         revision=source.revision,
-        weight_digest=digest.hexdigest(),
+        weight_digest=blake3.blake3(
+            json.dumps(tensor_digests, sort_keys=True).encode()
+        ).hexdigest(),
         report=report,
     )

@@ -1,0 +1,216 @@
+"""Vision-only loading: reads only vision/projector tensors, accepts both naming layouts, loads
+from an HF id through the hub cache fetching only the vision shards, and fails clearly."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vitserve.encoder.engine import EncoderEngine
+from vitserve.encoder.families import adapter_class
+from vitserve.encoder.loading import INDEX_FILE, SINGLE_FILE
+from vitserve.encoder.testimages import mixed_set
+from vitserve.encoder.testmodels import FAMILIES
+from vitserve.errors import ModelLoadError, UnsupportedModelError
+
+IMAGES = [b for _, b in mixed_set()[:4]]
+
+# The other naming layout for each family: (pattern in the saved checkpoint, replacement).
+# transformers 5 saves Qwen2/2.5-VL as ``visual.*`` and LLaVA/Gemma 3 as ``vision_tower.*`` at
+# the top; Qwen3-VL as ``model.visual.*``.
+OTHER_LAYOUT = {
+    "qwen2_vl": [(r"^visual\.", "model.visual.")],
+    "qwen2_5_vl": [(r"^visual\.", "model.visual.")],
+    "qwen3_vl": [(r"^model\.visual\.", "visual.")],
+    # published LLaVA-1.5 / Gemma 3 layout: the tower's weights under ``vision_model.``
+    "llava": [(r"^vision_tower\.", "vision_tower.vision_model.")],
+    "gemma3": [(r"^vision_tower\.", "vision_tower.vision_model.")],
+}
+# and the in-memory layout under ``model.``
+IN_MEMORY_LAYOUT = [(r"^vision_tower\.", "model.vision_tower."),
+                    (r"^multi_modal_projector\.", "model.multi_modal_projector.")]  # fmt: skip
+
+
+def _vision_names(folder: Path, family: str) -> set[str]:
+    names = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+    patterns = [p for alts in adapter_class(family).weight_prefixes.values() for p in alts]
+    return {n for n in names if any(re.match(p, n) for p in patterns)}
+
+
+def _rename_checkpoint(src: Path, dst: Path, rules: list[tuple[str, str]]) -> None:
+    shutil.copytree(src, dst)
+    index = json.loads((dst / INDEX_FILE).read_text())
+    renamed: dict[str, str] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(dst / shard)
+        out = {}
+        for name, t in tensors.items():
+            new = name
+            for pattern, repl in rules:
+                new = re.sub(pattern, repl, new)
+            out[new] = t
+            renamed[new] = shard
+        save_file(out, dst / shard, metadata={"format": "pt"})
+    index["weight_map"] = renamed
+    (dst / INDEX_FILE).write_text(json.dumps(index))
+
+
+def _encode(path: Path) -> tuple[EncoderEngine, list]:
+    engine = EncoderEngine.from_pretrained(str(path), device="cpu", dtype="fp32")
+    return engine, engine.encode(IMAGES)
+
+
+def _assert_same(a: list, b: list) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x.tensor, y.tensor)
+        assert x.extras.keys() == y.extras.keys()
+        assert all(torch.equal(x.extras[k], y.extras[k]) for k in x.extras)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reads_only_vision_tensors(tiny_models, engines, family, tmp_path) -> None:
+    """A copy without the shards that hold no vision/projector tensor loads and encodes the
+    same: those shards are never opened. The report counts only vision bytes."""
+    src = tiny_models[family]
+    index = json.loads((src / INDEX_FILE).read_text())["weight_map"]
+    vision = _vision_names(src, family)
+    vision_shards = {index[n] for n in vision}
+    lm_only = set(index.values()) - vision_shards
+    assert lm_only, "the tiny checkpoint should have shards holding only language-model tensors"
+    dst = tmp_path / "vision-shards-only"
+    shutil.copytree(src, dst)
+    for shard in lm_only:
+        (dst / shard).unlink()
+
+    engine, out = _encode(dst)
+    _assert_same(out, engines[family].encode(IMAGES))
+    report = engine.load_report
+    assert report.tensors_read == len(vision)
+    assert set(report.shards_read) == vision_shards
+    full_report = engines[family].load_report
+    assert full_report.bytes_read < full_report.checkpoint_bytes / 2
+    # bytes read = the headers of the shards opened + exactly the vision tensors' bytes
+    vision_bytes = sum(
+        t.numel() * t.element_size()
+        for shard in vision_shards
+        for n, t in load_file(src / shard).items()
+        if n in vision
+    )
+    assert vision_bytes < full_report.bytes_read < vision_bytes + 64 * 1024
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_other_naming_layouts_load(tiny_models, engines, family, tmp_path) -> None:
+    src = tiny_models[family]
+    reference = engines[family]
+    layouts = [OTHER_LAYOUT[family]]
+    if family in ("llava", "gemma3"):
+        layouts.append(IN_MEMORY_LAYOUT)
+    for i, rules in enumerate(layouts):
+        dst = tmp_path / f"layout{i}"
+        _rename_checkpoint(src, dst, rules)
+        assert _vision_names(dst, family) != _vision_names(src, family)
+        engine, out = _encode(dst)
+        _assert_same(out, reference.encode(IMAGES))
+        # Same weights under other names: the same fingerprint, hence the same keys.
+        assert engine.fingerprint == reference.fingerprint
+
+
+def test_single_file_checkpoint(tiny_models, engines, tmp_path) -> None:
+    src = tiny_models["qwen2_vl"]
+    dst = tmp_path / "single"
+    dst.mkdir()
+    merged: dict[str, torch.Tensor] = {}
+    for shard in sorted(src.glob("model-*.safetensors")):
+        merged |= load_file(shard)
+    save_file(merged, dst / SINGLE_FILE, metadata={"format": "pt"})
+    for name in ("config.json", "preprocessor_config.json"):
+        shutil.copy(src / name, dst / name)
+    engine, out = _encode(dst)
+    _assert_same(out, engines["qwen2_vl"].encode(IMAGES))
+    assert engine.load_report.shards_read == (SINGLE_FILE,)
+
+
+def test_fingerprint_tracks_weights_processor_and_dtype(tiny_models, engines, tmp_path) -> None:
+    from vitserve.encoder.testmodels import make_model
+
+    base = engines["qwen2_vl"]
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_models["qwen2_vl"], moved)
+    assert EncoderEngine.from_pretrained(str(moved), dtype="fp32").fingerprint == base.fingerprint
+    other_seed = make_model("qwen2_vl", "tiny", tmp_path / "seed1", seed=1)
+    assert (
+        EncoderEngine.from_pretrained(str(other_seed), dtype="fp32").fingerprint != base.fingerprint
+    )
+    bf16 = EncoderEngine.from_pretrained(str(moved), dtype="bf16")
+    assert bf16.fingerprint != base.fingerprint
+    cfg = json.loads((moved / "preprocessor_config.json").read_text())
+    cfg["size"]["longest_edge"] = 2 * cfg["size"]["longest_edge"]
+    (moved / "preprocessor_config.json").write_text(json.dumps(cfg))
+    assert EncoderEngine.from_pretrained(str(moved), dtype="fp32").fingerprint != base.fingerprint
+
+
+def _fake_hub_cache(src: Path, cache: Path, repo: str, files: list[str]) -> str:
+    """A huggingface_hub cache holding only ``files`` of ``src`` under one snapshot."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = root / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(commit)
+    for name in files:
+        shutil.copy(src / name, snapshot / name)
+    return commit
+
+
+def test_hf_id_fetches_only_vision_shards(tiny_models, engines, tmp_path, monkeypatch) -> None:
+    """Offline, through the real huggingface_hub cache: an HF id resolves, and loading needs
+    only the index, the configs and the shards holding vision tensors."""
+    import huggingface_hub.constants as hub_constants
+
+    src = tiny_models["qwen2_vl"]
+    index = json.loads((src / INDEX_FILE).read_text())["weight_map"]
+    vision_shards = sorted({index[n] for n in _vision_names(src, "qwen2_vl")})
+    files = ["config.json", "preprocessor_config.json", INDEX_FILE, *vision_shards]
+    commit = _fake_hub_cache(src, tmp_path / "hub", "vitserve-test/tiny-qwen2-vl", files)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    engine = EncoderEngine.from_pretrained("vitserve-test/tiny-qwen2-vl", dtype="fp32")
+    _assert_same(engine.encode(IMAGES), engines["qwen2_vl"].encode(IMAGES))
+    assert engine.load_report.shards_read == tuple(vision_shards)
+    # An HF id is named by repo and commit, unlike a local folder.
+    assert engine.fingerprint != engines["qwen2_vl"].fingerprint
+    assert engine.revision == commit
+    # An id that is not in the cache fails clearly, offline, without hanging.
+    with pytest.raises(ModelLoadError, match=r"cannot fetch config\.json"):
+        EncoderEngine.from_pretrained("vitserve-test/not-there", dtype="fp32")
+
+
+def test_missing_folder_and_unknown_family(tiny_models, tmp_path) -> None:
+    with pytest.raises(ModelLoadError, match="no such model folder"):
+        EncoderEngine.from_pretrained(str(tmp_path / "nope"))
+    dst = tmp_path / "bert"
+    shutil.copytree(tiny_models["qwen2_vl"], dst)
+    (dst / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(UnsupportedModelError, match="'bert' is not supported"):
+        EncoderEngine.from_pretrained(str(dst))
+
+
+def test_missing_vision_tensor_is_an_error(tiny_models, tmp_path) -> None:
+    dst = tmp_path / "broken"
+    shutil.copytree(tiny_models["llava"], dst)
+    index = json.loads((dst / INDEX_FILE).read_text())
+    victim = next(n for n in index["weight_map"] if n.startswith("multi_modal_projector.linear_2"))
+    shard = index["weight_map"].pop(victim)
+    tensors = load_file(dst / shard)
+    del tensors[victim]
+    save_file(tensors, dst / shard, metadata={"format": "pt"})
+    (dst / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match="projector weights do not match"):
+        EncoderEngine.from_pretrained(str(dst))
