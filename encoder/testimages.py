@@ -7,6 +7,8 @@ embeddings and compression stays realistic (pure noise would make PNGs huge and 
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 
 import numpy as np
 from PIL import Image
@@ -58,3 +60,46 @@ def mixed_set(seed: int = 0) -> list[tuple[str, bytes]]:
         ("wide-1280x720-jpeg", make_image(1280, 720, fmt="JPEG", seed=seed + 9)),
         ("square-480-b-bmp", make_image(480, 480, fmt="BMP", seed=seed + 10)),
     ]
+
+
+def _png_chunk(kind: bytes, payload: bytes) -> bytes:
+    crc = zlib.crc32(kind + payload) & 0xFFFFFFFF
+    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", crc)
+
+
+def crafted_png(width: int, height: int, bit_depth: int, idat: bytes) -> bytes:
+    """A grayscale PNG whose header declares ``width x height``, with ``idat`` as its data."""
+    ihdr = struct.pack(">IIBBBBB", width, height, bit_depth, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", ihdr)
+        + _png_chunk(b"IDAT", idat)
+        + _png_chunk(b"IEND", b"")
+    )
+
+
+def crafted_bmp(width: int, height: int) -> bytes:
+    """A 24-bit BMP header declaring ``width x height`` followed by 16 bytes of pixels."""
+    pixels = bytes(16)
+    offset = 14 + 40
+    info = struct.pack("<IiiHHIIiiII", 40, width, height, 1, 24, 0, 0, 2835, 2835, 0, 0)
+    file_header = struct.pack("<2sIHHI", b"BM", offset + len(pixels), 0, 0, offset)
+    return file_header + info + pixels
+
+
+def decompression_bomb(side: int = 12_000) -> bytes:
+    """A real ``side`` x ``side`` 1-bit PNG of zeros: ~17 KB on the wire, 144 M pixels decoded."""
+    raw = bytes((1 + side // 8) * side)  # a filter byte + side/8 bytes per row
+    return crafted_png(side, side, 1, zlib.compress(raw, 9))
+
+
+def bad_images() -> dict[str, bytes]:
+    """Inputs every decoder must refuse: name -> bytes."""
+    jpeg = make_image(320, 240, fmt="JPEG", seed=1)
+    return {
+        "empty": b"",
+        "truncated-jpeg": jpeg[: len(jpeg) // 2],
+        "text": b"This is a text file, not an image.\n" * 20,
+        "bomb": decompression_bomb(),
+        "declared-20000x20000": crafted_png(20_000, 20_000, 8, zlib.compress(b"\x00" * 64)),
+    }

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import struct
 import time
 import zlib
 
@@ -19,6 +18,7 @@ from vitserve.encoder.images import (
     decode_image,
     image_size,
 )
+from vitserve.encoder.testimages import crafted_bmp, crafted_png, decompression_bomb
 from vitserve.errors import (
     ConfigError,
     ImageDecodeError,
@@ -53,41 +53,10 @@ def two_halves(width: int, height: int, left: tuple, right: tuple) -> Image.Imag
     return im
 
 
-def png_chunk(kind: bytes, payload: bytes) -> bytes:
-    return (
-        struct.pack(">I", len(payload))
-        + kind
-        + payload
-        + struct.pack(">I", zlib.crc32(kind + payload) & 0xFFFFFFFF)
-    )
-
-
-def crafted_png(width: int, height: int, bit_depth: int, idat: bytes) -> bytes:
-    """A grayscale PNG whose IHDR declares ``width x height``, with ``idat`` as its data."""
-    ihdr = struct.pack(">IIBBBBB", width, height, bit_depth, 0, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + png_chunk(b"IHDR", ihdr)
-        + png_chunk(b"IDAT", idat)
-        + png_chunk(b"IEND", b"")
-    )
-
-
-def crafted_bmp(width: int, height: int) -> bytes:
-    """A 24-bit BMP header declaring ``width x height`` followed by 16 bytes of pixels."""
-    pixels = bytes(16)
-    offset = 14 + 40
-    info = struct.pack("<IiiHHIIiiII", 40, width, height, 1, 24, 0, 0, 2835, 2835, 0, 0)
-    file_header = struct.pack("<2sIHHI", b"BM", offset + len(pixels), 0, 0, offset)
-    return file_header + info + pixels
-
-
 @pytest.fixture(scope="module")
 def png_bomb() -> bytes:
     """A real 12000x12000 1-bit PNG of zeros: ~17 KB on the wire, 144 M pixels once decoded."""
-    width = height = 12_000
-    raw = bytes((1 + width // 8) * height)  # filter byte + 1500 bytes per row
-    return crafted_png(width, height, 1, zlib.compress(raw, 9))
+    return decompression_bomb(12_000)
 
 
 @pytest.fixture
