@@ -227,8 +227,14 @@ class EncoderEngine:
     def encode(
         self, images: Sequence[bytes | bytearray | memoryview]
     ) -> list[Embedding | ImageError]:
-        """Encode images; one result per input in input order (an Embedding or its error)."""
+        """Encode images; one result per input in input order (an Embedding or its error).
+
+        Identical images (same key) in one call are encoded once and share one Embedding.
+        """
         prepared = self.prepare(images)
-        good = [p for p in prepared if not isinstance(p, ImageError)]
-        embeddings = iter(self.run(good)) if good else iter(())
-        return [p if isinstance(p, ImageError) else next(embeddings) for p in prepared]
+        unique: dict[str, PreparedImage] = {}
+        for p in prepared:
+            if not isinstance(p, ImageError):
+                unique.setdefault(p.key, p)
+        embeddings = dict(zip(unique, self.run(list(unique.values())), strict=True))
+        return [p if isinstance(p, ImageError) else embeddings[p.key] for p in prepared]

@@ -263,3 +263,37 @@ def make_model(
     model.save_pretrained(out, max_shard_size=shard, safe_serialization=True)
     _processor(family, preset, config).save_pretrained(out)
     return out
+
+
+def cache_dir() -> Path:
+    """vitserve's cache folder: ``$VITSERVE_CACHE``, else ``$XDG_CACHE_HOME/vitserve``, else
+    ``~/.cache/vitserve``."""
+    import os
+
+    if os.environ.get("VITSERVE_CACHE"):
+        return Path(os.environ["VITSERVE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "vitserve"
+
+
+def cached_model(family: str, preset: str, *, seed: int = 0) -> Path:
+    """The folder of a test model in the cache, built once (atomically) if it is not there."""
+    import shutil
+    import tempfile
+
+    build_config(family, preset)  # validate before touching the disk
+    target = cache_dir() / "models" / f"{family}-{preset}-seed{seed}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        make_model(family, preset, tmp, seed=seed)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent builder's win
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

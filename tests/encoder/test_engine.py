@@ -143,3 +143,13 @@ def test_dtype_and_device_resolution() -> None:
     assert cpu_has_native_bf16(amx)
     expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     assert default_dtype(torch.device("cpu")) is expected
+
+
+def test_identical_images_in_one_call_are_encoded_once(engines) -> None:
+    engine = engines["gemma3"]
+    a, b = make_image(120, 90, seed=11), make_image(120, 90, seed=12)
+    before = engine.counters.images
+    out = engine.encode([a, b, a, a])
+    assert engine.counters.images - before == 2
+    assert out[0] is out[2] is out[3]
+    assert out[0].key != out[1].key
