@@ -27,6 +27,7 @@ from typing import Any
 from vitserve.encoder.device import (
     default_budget_bytes,
     default_dtype,
+    default_max_batch_patches,
     dtype_name,
     parse_dtype,
     resolve_device,
@@ -77,6 +78,7 @@ class EncoderEngine:
         *,
         fingerprint: str,
         budget_bytes: int | None = None,
+        max_batch_patches: int | None = None,
         limits: ImageLimits = DEFAULT_LIMITS,
         namespace: str = "",
         model: str = "",
@@ -88,6 +90,11 @@ class EncoderEngine:
         self.adapter = adapter
         self.fingerprint = fingerprint
         self.budget_bytes = budget_bytes or default_budget_bytes(adapter.device)
+        if max_batch_patches is not None and max_batch_patches <= 0:
+            raise ConfigError(f"max_batch_patches must be positive, got {max_batch_patches}")
+        self.max_batch_patches = max_batch_patches or default_max_batch_patches(
+            adapter.device, adapter.tower_shape.mlp, adapter.dtype.itemsize
+        )
         self.limits = limits
         self.namespace = namespace
         self.model = model
@@ -104,6 +111,7 @@ class EncoderEngine:
         dtype: str | Any | None = None,
         budget_bytes: int | None = None,
         *,
+        max_batch_patches: int | None = None,
         revision: str | None = None,
         limits: ImageLimits = DEFAULT_LIMITS,
         namespace: str = "",
@@ -134,6 +142,7 @@ class EncoderEngine:
             adapter,
             fingerprint=fingerprint,
             budget_bytes=budget_bytes,
+            max_batch_patches=max_batch_patches,
             limits=limits,
             namespace=namespace,
             model=model,
@@ -194,7 +203,7 @@ class EncoderEngine:
             )
             for i, p in enumerate(prepared)
         ]
-        return plan_batches(items, self.budget_bytes)
+        return plan_batches(items, self.budget_bytes, max_batch_patches=self.max_batch_patches)
 
     def run(self, prepared: Sequence[PreparedImage], plan: Plan | None = None) -> list[Embedding]:
         """Encode prepared images: one forward per planned batch; results in input order."""

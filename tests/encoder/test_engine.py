@@ -167,11 +167,12 @@ def test_cpu_allocator_tuning_stops_refaulting_large_buffers(tuned: bool) -> Non
         f"assert tune_cpu_allocator() if {tuned} else True\n"
         "def faults():\n"
         "    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-        "for _ in range(2):\n"  # the first uses fault in any case
+        "counts = []\n"
+        "for _ in range(6):\n"  # the first uses fault in any case; take the best later one
+        "    before = faults()\n"
         "    torch.ones(16 * 2**20).sum()\n"
-        "before = faults()\n"
-        "torch.ones(16 * 2**20).sum()\n"
-        "print(faults() - before)\n"
+        "    counts.append(faults() - before)\n"
+        "print(min(counts[2:]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     refaults = int(out.stdout.split()[-1])
@@ -180,3 +181,18 @@ def test_cpu_allocator_tuning_stops_refaulting_large_buffers(tuned: bool) -> Non
         assert refaults < pages // 10
     else:
         assert refaults > pages // 2
+
+
+def test_cpu_batches_are_capped_to_the_last_level_cache(engines) -> None:
+    from vitserve.encoder.device import default_max_batch_patches, last_level_cache_bytes
+
+    llc = last_level_cache_bytes()
+    assert default_max_batch_patches(torch.device("cuda"), 3072, 2) is None
+    if llc is None:
+        pytest.skip("no cache sizes in sysfs")
+    assert default_max_batch_patches(torch.device("cpu"), 3072, 4) == llc // (3072 * 4)
+    engine = engines["llava"]
+    assert engine.max_batch_patches == llc // (engine.adapter.tower_shape.mlp * 4)
+    capped = EncoderEngine(engine.adapter, fingerprint=engine.fingerprint, max_batch_patches=400)
+    prepared = capped.prepare([make_image(90, 90, seed=s) for s in range(5)])  # 196 patches each
+    assert [b.num_items for b in capped.plan(prepared).batches] == [2, 2, 1]
