@@ -24,7 +24,7 @@ import json
 import re
 import struct
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,7 +179,6 @@ def load_vision(
     device: Any,
     dtype: Any,
     revision: str | None = None,
-    on_adapter: Callable[[type[FamilyAdapter]], None] | None = None,
 ) -> LoadedVision:
     """Load only the vision tower and projector of ``model`` onto ``device`` in ``dtype``."""
     import torch
@@ -196,8 +195,6 @@ def load_vision(
     except Exception as exc:
         raise ModelLoadError(model, f"cannot read config or image processor: {exc}") from exc
     adapter_cls = adapter_class(getattr(config, "model_type", ""), model=model)
-    if on_adapter:
-        on_adapter(adapter_cls)
     adapter_cls.check_processor(processor)
 
     total_size = None

@@ -1,17 +1,21 @@
 """Encoder batching benchmark: per-image loop vs naive padding vs vitserve's bucketed batching.
 
-One run, one machine, one model; the three strategies run interleaved round by round so that
-drift (another process on the cores, thermal state) hits them alike, and medians are reported.
+One run, one machine, one model; the three strategies run interleaved round by round, in an
+order rotated each round, so that drift (another process on the cores, thermal state) and
+order effects hit them alike; medians and per-round paired ratios are reported.
 
 Workload: ``--requests`` requests, each of six 480x480 images plus one 1280x720 or 1920x1080
 image (alternating), all distinct. Each request is one encode call:
 
 * ``loop``: every image through the tower alone (one forward per image).
-* ``padded``: every image of a request padded (black, bottom/right) to the request's largest
-  width and height, then all through the tower at that one shape: the static-shape batching of a
-  naive server. Its extra tokens are ``padded-token waste``; its embeddings are not the unpadded
-  ones.
+* ``padded``: every image of a request resized as the processor would, then padded (black,
+  bottom/right) to the request's largest resized width and height, so that all share one shape:
+  the static-shape batching of a naive server. Its extra tokens are ``padded-token waste``; its
+  embeddings are not the unpadded ones.
 * ``bucketed``: ``EncoderEngine.run``: the planner's buckets under the activation budget.
+
+``padded`` and ``bucketed`` go through the same planner, with the engine's budget and (on a
+CPU) its cache-sized cap on patches per forward.
 
 Prints images/s, tower forward calls, padded-token waste and achieved GFLOP/s (matmul FLOPs the
 tower executed per second, padding included; "useful" counts only the unpadded images' FLOPs)
@@ -193,8 +197,10 @@ def bench_dtype(args: argparse.Namespace, dtype_name: str) -> dict[str, Any]:
     }
     peak = matmul_peak_gflops(engine.device, engine.dtype)
     engine.run([real[0]])  # warm-up: allocator, kernels, thread pools
-    for _ in range(args.rounds):
-        for s in STRATEGIES:
+    for r in range(args.rounds):
+        # Rotate the order each round: whichever runs right after another pays for its
+        # leftovers (caches, allocator state, the host's other load) in turn.
+        for s in STRATEGIES[r % 3 :] + STRATEGIES[: r % 3]:
             seconds, calls = run_strategy(engine, s, prepared[s])
             results[s].seconds.append(seconds)
             results[s].forward_calls = calls
@@ -224,6 +230,11 @@ def report(run: dict[str, Any]) -> None:
         f"bucketed / loop throughput: {b / res['loop'].images_per_s:.2f}x; "
         f"bucketed / padded: {b / res['padded'].images_per_s:.2f}x"
     )
+    for other in ("loop", "padded"):
+        paired = [o / t for o, t in zip(res[other].seconds, res["bucketed"].seconds, strict=True)]
+        rounds = ", ".join(f"{r:.2f}" for r in paired)
+        median = statistics.median(paired)
+        print(f"  per round, {other} time / bucketed time: {rounds} (median {median:.2f})")
 
 
 def main() -> None:

@@ -151,7 +151,7 @@ class FamilyAdapter(ABC):
         over-estimate on GPUs whose attention kernels never materialise it.
         """
         s = self.tower_shape
-        itemsize = _itemsize(self.dtype)
+        itemsize = self.dtype.itemsize
         per_token = 4 * s.width + s.mlp * (s.mlp_matrices - 1)
         attention = s.heads * p.seq_len * self.attention_span(p)
         return int(itemsize * (p.seq_len * per_token + attention))
@@ -163,10 +163,6 @@ class FamilyAdapter(ABC):
         linear = 2 * n * (4 * s.width * s.width + s.mlp_matrices * s.width * s.mlp)
         attention = 4 * n * self.attention_span(p) * s.width
         return float(2 * n * s.patch_dim * s.width + s.depth * (linear + attention))
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
 
 
 def pack_rows(
