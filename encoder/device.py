@@ -117,12 +117,20 @@ def last_level_cache_bytes() -> int | None:
     return best
 
 
-def default_max_batch_patches(device: Any, mlp_width: int, itemsize: int) -> int | None:
-    """The CPU batch cap (see the module docstring); None (no cap) on GPUs or unknown caches."""
+def default_max_batch_patches(device: Any, mlp_width: int, dtype: Any) -> int | None:
+    """The CPU batch cap (see the module docstring); None (no cap) on GPUs or unknown caches.
+
+    Sized for 4-byte elements unless the CPU computes 16-bit floats natively: without native
+    bf16, bf16 layers run through fp32 conversions, and a cap sized for 2-byte elements
+    measured 5% slower per image than one image at a time (0.94-0.95x in three rounds).
+    """
     if device.type != "cpu":
         return None
     cache = last_level_cache_bytes()
-    return max(1, cache // (mlp_width * itemsize)) if cache else None
+    if not cache:
+        return None
+    itemsize = dtype.itemsize if cpu_has_native_bf16() else max(4, dtype.itemsize)
+    return max(1, cache // (mlp_width * itemsize))
 
 
 def default_budget_bytes(device: Any) -> int:

@@ -93,7 +93,7 @@ class EncoderEngine:
         if max_batch_patches is not None and max_batch_patches <= 0:
             raise ConfigError(f"max_batch_patches must be positive, got {max_batch_patches}")
         self.max_batch_patches = max_batch_patches or default_max_batch_patches(
-            adapter.device, adapter.tower_shape.mlp, adapter.dtype.itemsize
+            adapter.device, adapter.tower_shape.mlp, adapter.dtype
         )
         self.limits = limits
         self.namespace = namespace

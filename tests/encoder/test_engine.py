@@ -187,10 +187,13 @@ def test_cpu_batches_are_capped_to_the_last_level_cache(engines) -> None:
     from vitserve.encoder.device import default_max_batch_patches, last_level_cache_bytes
 
     llc = last_level_cache_bytes()
-    assert default_max_batch_patches(torch.device("cuda"), 3072, 2) is None
+    assert default_max_batch_patches(torch.device("cuda"), 3072, torch.bfloat16) is None
     if llc is None:
         pytest.skip("no cache sizes in sysfs")
-    assert default_max_batch_patches(torch.device("cpu"), 3072, 4) == llc // (3072 * 4)
+    cpu = torch.device("cpu")
+    assert default_max_batch_patches(cpu, 3072, torch.float32) == llc // (3072 * 4)
+    bf16_item = 2 if cpu_has_native_bf16() else 4
+    assert default_max_batch_patches(cpu, 3072, torch.bfloat16) == llc // (3072 * bf16_item)
     engine = engines["llava"]
     assert engine.max_batch_patches == llc // (engine.adapter.tower_shape.mlp * 4)
     capped = EncoderEngine(engine.adapter, fingerprint=engine.fingerprint, max_batch_patches=400)
