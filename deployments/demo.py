@@ -60,7 +60,9 @@ def run_demo(
         f"{report.checkpoint_bytes / 2**20:.1f} MiB checkpoint "
         f"({len(report.shards_read)}/{report.shards_total} shards)"
     )
-    echo(f"activation budget: {engine.budget_bytes / 2**20:.0f} MiB")
+    cap = engine.max_batch_patches
+    echo(f"activation budget: {engine.budget_bytes / 2**20:.0f} MiB"
+         + (f"; at most {cap} patches per forward (CPU cache cap)" if cap else ""))  # fmt: skip
 
     images = demo_images()
     names = [f"{w}x{h} {mode} {fmt}" for w, h, mode, fmt in [*DEMO_IMAGES, DEMO_IMAGES[0]]]
