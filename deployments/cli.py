@@ -6,10 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from vitserve.encoder.testmodels import FAMILIES, PRESETS  # light: transformers loads lazily
 from vitserve.errors import VitserveError
-
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3")
-PRESETS = ("tiny", "small", "large")
 
 
 def _make_model(args: argparse.Namespace) -> None:

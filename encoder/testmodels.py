@@ -209,7 +209,8 @@ def _processor(family: str, preset: str, config: Any) -> Any:
     return tf.Gemma3ImageProcessorPil(size={"height": side, "width": side})
 
 
-def _model_class(family: str) -> Any:
+def full_model_class(family: str) -> Any:
+    """The transformers ``*ForConditionalGeneration`` class of a family."""
     import transformers as tf
 
     return {
@@ -250,7 +251,7 @@ def make_model(
 
     config = build_config(family, preset)
     torch.manual_seed(seed)
-    model = _model_class(family)._from_config(config, attn_implementation="sdpa")
+    model = full_model_class(family)._from_config(config, attn_implementation="sdpa")
     with torch.no_grad():
         for param in model.parameters():
             # Some projections start as exact zeros (e.g. Gemma 3's mm_input_projection_weight);

@@ -40,6 +40,18 @@ class FixedSizeAdapter(FamilyAdapter):
 
     weight_prefixes: ClassVar = _PREFIXES
     has_cls: ClassVar[bool]
+    projector_class: ClassVar[tuple[str, str]]  # (module, class name) in transformers
+
+    @classmethod
+    def build_modules(cls, config: Any) -> dict[str, Any]:
+        import importlib
+
+        from transformers import AutoModel
+
+        module, name = cls.projector_class
+        projector = getattr(importlib.import_module(module), name)(config)
+        tower = AutoModel.from_config(config.vision_config, attn_implementation="sdpa")
+        return {"tower": tower, "projector": projector}
 
     @property
     def tower(self) -> Any:
@@ -102,14 +114,7 @@ class FixedSizeAdapter(FamilyAdapter):
 class LlavaAdapter(FixedSizeAdapter):
     families = ("llava",)
     has_cls = True
-
-    @classmethod
-    def build_modules(cls, config: Any) -> dict[str, Any]:
-        from transformers import AutoModel
-        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
-
-        tower = AutoModel.from_config(config.vision_config, attn_implementation="sdpa")
-        return {"tower": tower, "projector": LlavaMultiModalProjector(config)}
+    projector_class = ("transformers.models.llava.modeling_llava", "LlavaMultiModalProjector")
 
     @property
     def strategy(self) -> str:
@@ -140,14 +145,7 @@ class LlavaAdapter(FixedSizeAdapter):
 class Gemma3Adapter(FixedSizeAdapter):
     families = ("gemma3",)
     has_cls = False
-
-    @classmethod
-    def build_modules(cls, config: Any) -> dict[str, Any]:
-        from transformers import AutoModel
-        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
-
-        tower = AutoModel.from_config(config.vision_config, attn_implementation="sdpa")
-        return {"tower": tower, "projector": Gemma3MultiModalProjector(config)}
+    projector_class = ("transformers.models.gemma3.modeling_gemma3", "Gemma3MultiModalProjector")
 
     @classmethod
     def check_processor(cls, processor: Any) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from vitserve.encoder.images import decode_image
 from vitserve.encoder.testimages import mixed_set
-from vitserve.encoder.testmodels import FAMILIES
+from vitserve.encoder.testmodels import FAMILIES, full_model_class
 
 MIXED = mixed_set()
 IMAGES = [b for _, b in MIXED]
@@ -75,15 +75,7 @@ def test_batched_equals_alone_bf16(tiny_models, family: str) -> None:
 
 
 def _full_model(path, family):
-    import transformers as tf
-
-    cls = {
-        "qwen2_vl": tf.Qwen2VLForConditionalGeneration,
-        "qwen2_5_vl": tf.Qwen2_5_VLForConditionalGeneration,
-        "qwen3_vl": tf.Qwen3VLForConditionalGeneration,
-        "llava": tf.LlavaForConditionalGeneration,
-        "gemma3": tf.Gemma3ForConditionalGeneration,
-    }[family]
+    cls = full_model_class(family)
     return cls.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
