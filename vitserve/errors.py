@@ -74,3 +74,40 @@ class ImageTooLargeError(ImageError):
 
 class ImagePreprocessError(ImageError):
     """The image decoded but the model's image processor could not turn it into patches."""
+
+
+class StoreError(VitserveError):
+    """An embedding store failed."""
+
+
+class StoreUnavailableError(StoreError):
+    """The store cannot be reached (down, timed out, refused); trying again later can help."""
+
+    retryable = True
+    http_status = 503
+
+    def __init__(self, store: str, reason: str) -> None:
+        super().__init__(f"store {store} unavailable: {reason}")
+        self.store = store
+        self.reason = reason
+
+
+class CacheMissError(StoreError):
+    """Embeddings a caller needs are not in the store (never stored, evicted or corrupt)."""
+
+    http_status = 404
+
+    def __init__(self, keys: list[str]) -> None:
+        super().__init__(
+            f"{len(keys)} key(s) not in the store: {', '.join(k[:16] for k in keys[:4])}"
+        )
+        self.keys = keys
+
+
+class RecordFormatError(StoreError):
+    """A stored value is not a valid record (stores count it as a miss; never raised to users
+    of ``get``)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason

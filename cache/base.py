@@ -1,0 +1,251 @@
+"""The one protocol every embedding store implements, and what all of them share.
+
+A store maps content keys (64-hex, see ``vitserve.encoder.keys``) to values in the record
+format of :mod:`vitserve.cache.codec`, under a namespace prefix. Subclasses implement the raw
+value operations (``_put_values``, ``_get_values``, ``_get_spans``, ...); this base class does
+the encoding, the decoding and integrity checks, and the counting, so that every store treats a
+bad value the same way: **a value that fails any check is a miss, counted in
+``stats()["integrity_misses"]``, and is never returned.**
+
+Invariants:
+
+* ``get_many``/``exists_many`` return one entry per key, in order; missing -> ``None``/``False``.
+* Returned arrays are read-only views of the fetched (or held) bytes: never copied again here.
+* Claims implement single flight: ``claim`` returns True for exactly one caller until that
+  caller ``release``s or the claim's ttl passes; ``wait_for`` returns True as soon as the key
+  is present, False when the timeout passes or the claim is gone without a value.
+* A store that cannot reach its backend raises ``StoreUnavailableError`` (retryable) within its
+  configured timeout; it never hangs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from vitserve.cache.codec import (
+    EmbeddingRecord,
+    RowSpan,
+    decode_record,
+    decode_rows,
+    encode_record,
+    read_header,
+    row_spans,
+)
+from vitserve.errors import ConfigError, RecordFormatError
+
+Buffer = Any  # bytes, memoryview or a 1-D uint8 numpy array
+
+
+def buffer_nbytes(value: Buffer) -> int:
+    """Size in bytes of a value buffer."""
+    nbytes = getattr(value, "nbytes", None)
+    return int(nbytes) if nbytes is not None else len(value)
+
+
+class EmbeddingStore(ABC):
+    """Base of every store; see the module docstring for the contract."""
+
+    #: short backend name, for errors, metrics and URLs
+    kind: str = "store"
+    #: whether values come from outside this process (then payload checksums are verified)
+    verify_payload: bool = True
+
+    def __init__(
+        self,
+        *,
+        namespace: str = "",
+        fingerprint: str | None = None,
+        ttl_s: float | None = None,
+    ) -> None:
+        if ttl_s is not None and ttl_s <= 0:
+            raise ConfigError(f"ttl_s must be positive, got {ttl_s}")
+        if ":" in namespace or "/" in namespace:
+            raise ConfigError(f"namespace may not contain ':' or '/': {namespace!r}")
+        self.namespace = namespace
+        self.fingerprint = fingerprint
+        self.ttl_s = ttl_s
+        self._counts: Counter[str] = Counter()
+        self._counts_lock = threading.Lock()
+
+    # -- counting ------------------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        if n:
+            with self._counts_lock:
+                self._counts[name] += n
+
+    def stats(self) -> dict[str, int]:
+        """Counters since the store was opened: hits, misses, integrity_misses, puts,
+        bytes_put, bytes_fetched, evictions, expired, errors (backends add their own)."""
+        with self._counts_lock:
+            counts = dict(self._counts)
+        base = dict.fromkeys(
+            ("hits", "misses", "integrity_misses", "puts", "bytes_put", "bytes_fetched",
+             "evictions", "expired", "errors"),
+            0,
+        )  # fmt: skip
+        return {**base, **counts, **self._backend_stats()}
+
+    def _backend_stats(self) -> dict[str, int]:
+        return {}
+
+    # -- records -------------------------------------------------------------------------------
+    def full_key(self, key: str) -> str:
+        """The key as the backend stores it: the namespace prefix, then the content key."""
+        return f"{self.namespace}/{key}" if self.namespace else key
+
+    def put_many(self, records: Sequence[EmbeddingRecord], ttl_s: float | None = None) -> None:
+        """Encode and store each record under its key (replacing any value)."""
+        self.put_values([(r.key, encode_record(r)) for r in records], ttl_s=ttl_s)
+
+    def put_values(self, items: Sequence[tuple[str, Buffer]], ttl_s: float | None = None) -> None:
+        """Store already-encoded values (the publish path encodes once for every tier)."""
+        ttl = ttl_s if ttl_s is not None else self.ttl_s
+        if ttl is not None and ttl <= 0:
+            raise ConfigError(f"ttl_s must be positive, got {ttl}")
+        self._put_values([(self.full_key(k), v) for k, v in items], ttl)
+        self._count("puts", len(items))
+        self._count("bytes_put", sum(buffer_nbytes(v) for _, v in items))
+
+    def get_many(self, keys: Sequence[str]) -> list[EmbeddingRecord | None]:
+        """The records of ``keys`` in order; ``None`` where missing or invalid."""
+        values = self._get_values([self.full_key(k) for k in keys])
+        out: list[EmbeddingRecord | None] = []
+        for key, value in zip(keys, values, strict=True):
+            if value is None:
+                self._count("misses")
+                out.append(None)
+            else:
+                out.append(self._decode(key, value))
+        return out
+
+    def get(self, key: str) -> EmbeddingRecord | None:
+        return self.get_many([key])[0]
+
+    def _decode(self, key: str, value: Buffer) -> EmbeddingRecord | None:
+        try:
+            record = decode_record(
+                value, key=key, fingerprint=self.fingerprint, verify=self.verify_payload
+            )
+        except RecordFormatError as exc:
+            self._integrity_miss(key, exc)
+            return None
+        self._count("hits")
+        self._count("bytes_fetched", record.nbytes)
+        return record
+
+    def _integrity_miss(self, key: str, exc: RecordFormatError) -> None:
+        self._count("integrity_misses")
+        self._count("misses")
+        self._on_bad_value(self.full_key(key), exc.reason)
+
+    def _on_bad_value(self, full_key: str, reason: str) -> None:  # noqa: B027 - optional hook
+        """Called for a value that failed a check (stores may drop it)."""
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """Which keys hold a value (a cheap probe: no payload is read or checked)."""
+        return self._exists([self.full_key(k) for k in keys])
+
+    def get_rows(self, key: str, r0: int, r1: int) -> EmbeddingRecord | None:
+        """Rows ``[r0, r1)`` of every tensor of ``key``, reading only those rows' blocks."""
+        fk = self.full_key(key)
+        head = self._get_head(fk)
+        if head is None:
+            self._count("misses")
+            return None
+        try:
+            header = read_header(head)
+            if header.key != key:
+                raise RecordFormatError("record holds another key")
+            if not 0 <= r0 < r1 <= header.num_tokens:
+                raise ConfigError(f"row range [{r0}, {r1}) is outside [0, {header.num_tokens})")
+            spans = row_spans(header, r0, r1)
+            chunks = self._get_spans(fk, spans)
+            if chunks is None:
+                self._count("misses")
+                return None
+            record = decode_rows(header, chunks, r0, r1, key=key, fingerprint=self.fingerprint,
+                                 verify=self.verify_payload)  # fmt: skip
+        except RecordFormatError as exc:
+            self._integrity_miss(key, exc)
+            return None
+        self._count("hits")
+        self._count("bytes_fetched", sum(len(c) for c in chunks))
+        return record
+
+    def delete(self, keys: str | Sequence[str]) -> int:
+        """Delete keys; returns how many existed."""
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        return self._delete([self.full_key(k) for k in keys])
+
+    # -- single flight -------------------------------------------------------------------------
+    def claim(self, key: str, ttl_s: float) -> bool:
+        """Try to become the one encoder of ``key`` for ``ttl_s`` seconds."""
+        if ttl_s <= 0:
+            raise ConfigError(f"claim ttl_s must be positive, got {ttl_s}")
+        return self._claim(self.full_key(key), ttl_s)
+
+    def release(self, key: str) -> None:
+        """Give up this store object's claim on ``key`` (no-op if it holds none)."""
+        self._release(self.full_key(key))
+
+    def wait_for(self, key: str, timeout_s: float) -> bool:
+        """Block until ``key`` is present (True), or until ``timeout_s`` passes or the claim
+        on it is gone without a value (False)."""
+        fk = self.full_key(key)
+        deadline = time.monotonic() + timeout_s
+        delay = 0.002
+        while True:
+            if self._exists([fk])[0]:
+                return True
+            if not self._claimed(fk):
+                return self._exists([fk])[0]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 0.05)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections or handles."""
+
+    def __enter__(self) -> EmbeddingStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- backend -------------------------------------------------------------------------------
+    @abstractmethod
+    def _put_values(self, items: list[tuple[str, Buffer]], ttl_s: float | None) -> None: ...
+
+    @abstractmethod
+    def _get_values(self, full_keys: list[str]) -> list[Buffer | None]: ...
+
+    @abstractmethod
+    def _exists(self, full_keys: list[str]) -> list[bool]: ...
+
+    @abstractmethod
+    def _get_head(self, full_key: str) -> Buffer | None:
+        """At least the prefix and header bytes of a value (the whole value is fine)."""
+
+    @abstractmethod
+    def _get_spans(self, full_key: str, spans: list[RowSpan]) -> list[Buffer] | None:
+        """The bytes ``[span.start, span.end)`` of a value, per span; None if it vanished."""
+
+    @abstractmethod
+    def _delete(self, full_keys: list[str]) -> int: ...
+
+    @abstractmethod
+    def _claim(self, full_key: str, ttl_s: float) -> bool: ...
+
+    @abstractmethod
+    def _release(self, full_key: str) -> None: ...
+
+    @abstractmethod
+    def _claimed(self, full_key: str) -> bool:
+        """Whether anyone holds an unexpired claim on the key."""

@@ -1,0 +1,373 @@
+"""The one wire format of a stored embedding: a small msgpack header, then raw little-endian rows.
+
+Layout of a value::
+
+    prefix   16 bytes  magic b"VSEM" | format version u16 | flags u16 | header length u32
+                       | payload offset u32
+    header   msgpack   key, model fingerprint, dtype, num_tokens, grid, and per tensor: name,
+                       shape, offset in the payload, rows per checksum block, block checksums;
+                       plus the checksum of the whole payload
+    padding            zeros up to ``payload offset`` (a multiple of 64)
+    payload            the tensors back to back, each starting 64-byte aligned: "embedding"
+                       ``[num_tokens, hidden]`` first, then any extras (Qwen3-VL deepstack), each
+                       with ``num_tokens`` rows
+
+Invariants:
+
+* Decoding returns numpy arrays that **view** the buffer they were decoded from (read-only); no
+  byte of the payload is copied. bf16 travels as raw 16-bit words (numpy ``uint16``, dtype tag
+  ``"bf16"``); ``torch.from_numpy(a).view(torch.bfloat16)`` restores it without a copy.
+* Rows ``[r0, r1)`` of every tensor can be read without the rest: :func:`row_spans` gives the byte
+  spans to fetch (whole checksum blocks), :func:`decode_rows` checks and views them.
+* Nothing here unpickles: the header is msgpack of plain types, the payload raw numbers.
+* A value whose prefix, header, length, shape, checksum, key or fingerprint does not check out
+  raises :class:`~vitserve.errors.RecordFormatError`; stores count it as a miss, never return it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import blake3
+import msgpack
+import numpy as np
+
+from vitserve.errors import RecordFormatError
+
+MAGIC = b"VSEM"
+FORMAT_VERSION = 1
+PREFIX = struct.Struct("<4sHHII")
+ALIGN = 64
+BLOCK_BYTES = 256 * 1024  # target size of one row-range checksum block
+SUM_BYTES = 16  # blake3 digest bytes kept per checksum
+MAIN = "embedding"
+# Payloads above this are hashed with several threads (blake3 parallelises one input).
+_THREADED_HASH_BYTES = 1 << 20
+
+DTYPES: dict[str, np.dtype] = {
+    "fp32": np.dtype("<f4"),
+    "fp16": np.dtype("<f2"),
+    "bf16": np.dtype("<u2"),  # raw bf16 words
+}
+
+
+def _digest(data: Any) -> bytes:
+    threads = blake3.blake3.AUTO if len(data) >= _THREADED_HASH_BYTES else 1
+    return blake3.blake3(data, max_threads=threads).digest(SUM_BYTES)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingRecord:
+    """One image's embedding as numpy arrays (views of a buffer when decoded).
+
+    ``tensors`` maps names to ``[rows, width]`` arrays of the numpy dtype of ``dtype``;
+    ``"embedding"`` is the one the LLM consumes, any others are extras with the same rows.
+    A partial record (from a row-range read) holds rows ``[row_start, row_start + rows)``.
+    """
+
+    key: str
+    fingerprint: str
+    dtype: str
+    num_tokens: int
+    grid: tuple[int, int, int] | None
+    tensors: Mapping[str, np.ndarray]
+    row_start: int = 0
+
+    @property
+    def embedding(self) -> np.ndarray:
+        return self.tensors[MAIN]
+
+    @property
+    def extras(self) -> dict[str, np.ndarray]:
+        return {k: v for k, v in self.tensors.items() if k != MAIN}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """Where one tensor lies in the payload, and its block checksums."""
+
+    name: str
+    rows: int
+    width: int
+    offset: int  # from the start of the payload
+    block_rows: int
+    sums: bytes  # SUM_BYTES per block
+
+    def row_bytes(self, itemsize: int) -> int:
+        return self.width * itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A parsed header: everything but the payload."""
+
+    version: int
+    key: str
+    fingerprint: str
+    dtype: str
+    num_tokens: int
+    grid: tuple[int, int, int] | None
+    payload_offset: int
+    payload_bytes: int
+    payload_sum: bytes
+    tensors: tuple[TensorInfo, ...] = field(default_factory=tuple)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype].itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        return self.payload_offset + self.payload_bytes
+
+
+def encode_record(record: EmbeddingRecord) -> memoryview:
+    """The value to store for ``record``: one read-only buffer; the payload is copied into it
+    once (a store needs one contiguous value)."""
+    dtype = DTYPES.get(record.dtype)
+    if dtype is None:
+        raise ValueError(f"unknown dtype tag {record.dtype!r}; expected one of {sorted(DTYPES)}")
+    if MAIN not in record.tensors:
+        raise ValueError(f"a record needs a {MAIN!r} tensor")
+    names = [MAIN, *sorted(k for k in record.tensors if k != MAIN)]
+    arrays = []
+    for name in names:
+        a = np.asarray(record.tensors[name])
+        if a.ndim != 2 or a.shape[0] != record.num_tokens:
+            raise ValueError(f"tensor {name!r} has shape {a.shape}; expected [num_tokens, width]")
+        if a.dtype.kind != dtype.kind or a.dtype.itemsize != dtype.itemsize:
+            raise ValueError(f"tensor {name!r} is {a.dtype}, not {record.dtype}")
+        arrays.append(np.ascontiguousarray(a, dtype=dtype))  # no copy when already so
+
+    # Checksums first, straight from the arrays: per block for row-range reads, and one over
+    # the whole payload (padding included) for full reads.
+    whole = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    entries, offset = [], 0
+    for name, a in zip(names, arrays, strict=True):
+        raw = a.reshape(-1).view(np.uint8)
+        row_bytes = max(1, a.shape[1] * dtype.itemsize)
+        block_rows = max(1, BLOCK_BYTES // row_bytes)
+        step = block_rows * row_bytes
+        sums = b"".join(_digest(raw[i : i + step]) for i in range(0, raw.nbytes, step))
+        whole.update(raw)
+        end = _align(offset + a.nbytes)
+        whole.update(bytes(end - offset - a.nbytes))
+        entries.append({"name": name, "shape": list(a.shape), "offset": offset,
+                        "block_rows": block_rows, "sums": sums})  # fmt: skip
+        offset = end
+    header = msgpack.packb(
+        {
+            "key": record.key,
+            "fp": record.fingerprint,
+            "dtype": record.dtype,
+            "tokens": record.num_tokens,
+            "grid": list(record.grid) if record.grid is not None else None,
+            "tensors": entries,
+            "sum": whole.digest(SUM_BYTES),
+        }
+    )
+    payload_offset = _align(PREFIX.size + len(header))
+    out = bytearray(payload_offset + offset)
+    PREFIX.pack_into(out, 0, MAGIC, FORMAT_VERSION, 0, len(header), payload_offset)
+    out[PREFIX.size : PREFIX.size + len(header)] = header
+    body = np.frombuffer(out, dtype=np.uint8)
+    for entry, a in zip(entries, arrays, strict=True):
+        start = payload_offset + entry["offset"]
+        body[start : start + a.nbytes] = a.reshape(-1).view(np.uint8)
+    return memoryview(out).toreadonly()
+
+
+def header_bytes_needed(prefix: bytes | memoryview) -> int:
+    """How many bytes from the start hold the prefix and header (from the 16-byte prefix)."""
+    _, _, header_len = _parse_prefix(prefix)
+    return PREFIX.size + header_len
+
+
+def _parse_prefix(buf: Any) -> tuple[int, int, int]:
+    if len(buf) < PREFIX.size:
+        raise RecordFormatError(f"value of {len(buf)} bytes is shorter than the record prefix")
+    magic, version, _flags, header_len, payload_offset = PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise RecordFormatError("not a vitserve record (bad magic)")
+    if version > FORMAT_VERSION:
+        raise RecordFormatError(
+            f"written by format version {version}; this reader knows up to {FORMAT_VERSION}"
+        )
+    if version < 1:
+        raise RecordFormatError(f"invalid format version {version}")
+    return version, payload_offset, header_len
+
+
+def read_header(buf: Any) -> Header:
+    """Parse the prefix and header at the start of ``buf`` (which may hold only those bytes)."""
+    version, payload_offset, header_len = _parse_prefix(buf)
+    end = PREFIX.size + header_len
+    if len(buf) < end or payload_offset < end:
+        raise RecordFormatError("truncated record header")
+    try:
+        doc = msgpack.unpackb(bytes(memoryview(buf)[PREFIX.size : end]), raw=False)
+        dtype = doc["dtype"]
+        itemsize = DTYPES[dtype].itemsize
+        tensors = tuple(
+            TensorInfo(
+                name=str(t["name"]),
+                rows=int(t["shape"][0]),
+                width=int(t["shape"][1]),
+                offset=int(t["offset"]),
+                block_rows=int(t["block_rows"]),
+                sums=bytes(t["sums"]),
+            )
+            for t in doc["tensors"]
+        )
+        grid = tuple(int(x) for x in doc["grid"]) if doc["grid"] is not None else None
+        header = Header(
+            version=version,
+            key=str(doc["key"]),
+            fingerprint=str(doc["fp"]),
+            dtype=dtype,
+            num_tokens=int(doc["tokens"]),
+            grid=grid,  # type: ignore[arg-type]
+            payload_offset=payload_offset,
+            payload_bytes=max(
+                (_align(t.offset + t.rows * t.width * itemsize) for t in tensors), default=0
+            ),
+            payload_sum=bytes(doc["sum"]),
+            tensors=tensors,
+        )
+    except RecordFormatError:
+        raise
+    except Exception as exc:  # msgpack errors, missing fields, wrong types
+        raise RecordFormatError(f"unreadable record header: {type(exc).__name__}: {exc}") from None
+    if not tensors or tensors[0].name != "embedding":
+        raise RecordFormatError("record has no embedding tensor")
+    for t in tensors:
+        blocks = -(-t.rows // t.block_rows) if t.rows else 0
+        if t.rows != header.num_tokens or t.block_rows < 1 or len(t.sums) != blocks * SUM_BYTES:
+            raise RecordFormatError(f"tensor {t.name!r} does not match the header")
+    return header
+
+
+def _check_identity(header: Header, key: str | None, fingerprint: str | None) -> None:
+    if key is not None and header.key != key:
+        raise RecordFormatError(f"record holds key {header.key[:16]}.., not {key[:16]}..")
+    if fingerprint is not None and header.fingerprint != fingerprint:
+        raise RecordFormatError("record was made by another model (fingerprint differs)")
+
+
+def _view(buf: Any, dtype: np.dtype, offset: int, rows: int, width: int) -> np.ndarray:
+    a = np.frombuffer(buf, dtype=dtype, count=rows * width, offset=offset).reshape(rows, width)
+    a.flags.writeable = False
+    return a
+
+
+def decode_record(
+    buf: Any, *, key: str | None = None, fingerprint: str | None = None, verify: bool = True
+) -> EmbeddingRecord:
+    """The record in ``buf``, its arrays viewing ``buf``; RecordFormatError if it is not valid.
+
+    ``key``/``fingerprint``, when given, must match the header. ``verify`` checks the payload
+    checksum (skip it only for buffers this process wrote itself).
+    """
+    header = read_header(buf)
+    _check_identity(header, key, fingerprint)
+    if len(buf) != header.total_bytes:
+        raise RecordFormatError(f"record is {len(buf)} bytes; its header says {header.total_bytes}")
+    payload = memoryview(buf)[header.payload_offset :]
+    if verify and _digest(payload) != header.payload_sum:
+        raise RecordFormatError("payload checksum mismatch")
+    dtype = DTYPES[header.dtype]
+    tensors = {
+        t.name: _view(buf, dtype, header.payload_offset + t.offset, t.rows, t.width)
+        for t in header.tensors
+    }
+    return EmbeddingRecord(
+        key=header.key,
+        fingerprint=header.fingerprint,
+        dtype=header.dtype,
+        num_tokens=header.num_tokens,
+        grid=header.grid,
+        tensors=tensors,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RowSpan:
+    """Bytes ``[start, end)`` of a value holding rows ``[first_row, end_row)`` of one tensor
+    (whole checksum blocks)."""
+
+    tensor: str
+    start: int
+    end: int
+    first_row: int
+    end_row: int
+
+
+def row_spans(header: Header, r0: int, r1: int) -> list[RowSpan]:
+    """The byte spans to read for rows ``[r0, r1)`` of every tensor, widened to whole blocks."""
+    if not 0 <= r0 < r1 <= header.num_tokens:
+        raise ValueError(f"row range [{r0}, {r1}) is outside [0, {header.num_tokens})")
+    spans = []
+    for t in header.tensors:
+        first = r0 // t.block_rows * t.block_rows
+        end = min(t.rows, -(-r1 // t.block_rows) * t.block_rows)
+        row_bytes = t.row_bytes(header.itemsize)
+        base = header.payload_offset + t.offset
+        spans.append(RowSpan(t.name, base + first * row_bytes, base + end * row_bytes, first, end))
+    return spans
+
+
+def decode_rows(
+    header: Header,
+    chunks: Sequence[Any],
+    r0: int,
+    r1: int,
+    *,
+    key: str | None = None,
+    fingerprint: str | None = None,
+    verify: bool = True,
+) -> EmbeddingRecord:
+    """A partial record of rows ``[r0, r1)`` from the bytes of :func:`row_spans`, in order.
+
+    Each chunk's blocks are checked against the header's block checksums; the arrays view the
+    chunks.
+    """
+    _check_identity(header, key, fingerprint)
+    spans = row_spans(header, r0, r1)
+    if len(chunks) != len(spans):
+        raise RecordFormatError(f"expected {len(spans)} row chunks, got {len(chunks)}")
+    dtype = DTYPES[header.dtype]
+    tensors = {}
+    for t, span, chunk in zip(header.tensors, spans, chunks, strict=True):
+        if len(chunk) != span.end - span.start:
+            raise RecordFormatError(f"truncated rows of tensor {t.name!r}")
+        row_bytes = t.row_bytes(header.itemsize)
+        if verify:
+            step = t.block_rows * row_bytes
+            view = memoryview(chunk)
+            for i, pos in enumerate(range(0, len(chunk), step)):
+                block = span.first_row // t.block_rows + i
+                expected = t.sums[block * SUM_BYTES : (block + 1) * SUM_BYTES]
+                if _digest(view[pos : pos + step]) != expected:
+                    raise RecordFormatError(f"checksum mismatch in rows of tensor {t.name!r}")
+        skip = (r0 - span.first_row) * row_bytes
+        tensors[t.name] = _view(chunk, dtype, skip, r1 - r0, t.width)
+    return EmbeddingRecord(
+        key=header.key,
+        fingerprint=header.fingerprint,
+        dtype=header.dtype,
+        num_tokens=header.num_tokens,
+        grid=header.grid,
+        tensors=tensors,
+        row_start=r0,
+    )
