@@ -30,3 +30,32 @@ def engines(tiny_models: dict[str, Path]):
         f: EncoderEngine.from_pretrained(str(p), device="cpu", dtype="fp32")
         for f, p in tiny_models.items()
     }
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole test session (starting one takes 5-8 s)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, namespace="vitserve-tests",
+                 logging_level="warning")  # fmt: skip
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The suite's Redis (127.0.0.1:6379, db 15, which the suite may flush)."""
+    import redis
+
+    url = os.environ.get("VITSERVE_TEST_REDIS", "redis://127.0.0.1:6379/15")
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"the test suite needs a Redis at {url} (.ci/run starts one): {exc}")
+    client.flushdb()
+    client.close()
+    return url
