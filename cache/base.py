@@ -10,6 +10,8 @@ bad value the same way: **a value that fails any check is a miss, counted in
 Invariants:
 
 * ``get_many``/``exists_many`` return one entry per key, in order; missing -> ``None``/``False``.
+* Stores whose bytes cannot change once stored (in-process) check each value in full when it is
+  put and refuse a bad one (``rejected``); the others check every value they read.
 * Returned arrays are read-only views of the fetched (or held) bytes: never copied again here.
 * Claims implement single flight: ``claim`` returns True for exactly one caller until that
   caller ``release``s or the claim's ttl passes; ``wait_for`` returns True as soon as the key
@@ -52,8 +54,12 @@ class EmbeddingStore(ABC):
 
     #: short backend name, for errors, metrics and URLs
     kind: str = "store"
-    #: whether values come from outside this process (then payload checksums are verified)
+    #: whether values read back are checked against their payload checksum (stores whose
+    #: bytes are shared with other processes or cross a network)
     verify_payload: bool = True
+    #: whether values are checked in full when they are put (stores whose bytes cannot change
+    #: after the put: then a bad value is refused up front, counted in ``rejected``)
+    verify_on_put: bool = False
 
     def __init__(
         self,
@@ -84,8 +90,8 @@ class EmbeddingStore(ABC):
         with self._counts_lock:
             counts = dict(self._counts)
         base = dict.fromkeys(
-            ("hits", "misses", "integrity_misses", "puts", "bytes_put", "bytes_fetched",
-             "evictions", "expired", "errors"),
+            ("hits", "misses", "integrity_misses", "rejected", "puts", "bytes_put",
+             "bytes_fetched", "evictions", "expired", "errors"),
             0,
         )  # fmt: skip
         return {**base, **counts, **self._backend_stats()}
@@ -107,9 +113,20 @@ class EmbeddingStore(ABC):
         ttl = ttl_s if ttl_s is not None else self.ttl_s
         if ttl is not None and ttl <= 0:
             raise ConfigError(f"ttl_s must be positive, got {ttl}")
+        if self.verify_on_put:
+            items = [(k, v) for k, v in items if self._valid_for_put(k, v)]
         self._put_values([(self.full_key(k), v) for k, v in items], ttl)
         self._count("puts", len(items))
         self._count("bytes_put", sum(buffer_nbytes(v) for _, v in items))
+
+    def _valid_for_put(self, key: str, value: Buffer) -> bool:
+        try:
+            decode_record(value, key=key, fingerprint=self.fingerprint, verify=True)
+        except RecordFormatError as exc:
+            self._count("rejected")
+            self._on_bad_value(self.full_key(key), exc.reason)
+            return False
+        return True
 
     def get_many(self, keys: Sequence[str]) -> list[EmbeddingRecord | None]:
         """The records of ``keys`` in order; ``None`` where missing or invalid."""

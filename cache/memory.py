@@ -33,7 +33,10 @@ class _Entry:
 
 class MemoryStore(EmbeddingStore):
     kind = "memory"
-    verify_payload = False  # values were handed over in-process; headers are still checked
+    # Values are checked in full once, when put; the bytes held cannot change afterwards, so
+    # reads check headers only.
+    verify_on_put = True
+    verify_payload = False
 
     def __init__(self, *, max_bytes: int = DEFAULT_MAX_BYTES, **kwargs) -> None:
         super().__init__(**kwargs)

@@ -1,0 +1,119 @@
+"""A local tier (in-process or node-local) in front of a shared tier (Redis).
+
+Reads hit the local tier first; a value found only in the shared tier is promoted into the local
+one (the bytes fetched are held as they are, no copy). Writes go to both. Claims go to the
+shared tier, so single flight spans replicas.
+
+Degradation: when the shared tier is unavailable (``StoreUnavailableError``), reads, probes and
+writes carry on with the local tier alone, claims fall back to the local tier (single flight
+within the node), and each failure is counted in ``shared_unavailable``. Errors other than
+unavailability are not hidden.
+
+Both tiers must be opened without a namespace of their own; the tiered store's namespace
+applies to both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from vitserve.cache.base import Buffer, EmbeddingStore
+from vitserve.cache.codec import RowSpan
+from vitserve.errors import ConfigError, StoreUnavailableError
+
+T = TypeVar("T")
+
+
+class TieredStore(EmbeddingStore):
+    kind = "tiered"
+    verify_payload = True  # a value may come from the shared tier
+
+    def __init__(self, local: EmbeddingStore, shared: EmbeddingStore, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if local.namespace or shared.namespace:
+            raise ConfigError("the tiers of a tiered store must not have namespaces of their own")
+        self.local = local
+        self.shared = shared
+
+    def _shared(self, call: Callable[[], T], fallback: T) -> T:
+        try:
+            return call()
+        except StoreUnavailableError:
+            self._count("shared_unavailable")
+            return fallback
+
+    def _put_values(self, items: list[tuple[str, Buffer]], ttl_s: float | None) -> None:
+        self.local._put_values(items, ttl_s)
+        self._shared(lambda: self.shared._put_values(items, ttl_s), None)
+
+    def _get_values(self, full_keys: list[str]) -> list[Buffer | None]:
+        values = self.local._get_values(full_keys)
+        missing = [i for i, v in enumerate(values) if v is None]
+        if not missing:
+            return values
+        fetched = self._shared(
+            lambda: self.shared._get_values([full_keys[i] for i in missing]), [None] * len(missing)
+        )
+        promoted = []
+        for i, value in zip(missing, fetched, strict=True):
+            if value is not None:
+                values[i] = value
+                promoted.append((full_keys[i], value))
+        if promoted:
+            self.local._put_values(promoted, self.ttl_s)
+            self._count("promotions", len(promoted))
+        return values
+
+    def _exists(self, full_keys: list[str]) -> list[bool]:
+        found = self.local._exists(full_keys)
+        missing = [i for i, f in enumerate(found) if not f]
+        if missing:
+            shared = self._shared(
+                lambda: self.shared._exists([full_keys[i] for i in missing]), [False] * len(missing)
+            )
+            for i, f in zip(missing, shared, strict=True):
+                found[i] = f
+        return found
+
+    def _get_head(self, full_key: str) -> Buffer | None:
+        head = self.local._get_head(full_key)
+        if head is None:
+            head = self._shared(lambda: self.shared._get_head(full_key), None)
+        return head
+
+    def _get_spans(self, full_key: str, spans: list[RowSpan]) -> list[Buffer] | None:
+        chunks = self.local._get_spans(full_key, spans)
+        if chunks is None:
+            chunks = self._shared(lambda: self.shared._get_spans(full_key, spans), None)
+        return chunks
+
+    def _delete(self, full_keys: list[str]) -> int:
+        local = self.local._delete(full_keys)
+        return max(local, self._shared(lambda: self.shared._delete(full_keys), 0))
+
+    def _claim(self, full_key: str, ttl_s: float) -> bool:
+        try:
+            return self.shared._claim(full_key, ttl_s)
+        except StoreUnavailableError:
+            self._count("shared_unavailable")
+            return self.local._claim(full_key, ttl_s)
+
+    def _release(self, full_key: str) -> None:
+        self.local._release(full_key)
+        self._shared(lambda: self.shared._release(full_key), None)
+
+    def _claimed(self, full_key: str) -> bool:
+        if self.local._claimed(full_key):
+            return True
+        return self._shared(lambda: self.shared._claimed(full_key), False)
+
+    def _backend_stats(self) -> dict[str, int]:
+        stats = {f"local_{k}": v for k, v in self.local.stats().items()}
+        shared = self._shared(self.shared.stats, {})
+        stats |= {f"shared_{k}": v for k, v in shared.items()}
+        return stats
+
+    def close(self) -> None:
+        self.local.close()
+        self.shared.close()

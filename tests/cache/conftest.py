@@ -1,0 +1,120 @@
+"""Store fixtures: every store kind, each test in its own namespace (or private backend)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+STORE_KINDS = ("memory", "node", "redis", "tiered")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def lru_redis_url() -> Iterator[str]:
+    """A private redis-server whose maxmemory the LRU test sets (allkeys-lru)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+         "127.0.0.1", "--save", "", "--appendonly", "no", "--maxmemory-policy", "allkeys-lru"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+class StoreMaker:
+    """Makes stores of one kind; ``peer(store)`` opens a second handle on the same backend (as a
+    second replica would)."""
+
+    def __init__(self, kind: str, request: pytest.FixtureRequest, redis_url: str) -> None:
+        self.kind = kind
+        self.request = request
+        self.redis_url = redis_url
+        self.opened: list = []
+        self.node_actors: list[str] = []
+
+    def __call__(self, *, namespace: str | None = None, max_bytes: int | None = None,
+                 ttl_s: float | None = None):  # fmt: skip
+        ns = namespace if namespace is not None else uuid.uuid4().hex[:12]
+        store = self._open(ns, max_bytes, ttl_s, shared_with=None)
+        self.opened.append(store)
+        return store
+
+    def peer(self, store):
+        other = self._open(store.namespace, getattr(store, "max_bytes", None), store.ttl_s,
+                           shared_with=store)  # fmt: skip
+        self.opened.append(other)
+        return other
+
+    def _open(self, ns: str, max_bytes: int | None, ttl_s: float | None, shared_with):
+        from vitserve.cache.memory import MemoryStore
+
+        if self.kind == "memory":
+            if shared_with is not None:
+                return shared_with  # one process: the peer is the same object
+            return MemoryStore(namespace=ns, ttl_s=ttl_s, max_bytes=max_bytes or 1 << 30)
+        if self.kind == "node":
+            from vitserve.cache.node import NodeStore
+
+            self.request.getfixturevalue("ray_cluster")
+            if shared_with is not None:
+                name = shared_with.actor_name
+            else:
+                name = f"vitserve-test-node-{uuid.uuid4().hex[:8]}"
+                self.node_actors.append(name)
+            return NodeStore(namespace=ns, ttl_s=ttl_s, max_bytes=max_bytes or 1 << 30,
+                             actor_name=name)  # fmt: skip
+        from vitserve.cache.redis_store import RedisStore
+        from vitserve.cache.tiered import TieredStore
+
+        if self.kind == "redis":
+            url = self.redis_url
+            if max_bytes is not None:
+                import redis
+
+                url = self.request.getfixturevalue("lru_redis_url")
+                client = redis.Redis.from_url(url)
+                client.flushdb()
+                client.config_set("maxmemory", max_bytes)
+                client.close()
+            return RedisStore(url, namespace=ns, ttl_s=ttl_s)
+        local = MemoryStore(max_bytes=max_bytes or 1 << 30)
+        return TieredStore(local, RedisStore(self.redis_url), namespace=ns, ttl_s=ttl_s)
+
+    def close(self) -> None:
+        for store in self.opened:
+            store.close()
+        if self.node_actors:
+            import ray
+
+            for name in self.node_actors:
+                with contextlib.suppress(ValueError):
+                    ray.kill(ray.get_actor(name, namespace="vitserve"))
+
+
+@pytest.fixture(params=STORE_KINDS)
+def make_store(request: pytest.FixtureRequest, redis_url: str) -> Iterator[Callable]:
+    maker = StoreMaker(request.param, request, redis_url)
+    yield maker
+    maker.close()

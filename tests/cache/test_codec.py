@@ -1,0 +1,116 @@
+"""The record format: zero-copy decoding, row ranges, strict validation."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from vitserve.cache.codec import (
+    PREFIX,
+    EmbeddingRecord,
+    decode_record,
+    decode_rows,
+    encode_record,
+    header_bytes_needed,
+    read_header,
+    row_spans,
+)
+from vitserve.cache.testing import make_record
+from vitserve.errors import RecordFormatError
+
+
+def test_decoded_arrays_view_the_buffer() -> None:
+    record = make_record(rows=500, width=256, extras=3, seed=1)
+    value = bytes(encode_record(record))
+    decoded = decode_record(value, key=record.key)
+    base = np.frombuffer(value, dtype=np.uint8)
+    for name, array in decoded.tensors.items():
+        assert np.shares_memory(array, base), name
+        assert not array.flags.writeable
+        assert np.array_equal(array, record.tensors[name])
+    assert list(decoded.tensors) == ["embedding", "deepstack_0", "deepstack_1", "deepstack_2"]
+    # every tensor starts 64-byte aligned in the value
+    header = read_header(value)
+    assert all((header.payload_offset + t.offset) % 64 == 0 for t in header.tensors)
+
+
+def test_bf16_words_become_torch_bfloat16_without_a_copy() -> None:
+    import torch
+
+    original = torch.randn(40, 24, dtype=torch.bfloat16)
+    words = original.view(torch.int16).numpy().view(np.uint16)
+    record = EmbeddingRecord(key="a" * 64, fingerprint="f", dtype="bf16", num_tokens=40,
+                             grid=None, tensors={"embedding": words})  # fmt: skip
+    decoded = decode_record(encode_record(record)).embedding
+    with warnings.catch_warnings():  # torch warns that the view is read-only; it is meant to be
+        warnings.simplefilter("ignore", UserWarning)
+        restored = torch.from_numpy(decoded).view(torch.bfloat16)
+    assert restored.data_ptr() == decoded.ctypes.data
+    assert torch.equal(restored, original)
+
+
+def test_header_is_readable_from_the_prefix_alone() -> None:
+    value = encode_record(make_record(rows=10, seed=2))
+    need = header_bytes_needed(value[: PREFIX.size])
+    header = read_header(value[:need])
+    assert header.num_tokens == 10 and header.total_bytes == len(value)
+
+
+def test_row_span_moves_about_k_over_n_of_the_bytes() -> None:
+    record = make_record(rows=4096, width=1024, dtype="fp16", extras=1, seed=3)
+    value = encode_record(record)
+    header = read_header(value)
+    spans = row_spans(header, 1000, 1064)
+    moved = sum(s.end - s.start for s in spans)
+    payload = header.payload_bytes
+    assert moved < payload * (64 + 2 * header.tensors[0].block_rows) / 4096
+    part = decode_rows(header, [value[s.start : s.end] for s in spans], 1000, 1064)
+    assert np.array_equal(part.embedding, record.embedding[1000:1064])
+    assert np.array_equal(part.tensors["deepstack_0"], record.tensors["deepstack_0"][1000:1064])
+
+
+def test_row_chunks_are_checked_block_by_block() -> None:
+    record = make_record(rows=2000, width=512, seed=4)
+    value = bytearray(encode_record(record))
+    header = read_header(value)
+    spans = row_spans(header, 100, 200)
+    value[spans[0].start + 7] ^= 1
+    with pytest.raises(RecordFormatError, match="checksum"):
+        decode_rows(header, [value[s.start : s.end] for s in spans], 100, 200)
+    far = row_spans(header, 1900, 2000)  # another block: unaffected by the flip
+    part = decode_rows(header, [value[s.start : s.end] for s in far], 1900, 2000)
+    assert np.array_equal(part.embedding, record.embedding[1900:])
+
+
+def test_identity_and_length_checks() -> None:
+    record = make_record(rows=8, seed=5)
+    value = encode_record(record)
+    with pytest.raises(RecordFormatError, match="holds key"):
+        decode_record(value, key="b" * 64)
+    with pytest.raises(RecordFormatError, match="fingerprint"):
+        decode_record(value, fingerprint="other")
+    with pytest.raises(RecordFormatError, match="bytes"):
+        decode_record(bytes(value) + b"\0")
+
+
+def test_encode_validates_its_input() -> None:
+    good = make_record(rows=4, seed=6)
+    with pytest.raises(ValueError, match="shape"):
+        encode_record(EmbeddingRecord(**{**_fields(good), "num_tokens": 5}))
+    with pytest.raises(ValueError, match="not fp16"):
+        encode_record(EmbeddingRecord(**{**_fields(good), "dtype": "fp16"}))
+    with pytest.raises(ValueError, match="dtype tag"):
+        encode_record(EmbeddingRecord(**{**_fields(good), "dtype": "int8"}))
+
+
+def test_zero_token_record() -> None:
+    empty = EmbeddingRecord(key="c" * 64, fingerprint="f", dtype="fp32", num_tokens=0, grid=None,
+                            tensors={"embedding": np.zeros((0, 16), np.float32)})  # fmt: skip
+    assert decode_record(encode_record(empty)).embedding.shape == (0, 16)
+
+
+def _fields(r: EmbeddingRecord) -> dict:
+    return {f: getattr(r, f) for f in ("key", "fingerprint", "dtype", "num_tokens", "grid",
+                                       "tensors")}  # fmt: skip
