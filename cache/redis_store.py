@@ -18,7 +18,8 @@ Invariants:
 * Claims are ``SET claim token NX PX ttl`` with a random token per store object; ``release``
   deletes the claim only while it still holds that token (compare-and-delete in Lua), so a
   replica can never drop another's claim, and a crashed claimant's claim ends with its ttl.
-* A value that fails any check is deleted (best effort) so that it is recomputed, never served.
+* A value that fails any check is deleted (best effort) so that it is recomputed, never served;
+  one written by a newer format version is only a miss here (newer replicas still read it).
 * Bounded waits: every socket connect and read is limited by ``timeout_s``, waiting for a free
   pooled connection too, and nothing is retried, so a dead, stopped or unreachable server
   surfaces as :class:`~vitserve.errors.StoreUnavailableError` (retryable) after about
