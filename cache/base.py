@@ -60,6 +60,8 @@ class EmbeddingStore(ABC):
     #: whether values are checked in full when they are put (stores whose bytes cannot change
     #: after the put: then a bad value is refused up front, counted in ``rejected``)
     verify_on_put: bool = False
+    #: whether ``_get_head`` returns the whole value (local stores) rather than a prefix
+    head_is_whole_value: bool = True
 
     def __init__(
         self,
@@ -182,7 +184,12 @@ class EmbeddingStore(ABC):
             if not 0 <= r0 < r1 <= header.num_tokens:
                 raise ConfigError(f"row range [{r0}, {r1}) is outside [0, {header.num_tokens})")
             spans = row_spans(header, r0, r1)
-            chunks = self._get_spans(fk, spans)
+            if self.head_is_whole_value or len(head) >= spans[-1].end:
+                # the whole value is at hand: slice it (a truncated one gives short chunks)
+                view = memoryview(head).cast("B")
+                chunks = [view[sp.start : sp.end] for sp in spans]
+            else:  # same value? the block checksums and the key check tell
+                chunks = self._get_spans(fk, spans)
             if chunks is None:
                 self._count("misses")
                 return None
@@ -249,11 +256,15 @@ class EmbeddingStore(ABC):
 
     @abstractmethod
     def _get_head(self, full_key: str) -> Buffer | None:
-        """At least the prefix and header bytes of a value (the whole value is fine)."""
+        """The whole value, or (``head_is_whole_value = False``) at least its prefix and header
+        bytes; ``get_rows`` slices a whole value and calls ``_get_spans`` only after a prefix."""
 
-    @abstractmethod
     def _get_spans(self, full_key: str, spans: list[RowSpan]) -> list[Buffer] | None:
-        """The bytes ``[span.start, span.end)`` of a value, per span; None if it vanished."""
+        """The bytes ``[span.start, span.end)`` of a value, per span; None if it vanished.
+
+        Only called for stores whose ``_get_head`` returns a prefix (a remote store's partial
+        read) when the spans lie beyond it."""
+        raise NotImplementedError(f"{type(self).__name__} returns whole values from _get_head")
 
     @abstractmethod
     def _delete(self, full_keys: list[str]) -> int: ...

@@ -18,7 +18,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from vitserve.cache.base import Buffer, EmbeddingStore, buffer_nbytes
-from vitserve.cache.codec import RowSpan
 from vitserve.errors import ConfigError
 
 DEFAULT_MAX_BYTES = 1 << 30
@@ -100,14 +99,7 @@ class MemoryStore(EmbeddingStore):
             return [self._live(fk, now) is not None for fk in full_keys]
 
     def _get_head(self, full_key: str) -> Buffer | None:
-        return self._get_values([full_key])[0]
-
-    def _get_spans(self, full_key: str, spans: list[RowSpan]) -> list[Buffer] | None:
-        value = self._get_values([full_key])[0]
-        if value is None:
-            return None
-        view = memoryview(value)
-        return [view[s.start : s.end] for s in spans]
+        return self._get_values([full_key])[0]  # the whole value: get_rows slices it
 
     def _delete(self, full_keys: list[str]) -> int:
         with self._cond:

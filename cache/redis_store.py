@@ -104,6 +104,7 @@ class RedisStore(EmbeddingStore):
     """Records in Redis; see the module docstring for the contract."""
 
     kind = "redis"
+    head_is_whole_value = False  # _get_head reads a prefix
     verify_payload = True
 
     def __init__(

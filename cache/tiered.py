@@ -27,6 +27,7 @@ T = TypeVar("T")
 
 class TieredStore(EmbeddingStore):
     kind = "tiered"
+    head_is_whole_value = False  # the head may be the shared tier's prefix
     verify_payload = True  # a value may come from the shared tier
 
     def __init__(self, local: EmbeddingStore, shared: EmbeddingStore, **kwargs) -> None:
@@ -83,10 +84,8 @@ class TieredStore(EmbeddingStore):
         return head
 
     def _get_spans(self, full_key: str, spans: list[RowSpan]) -> list[Buffer] | None:
-        chunks = self.local._get_spans(full_key, spans)
-        if chunks is None:
-            chunks = self._shared(lambda: self.shared._get_spans(full_key, spans), None)
-        return chunks
+        # Called only after a partial head, which came from the shared tier.
+        return self._shared(lambda: self.shared._get_spans(full_key, spans), None)
 
     def _delete(self, full_keys: list[str]) -> int:
         local = self.local._delete(full_keys)

@@ -110,7 +110,9 @@ class StoreMaker:
             self.request.getfixturevalue("ray_cluster")
             if shared_with is not None:
                 name = shared_with.actor_name
-            else:
+            elif max_bytes is None:
+                name = "vitserve-test-node-shared"  # one actor for the session; namespaces isolate
+            else:  # a budget of its own needs an actor of its own
                 name = f"vitserve-test-node-{uuid.uuid4().hex[:8]}"
                 self.node_actors.append(name)
             return NodeStore(namespace=ns, ttl_s=ttl_s, max_bytes=max_bytes or 1 << 30,
