@@ -293,6 +293,12 @@ def _view(buf: Any, dtype: np.dtype, offset: int, rows: int, width: int) -> np.n
     return a
 
 
+def _record(header: Header, tensors: dict[str, np.ndarray], row_start: int = 0) -> EmbeddingRecord:
+    return EmbeddingRecord(key=header.key, fingerprint=header.fingerprint, dtype=header.dtype,
+                           num_tokens=header.num_tokens, grid=header.grid, tensors=tensors,
+                           row_start=row_start)  # fmt: skip
+
+
 def decode_record(
     buf: Any, *, key: str | None = None, fingerprint: str | None = None, verify: bool = True
 ) -> EmbeddingRecord:
@@ -313,14 +319,7 @@ def decode_record(
         t.name: _view(buf, dtype, header.payload_offset + t.offset, t.rows, t.width)
         for t in header.tensors
     }
-    return EmbeddingRecord(
-        key=header.key,
-        fingerprint=header.fingerprint,
-        dtype=header.dtype,
-        num_tokens=header.num_tokens,
-        grid=header.grid,
-        tensors=tensors,
-    )
+    return _record(header, tensors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,12 +383,4 @@ def decode_rows(
                     raise RecordFormatError(f"checksum mismatch in rows of tensor {t.name!r}")
         skip = (r0 - span.first_row) * row_bytes
         tensors[t.name] = _view(chunk, dtype, skip, r1 - r0, t.width)
-    return EmbeddingRecord(
-        key=header.key,
-        fingerprint=header.fingerprint,
-        dtype=header.dtype,
-        num_tokens=header.num_tokens,
-        grid=header.grid,
-        tensors=tensors,
-        row_start=r0,
-    )
+    return _record(header, tensors, r0)

@@ -51,7 +51,6 @@ import socket
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from vitserve.cache.base import Buffer, EmbeddingStore, buffer_nbytes
+from vitserve.cache.lru import ByteBudgetLru
 from vitserve.errors import ConfigError, StoreUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -79,13 +79,6 @@ def default_actor_name(node_id: str) -> str:
 
 
 # -- the actor ---------------------------------------------------------------------------------
-@dataclass(slots=True)
-class _Entry:
-    ref: Any  # ray.ObjectRef, owned by the actor
-    nbytes: int
-    expires: float | None  # time.monotonic() deadline
-
-
 @dataclass(slots=True)
 class _Claim:
     deadline: float
@@ -110,37 +103,13 @@ class NodeStoreActor:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         import ray
 
-        if max_bytes <= 0:
-            raise ConfigError(f"max_bytes must be positive, got {max_bytes}")
         self._ray = ray
-        self._max_bytes = int(max_bytes)
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
-        self._bytes = 0
+        self._lru = ByteBudgetLru(max_bytes)  # full key -> ObjectRef owned by this actor
         self._claims: dict[str, _Claim] = {}
         self._wakes: dict[str, _Wake] = {}
-        self._counts = {"evictions": 0, "expired": 0, "too_large": 0}
         self._node_id = ray.get_runtime_context().get_node_id()
 
     # -- helpers -------------------------------------------------------------------------------
-    def _live(self, fk: str, now: float) -> _Entry | None:
-        entry = self._entries.get(fk)
-        if entry is None:
-            return None
-        if entry.expires is not None and entry.expires <= now:
-            self._drop(fk)
-            self._counts["expired"] += 1
-            return None
-        return entry
-
-    def _drop(self, fk: str) -> None:
-        entry = self._entries.pop(fk)
-        self._bytes -= entry.nbytes  # dropping the ref frees the object once no reader holds it
-
-    def _fit(self, size: int) -> None:
-        while self._entries and self._bytes + size > self._max_bytes:
-            self._drop(next(iter(self._entries)))
-            self._counts["evictions"] += 1
-
     def _notify(self, fk: str) -> None:
         wake = self._wakes.pop(fk, None)
         if wake is not None:
@@ -156,13 +125,9 @@ class NodeStoreActor:
     # -- methods -------------------------------------------------------------------------------
     async def configure(self, max_bytes: int) -> dict[str, Any]:
         """Set the byte budget (evicting to fit) and describe the actor."""
-        previous = self._max_bytes
-        if max_bytes <= 0:
-            raise ConfigError(f"max_bytes must be positive, got {max_bytes}")
-        if max_bytes != previous:
-            self._max_bytes = int(max_bytes)
-            self._fit(0)
-        return {"max_bytes": self._max_bytes, "previous_max_bytes": previous,
+        previous = self._lru.max_bytes
+        self._lru.resize(max_bytes)  # evicts to fit a smaller budget
+        return {"max_bytes": self._lru.max_bytes, "previous_max_bytes": previous,
                 "node_id": self._node_id, "pid": os.getpid()}  # fmt: skip
 
     async def put(self, items: list[tuple[str, np.ndarray]], ttl_s: float | None) -> None:
@@ -171,20 +136,14 @@ class NodeStoreActor:
         sizes = [int(v.nbytes) for _, v in items]
         # Ray owns what the actor puts: this copy is what lets the value outlive its writer.
         refs = await asyncio.to_thread(
-            lambda: [ray.put(v) if n <= self._max_bytes else None
+            lambda: [ray.put(v) if n <= self._lru.max_bytes else None
                      for (_, v), n in zip(items, sizes, strict=True)]
         )  # fmt: skip
         now = time.monotonic()
         expires = now + ttl_s if ttl_s is not None else None
         for (fk, _), ref, size in zip(items, refs, sizes, strict=True):
-            if fk in self._entries:
-                self._drop(fk)
-            if ref is None or size > self._max_bytes:  # (the budget may have shrunk meanwhile)
-                self._counts["too_large"] += 1
-            else:
-                self._fit(size)
-                self._entries[fk] = _Entry(ref, size, expires)
-                self._bytes += size
+            # A value over the budget (even if it shrank meanwhile) is refused: too_large.
+            self._lru.put(fk, ref, size, expires)
             self._notify(fk)
 
     async def get_refs(self, full_keys: list[str]) -> list[Any]:
@@ -193,20 +152,16 @@ class NodeStoreActor:
         now = time.monotonic()
         out = []
         for fk in full_keys:
-            entry = self._live(fk, now)
-            if entry is not None:
-                self._entries.move_to_end(fk)
-            out.append(entry.ref if entry is not None else None)
+            out.append(self._lru.get(fk, now))
         return out
 
     async def exists(self, full_keys: list[str]) -> list[bool]:
         now = time.monotonic()
-        return [self._live(fk, now) is not None for fk in full_keys]
+        return [self._lru.contains(fk, now) for fk in full_keys]
 
     async def delete(self, full_keys: list[str]) -> int:
-        found = [fk for fk in dict.fromkeys(full_keys) if fk in self._entries]
+        found = [fk for fk in dict.fromkeys(full_keys) if self._lru.pop(fk)]
         for fk in found:
-            self._drop(fk)
             self._notify(fk)
         return len(found)
 
@@ -247,7 +202,7 @@ class NodeStoreActor:
         deadline = time.monotonic() + timeout_s
         while True:
             now = time.monotonic()
-            if self._live(full_key, now) is not None:
+            if self._lru.contains(full_key, now):
                 return True
             claim = self._live_claim(full_key, now)
             if claim is None or now >= deadline:
@@ -266,8 +221,7 @@ class NodeStoreActor:
                     del self._wakes[full_key]
 
     async def stats(self) -> dict[str, int]:
-        return {"entries": len(self._entries), "bytes": self._bytes,
-                "max_bytes": self._max_bytes, **self._counts}  # fmt: skip
+        return self._lru.stats()
 
 
 @functools.cache
