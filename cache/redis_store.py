@@ -182,6 +182,10 @@ class RedisStore(EmbeddingStore):
         if not items:
             return
         px = _ms(ttl_s) if ttl_s is not None else None
+        if len(items) == 1:  # one command: no pipeline bookkeeping
+            ((full_key, value),) = items
+            self._client.set(self._vkey(full_key), _wire(value), px=px)
+            return
         pipe = self._client.pipeline(transaction=False)
         for full_key, value in items:
             pipe.set(self._vkey(full_key), _wire(value), px=px)
@@ -191,6 +195,8 @@ class RedisStore(EmbeddingStore):
     def _get_values(self, full_keys: list[str]) -> list[Buffer | None]:
         if not full_keys:
             return []
+        if len(full_keys) == 1:
+            return [self._client.get(self._vkey(full_keys[0]))]
         return self._client.mget([self._vkey(fk) for fk in full_keys])
 
     @_guarded

@@ -90,6 +90,20 @@ def bench_local(store: Any, label: str, repeat: int) -> None:
               f"{t_copy / t_get:>6.2f} {alloc:>10,} {gbps(n, t_raw):>18.2f}")  # fmt: skip
 
 
+def paired(a: Callable[[], Any], b: Callable[[], Any], repeat: int) -> tuple[float, float, float]:
+    """Median seconds of ``a`` and of ``b`` timed alternately, and the median of the per-pair
+    ratios ``a / b`` (pairs cancel most of the drift of a busy machine)."""
+    a(), b()  # warm-up
+    ta, tb = [], []
+    for _ in range(repeat):
+        for fn, out in ((a, ta), (b, tb)):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    ratios = [x / y for x, y in zip(ta, tb, strict=True)]
+    return statistics.median(ta), statistics.median(tb), statistics.median(ratios)
+
+
 def bench_redis(url: str, repeat: int) -> None:
     import redis
 
@@ -98,22 +112,29 @@ def bench_redis(url: str, repeat: int) -> None:
 
     raw = redis.Redis.from_url(url)
     store = RedisStore(url, namespace="bench")
-    print("\n== Redis: vitserve put/get vs raw redis-py SET/GET of the same bytes")
+    print("\n== Redis: vitserve put/get vs raw redis-py SET/GET of the same bytes "
+          "(ratio: median of paired raw/vitserve time ratios; 1.0 = no overhead)")  # fmt: skip
     print(f"{'MiB':>4} {'SET GB/s':>9} {'put GB/s':>9} {'ratio':>6} {'GET GB/s':>9} "
           f"{'get GB/s':>9} {'ratio':>6} {'alloc/GET':>11} {'alloc/get':>11}")  # fmt: skip
     for mib in SIZES_MIB:
         record = record_of(mib, 100 + mib)
-        value = encode_record(record)
+        value = bytes(encode_record(record))  # the same bytes object for both sides
         n = len(value)
         raw_key = f"bench:raw:{record.key}"
-        t_set = timed(lambda: raw.set(raw_key, value), repeat)  # noqa: B023
-        t_put = timed(lambda: store.put_values([(record.key, value)]), repeat)  # noqa: B023
-        t_get_raw = timed(lambda: raw.get(raw_key), repeat)  # noqa: B023
-        t_get = timed(lambda: store.get(record.key), repeat)  # noqa: B023
+        t_set, t_put, r_put = paired(
+            lambda: raw.set(raw_key, value),  # noqa: B023
+            lambda: store.put_values([(record.key, value)]),  # noqa: B023
+            repeat,
+        )
+        t_get_raw, t_get, r_get = paired(
+            lambda: raw.get(raw_key),  # noqa: B023
+            lambda: store.get(record.key),  # noqa: B023
+            repeat,
+        )
         a_raw = allocated(lambda: raw.get(raw_key))  # noqa: B023
         a_get = allocated(lambda: store.get(record.key))  # noqa: B023
-        print(f"{mib:>4} {gbps(n, t_set):>9.2f} {gbps(n, t_put):>9.2f} {t_set / t_put:>6.2f} "
-              f"{gbps(n, t_get_raw):>9.2f} {gbps(n, t_get):>9.2f} {t_get_raw / t_get:>6.2f} "
+        print(f"{mib:>4} {gbps(n, t_set):>9.2f} {gbps(n, t_put):>9.2f} {r_put:>6.2f} "
+              f"{gbps(n, t_get_raw):>9.2f} {gbps(n, t_get):>9.2f} {r_get:>6.2f} "
               f"{a_raw:>11,} {a_get:>11,}")  # fmt: skip
         raw.delete(raw_key)
         store.delete(record.key)
