@@ -40,6 +40,21 @@ def test_light_modules_do_not_import_torch(module: str) -> None:
     assert "torch" not in _modules_after_import(module)
 
 
+def test_cache_never_imports_torch_or_transformers(redis_url) -> None:
+    """A whole store round trip (codec, memory, Redis, tiered, URLs) loads neither."""
+    loaded = _modules_after(
+        "from vitserve.cache import open_store, tiered_url\n"
+        "from vitserve.cache.testing import make_record\n"
+        "import vitserve.cache.node\n"
+        f"store = open_store(tiered_url('memory://', {redis_url!r}, namespace='layering'))\n"
+        "record = make_record()\n"
+        "store.put_many([record])\n"
+        "assert store.get(record.key) is not None\n"
+    )
+    assert {"redis", "msgpack", "numpy"} <= loaded
+    assert not loaded & {"torch", "transformers"}
+
+
 def test_cli_starts_without_torch() -> None:
     assert "torch" not in _modules_after_import("vitserve.deployments.cli")
 
