@@ -31,6 +31,7 @@ from typing import Any
 
 from vitserve.cache.codec import (
     EmbeddingRecord,
+    Header,
     RowSpan,
     decode_record,
     decode_rows,
@@ -165,6 +166,42 @@ class EmbeddingStore(ABC):
 
     def _on_bad_value(self, full_key: str, reason: str) -> None:  # noqa: B027 - optional hook
         """Called for a value that failed a check (stores may drop it)."""
+
+    def get_value(self, key: str) -> Buffer | None:
+        """The stored value of ``key`` as it is stored (record format), after the same checks
+        as ``get``: for passing a record on (HTTP) without re-encoding it."""
+        value = self._get_values([self.full_key(key)])[0]
+        if value is None:
+            self._count("misses")
+            return None
+        return value if self._decode(key, value) is not None else None
+
+    def headers_many(self, keys: Sequence[str]) -> list[Header | None]:
+        """The record headers of ``keys`` (dtype, shape, tokens, grid), reading no payload
+        where the backend can avoid it; None where missing or invalid."""
+        heads = self._get_heads([self.full_key(k) for k in keys])
+        out: list[Header | None] = []
+        for key, head in zip(keys, heads, strict=True):
+            if head is None:
+                self._count("misses")
+                out.append(None)
+                continue
+            try:
+                header = read_header(head)
+                if header.key != key:
+                    raise RecordFormatError("record holds another key")
+                if self.fingerprint is not None and header.fingerprint != self.fingerprint:
+                    raise RecordFormatError("record was made by another model")
+            except RecordFormatError as exc:
+                self._integrity_miss(key, exc)
+                out.append(None)
+                continue
+            out.append(header)
+        return out
+
+    def _get_heads(self, full_keys: list[str]) -> list[Buffer | None]:
+        """``_get_head`` of several keys (backends may batch it)."""
+        return [self._get_head(fk) for fk in full_keys]
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         """Which keys hold a value (a cheap probe: no payload is read or checked)."""

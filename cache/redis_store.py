@@ -223,6 +223,27 @@ class RedisStore(EmbeddingStore):
         return head
 
     @_guarded
+    def _get_heads(self, full_keys: list[str]) -> list[Buffer | None]:
+        """One pipeline of GETRANGE for every key's first 4 KiB; longer headers (rare) are
+        completed one by one."""
+        if not full_keys:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        for fk in full_keys:
+            pipe.getrange(self._vkey(fk), 0, HEAD_READ - 1)
+        heads: list[Buffer | None] = []
+        for fk, head in zip(full_keys, pipe.execute(), strict=True):
+            if not head:
+                heads.append(None)
+                continue
+            try:
+                long_header = header_bytes_needed(head) > len(head) == HEAD_READ
+            except RecordFormatError:
+                long_header = False
+            heads.append(self._get_head(fk) if long_header else head)
+        return heads
+
+    @_guarded
     def _get_spans(self, full_key: str, spans: list[RowSpan]) -> list[Buffer] | None:
         key = self._vkey(full_key)
         pipe = self._client.pipeline(transaction=False)

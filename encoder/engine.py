@@ -34,11 +34,12 @@ from vitserve.encoder.device import (
     tune_cpu_allocator,
 )
 from vitserve.encoder.families import FamilyAdapter, PreparedImage
-from vitserve.encoder.images import DEFAULT_LIMITS, ImageLimits, decode_image
+from vitserve.encoder.images import DEFAULT_LIMITS, ImageLimits
 from vitserve.encoder.keys import content_key, model_fingerprint
 from vitserve.encoder.loading import LoadReport, load_vision
 from vitserve.encoder.planner import Plan, PlanItem, plan_batches
-from vitserve.errors import ConfigError, ImageError, ImagePreprocessError
+from vitserve.encoder.preprocess import Preprocessor
+from vitserve.errors import ConfigError, ImageError
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +96,7 @@ class EncoderEngine:
         self.max_batch_patches = max_batch_patches or default_max_batch_patches(
             adapter.device, adapter.tower_shape.mlp, adapter.dtype
         )
-        self.limits = limits
+        self.preprocessor = Preprocessor(adapter, limits)
         self.namespace = namespace
         self.model = model
         self.revision = revision
@@ -169,11 +170,7 @@ class EncoderEngine:
     # -- CPU half ----------------------------------------------------------------------------
     def prepare_one(self, data: bytes | bytearray | memoryview, index: int = 0) -> PreparedImage:
         """Decode (limits first), key and preprocess one image; raises ImageError."""
-        image = decode_image(data, index=index, limits=self.limits)
-        try:
-            return self.adapter.preprocess(image, self.key(data))
-        except Exception as exc:
-            raise ImagePreprocessError(index, f"{type(exc).__name__}: {exc}") from exc
+        return self.preprocessor.prepare(data, self.key(data), index)
 
     def prepare(
         self, images: Sequence[bytes | bytearray | memoryview]

@@ -173,6 +173,31 @@ def _read_tensor(f: Any, base: int, info: Mapping[str, Any]) -> tuple[Any, str]:
     return tensor, blake3.blake3(buf).hexdigest()
 
 
+def _read_configs(source: _Source) -> tuple[Any, Any, type[FamilyAdapter]]:
+    """The model config, the image processor and the family adapter class of ``source``."""
+    from transformers import AutoConfig, AutoImageProcessor
+
+    config_path = source.fetch("config.json")
+    source.fetch("preprocessor_config.json")
+    try:
+        config = AutoConfig.from_pretrained(config_path.parent)
+        processor = AutoImageProcessor.from_pretrained(config_path.parent)
+    except Exception as exc:
+        raise ModelLoadError(source.model, f"cannot read config or image processor: {exc}") from exc
+    adapter_cls = adapter_class(getattr(config, "model_type", ""), model=source.model)
+    adapter_cls.check_processor(processor)
+    return config, processor, adapter_cls
+
+
+def load_preprocessor(model: str, *, revision: str | None = None) -> FamilyAdapter:
+    """A family adapter that can only ``preprocess`` (config and image processor; no weights),
+    for CPU workers that turn images into pixel arrays for the encoder."""
+    import torch
+
+    config, processor, adapter_cls = _read_configs(_Source(model, revision))
+    return adapter_cls(config, processor, {}, device=torch.device("cpu"), dtype=torch.float32)
+
+
 def load_vision(
     model: str,
     *,
@@ -182,20 +207,11 @@ def load_vision(
 ) -> LoadedVision:
     """Load only the vision tower and projector of ``model`` onto ``device`` in ``dtype``."""
     import torch
-    from transformers import AutoConfig, AutoImageProcessor
     from transformers.initialization import no_init_weights
 
     started = time.perf_counter()
     source = _Source(model, revision)
-    config_path = source.fetch("config.json")
-    source.fetch("preprocessor_config.json")
-    try:
-        config = AutoConfig.from_pretrained(config_path.parent)
-        processor = AutoImageProcessor.from_pretrained(config_path.parent)
-    except Exception as exc:
-        raise ModelLoadError(model, f"cannot read config or image processor: {exc}") from exc
-    adapter_cls = adapter_class(getattr(config, "model_type", ""), model=model)
-    adapter_cls.check_processor(processor)
+    config, processor, adapter_cls = _read_configs(source)
 
     total_size = None
     if source.exists(INDEX_FILE):

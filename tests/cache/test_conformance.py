@@ -217,3 +217,17 @@ def test_corrupt_values_are_misses_never_data(make_store, case: str) -> None:
     # a good value under the same key is served again
     store.put_many([record])
     _assert_same(store.get(record.key), record)
+
+
+def test_headers_and_raw_values(make_store) -> None:
+    store = make_store()
+    records = [make_record(rows=40, width=16, dtype="bf16", seed=21),
+               make_record(rows=7, width=8, seed=22)]  # fmt: skip
+    store.put_many(records)
+    missing = new_key()
+    headers = store.headers_many([records[0].key, missing, records[1].key])
+    assert headers[1] is None
+    assert (headers[0].dtype, headers[0].num_tokens, headers[0].grid) == ("bf16", 40, (1, 80, 2))
+    assert (headers[2].num_tokens, headers[2].tensors[0].width) == (7, 8)
+    assert bytes(store.get_value(records[1].key)) == bytes(encode_record(records[1]))
+    assert store.get_value(missing) is None

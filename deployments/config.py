@@ -1,0 +1,145 @@
+"""The service's one configuration object: strict, frozen, every field settable by environment.
+
+Ray Serve's own config schema accepts misspelled keys silently (``max_ongoing_request``,
+``num_gpu`` ...); vitserve's does not: every model here forbids unknown fields, so a typo in a
+YAML file, a ``serve run`` argument or an environment variable is an error at start-up.
+
+Environment: ``VITSERVE_<FIELD>`` for top-level fields and ``VITSERVE_<SECTION>__<FIELD>`` for
+nested ones (``VITSERVE_MODEL=demo``, ``VITSERVE_LIMITS__MAX_IMAGES_PER_REQUEST=16``); values
+are parsed as JSON when they parse, else taken as strings. Precedence: explicit arguments, then
+environment, then defaults. An unknown ``VITSERVE_*`` variable is an error too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from vitserve.errors import ConfigError
+
+ENV_PREFIX = "VITSERVE_"
+log = logging.getLogger("vitserve")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LimitsConfig(_Strict):
+    """Per-request limits, enforced at the HTTP ingress before any work is done."""
+
+    max_images_per_request: int = Field(64, gt=0)
+    max_request_bytes: int = Field(64 * 2**20, gt=0)
+    max_image_bytes: int = Field(32 * 2**20, gt=0)
+    max_image_pixels: int = Field(40_000_000, gt=0)
+    max_keys_per_probe: int = Field(1024, gt=0)
+
+
+class BatchingConfig(_Strict):
+    """How the encoder deployment gathers concurrent images into one ``@serve.batch`` call."""
+
+    enabled: bool = True
+    max_batch_patches: int = Field(32768, gt=0)  # batch_size_fn counts patches, not images
+    batch_wait_timeout_s: float = Field(0.01, ge=0)
+
+
+class AutoscalingConfig(_Strict):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(8.0, gt=0)
+
+
+class DeploymentConfig(_Strict):
+    """Resources and scaling of one deployment (the subset vitserve exposes, checked)."""
+
+    num_replicas: int = Field(1, ge=1)
+    autoscaling: AutoscalingConfig | None = None
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(64, gt=0)
+    max_queued_requests: int = Field(256, ge=-1)  # -1: unbounded (not recommended)
+
+
+class SingleFlightConfig(_Strict):
+    claim_ttl_s: float = Field(60.0, gt=0)
+    wait_timeout_s: float = Field(60.0, gt=0)
+
+
+class VitserveConfig(_Strict):
+    """Everything a vitserve application needs; see the module docstring for the environment."""
+
+    model: str = "demo"
+    revision: str | None = None
+    device: str | None = None  # None: cuda when present, else cpu
+    dtype: str | None = None  # None: bf16 where native, else fp32
+    store: str = "node://"  # any open_store URL
+    namespace: str = ""
+    budget_bytes: int | None = Field(None, gt=0)
+    torch_threads: int | None = Field(None, gt=0)  # None: all cores of the node
+    batching: BatchingConfig = BatchingConfig()
+    limits: LimitsConfig = LimitsConfig()
+    single_flight: SingleFlightConfig = SingleFlightConfig()
+    encoder: DeploymentConfig = DeploymentConfig(num_cpus=1.0, max_ongoing_requests=256)
+    preprocess: DeploymentConfig = DeploymentConfig(num_cpus=0.5)
+    ingress: DeploymentConfig = DeploymentConfig(num_cpus=0.25, max_ongoing_requests=128)
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(8000, ge=0, le=65535)
+    access_log: bool = False
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, value: str | None) -> str | None:
+        if value is not None and value.lower() not in ("fp32", "bf16", "fp16", "float32",
+                                                       "bfloat16", "float16"):  # fmt: skip
+            raise ValueError(f"unknown dtype {value!r}; use fp32, bf16 or fp16")
+        return value
+
+    @classmethod
+    def load(cls, overrides: Mapping[str, Any] | None = None,
+             environ: Mapping[str, str] | None = None) -> VitserveConfig:  # fmt: skip
+        """Defaults, then ``VITSERVE_*`` environment, then ``overrides`` (nested dicts)."""
+        data: dict[str, Any] = {}
+        for name, raw in (os.environ if environ is None else environ).items():
+            if not name.startswith(ENV_PREFIX) or name in _NOT_CONFIG:
+                continue
+            path = name[len(ENV_PREFIX) :].lower().split("__")
+            node = data
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = _parse_env(raw)
+        _merge(data, dict(overrides or {}))
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+            )
+            raise ConfigError(f"invalid vitserve config: {problems}") from None
+
+    def log_effective(self) -> None:
+        """Log the effective configuration once (JSON, one line)."""
+        log.info("vitserve effective config: %s", self.model_dump_json())
+
+
+# Environment variables that share the prefix but are not config fields.
+_NOT_CONFIG = {"VITSERVE_CACHE", "VITSERVE_TEST_REDIS"}
+
+
+def _parse_env(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> None:
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
