@@ -33,7 +33,8 @@ def parse_size(text: str) -> int:
     return int(float(digits) * _SIZE_UNITS[unit])
 
 
-def _options(url: str, query: str, allowed: dict[str, Any]) -> dict[str, Any]:
+def _options(url: str, query: str, allowed: dict[str, Any],
+             overrides: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     out: dict[str, Any] = {}
     for name, value in parse_qsl(query, keep_blank_values=True):
         kind = allowed.get(name) or _COMMON.get(name)
@@ -44,33 +45,37 @@ def _options(url: str, query: str, allowed: dict[str, Any]) -> dict[str, Any]:
             out[name] = parse_size(value) if kind == "size" else kind(value)
         except ValueError as exc:
             raise ConfigError(f"invalid value {value!r} for {name!r} in {url!r}") from exc
-    return out
+    return {**out, **(overrides or {})}
 
 
-def open_store(url: str) -> EmbeddingStore:
-    """Build the store a URL names (see the module docstring)."""
+def open_store(url: str, **overrides: Any) -> EmbeddingStore:
+    """Build the store a URL names (see the module docstring); ``overrides`` (namespace,
+    fingerprint, ttl_s) take precedence over the URL's own."""
+    unknown = set(overrides) - set(_COMMON)
+    if unknown:
+        raise ConfigError(f"open_store overrides must be among {sorted(_COMMON)}: {unknown}")
     parts = urlsplit(url)
     scheme = parts.scheme
     if scheme == "memory":
         from vitserve.cache.memory import MemoryStore
 
-        return MemoryStore(**_options(url, parts.query, {"max_bytes": "size"}))
+        return MemoryStore(**_options(url, parts.query, {"max_bytes": "size"}, overrides))
     if scheme == "node":
         from vitserve.cache.node import NodeStore
 
         allowed = {"max_bytes": "size", "actor_name": str, "timeout_s": float}
-        return NodeStore(**_options(url, parts.query, allowed))
+        return NodeStore(**_options(url, parts.query, allowed, overrides))
     if scheme in ("redis", "rediss"):
         from vitserve.cache.redis_store import RedisStore
 
         allowed = {"timeout_s": float, "prefix": str, "max_connections": int}
-        opts = _options(url, parts.query, allowed)
+        opts = _options(url, parts.query, allowed, overrides)
         server = urlunsplit((parts.scheme, parts.netloc, parts.path or "/0", "", ""))
         return RedisStore(server, **opts)
     if scheme == "tiered":
         from vitserve.cache.tiered import TieredStore
 
-        opts = _options(url, parts.query, {"l1": str, "l2": str})
+        opts = _options(url, parts.query, {"l1": str, "l2": str}, overrides)
         try:
             local, shared = opts.pop("l1"), opts.pop("l2")
         except KeyError:

@@ -91,6 +91,16 @@ class VitserveConfig(_Strict):
     http_port: int = Field(8000, ge=0, le=65535)
     access_log: bool = False
 
+    @field_validator("store")
+    @classmethod
+    def _store(cls, value: str) -> str:
+        if value.startswith("memory:"):
+            raise ValueError(
+                "memory:// is private to one process; the service's replicas share a store: "
+                "use node:// (the embedded default), redis://... or tiered://"
+            )
+        return value
+
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, value: str | None) -> str | None:

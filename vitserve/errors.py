@@ -112,3 +112,42 @@ class RecordFormatError(StoreError):
         super().__init__(reason)
         self.reason = reason
         self.newer_version = newer_version  # written by a newer vitserve: not corrupt
+
+
+class RequestError(VitserveError):
+    """A request refused as a whole, before any work was done."""
+
+
+class LimitExceededError(RequestError):
+    """A request exceeds a configured limit (``limit`` names it)."""
+
+    http_status = 413
+
+    def __init__(self, limit: str, value: int, allowed: int) -> None:
+        super().__init__(f"{limit} exceeded: {value} > {allowed}")
+        self.limit = limit
+        self.value = value
+        self.allowed = allowed
+
+
+class MalformedRequestError(RequestError):
+    """A request that cannot be read (bad JSON, base64, content type, key or range)."""
+
+    http_status = 422
+
+    def __init__(self, reason: str, status: int = 422) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.http_status = status
+
+
+class BackpressureError(VitserveError):
+    """The service is at capacity (its queue is full); retry after a pause."""
+
+    retryable = True
+    http_status = 429
+
+    def __init__(self, queued: int, limit: int, detail: str = "") -> None:
+        super().__init__(f"at capacity ({queued}/{limit} queued){': ' + detail if detail else ''}")
+        self.queued = queued
+        self.limit = limit

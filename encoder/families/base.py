@@ -18,6 +18,7 @@ Invariants every adapter keeps:
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,11 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
     from PIL import Image
+
+# Pixel arrays that arrive through Ray's object store are read-only; the tower only reads them
+# (pack_rows copies them into its input buffer), so torch's warning about it is noise.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
+                        category=UserWarning)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

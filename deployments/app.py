@@ -1,0 +1,71 @@
+"""Application builders: the vitserve Serve application from one strict config.
+
+``build_app`` is what ``serve run vitserve.deployments.app:build_app model=demo`` and a
+``serve build``-style YAML (``import_path: vitserve.deployments.app:build_app`` with ``args``)
+call. ``args`` are the config's fields; nested fields take dotted names
+(``limits.max_images_per_request=16``) or nested mappings. The model ``demo`` is the small
+random-weight model, built once into the cache folder; it is never used in place of a model
+that failed to load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vitserve.deployments.config import DeploymentConfig, VitserveConfig
+
+DEMO_MODEL = "demo"
+DEMO_FAMILY, DEMO_PRESET = "qwen2_vl", "small"
+
+
+def resolve_model(model: str) -> str:
+    """``demo`` -> the folder of the demo model (built once); anything else unchanged."""
+    if model != DEMO_MODEL:
+        return model
+    from vitserve.encoder.testmodels import cached_model
+
+    return str(cached_model(DEMO_FAMILY, DEMO_PRESET))
+
+
+def _nest(args: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in args.items():
+        node = out
+        *parents, leaf = name.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def _options(d: DeploymentConfig) -> dict[str, Any]:
+    """Serve deployment options from vitserve's checked subset."""
+    options: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": d.num_cpus, "num_gpus": d.num_gpus},
+        "max_ongoing_requests": d.max_ongoing_requests,
+        "max_queued_requests": d.max_queued_requests,
+    }
+    if d.autoscaling is not None:
+        a = d.autoscaling
+        options["autoscaling_config"] = {"min_replicas": a.min_replicas,
+                                         "max_replicas": a.max_replicas,
+                                         "target_ongoing_requests":
+                                             a.target_ongoing_requests}  # fmt: skip
+    else:
+        options["num_replicas"] = d.num_replicas
+    return options
+
+
+def build_app(args: Mapping[str, Any] | None = None, *, config: VitserveConfig | None = None):
+    """The bound vitserve application (ingress -> preprocess -> encoder)."""
+    from vitserve.deployments.encoder import EncoderDeployment, PreprocessDeployment
+    from vitserve.deployments.ingress import Ingress
+
+    cfg = config or VitserveConfig.load(_nest(args or {}))
+    cfg = cfg.model_copy(update={"model": resolve_model(cfg.model)})
+    cfg.log_effective()
+    plain = cfg.model_dump()
+    encoder = EncoderDeployment.options(**_options(cfg.encoder)).bind(plain)
+    preprocess = PreprocessDeployment.options(**_options(cfg.preprocess)).bind(plain)
+    return Ingress.options(**_options(cfg.ingress)).bind(encoder, preprocess, plain)

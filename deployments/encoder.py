@@ -1,0 +1,257 @@
+"""The encoder and preprocessing deployments.
+
+``PreprocessDeployment`` (CPU replicas) decodes and preprocesses images with the model's image
+processor only (no weights) and returns a :class:`PreparedImage`: plain numpy, which Serve passes
+to the encoder through the object store by reference when the ingress hands the response
+straight to the encoder's handle (the ingress never fetches the pixels).
+
+``EncoderDeployment`` (one replica per GPU, or CPU) holds an :class:`EncoderEngine`:
+
+* Concurrent images are gathered with ``@serve.batch`` whose ``batch_size_fn`` counts patches,
+  not images; the engine's planner splits a gathered batch into uniform-bucket forwards under the
+  activation budget; forwards run in a worker thread, one at a time, off the event loop.
+* Single flight: an image already being encoded on this replica is joined (one shared future);
+  one being encoded on another replica is awaited through the store's claim (``claim`` /
+  ``wait_for``), then read from the store. Store failures never fail an encode: the image is
+  encoded (and the failure counted).
+* Each embedding is published once, in the record format, under its content key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import numpy as np
+from ray import serve
+
+from vitserve.deployments import metrics
+from vitserve.deployments.config import VitserveConfig
+from vitserve.errors import ImageError, StoreError, VitserveError
+
+log = logging.getLogger("vitserve")
+
+# The effective patch cap of this replica's batch queue (set in __init__; one deployment class
+# per replica process). An image larger than the cap counts as the cap, so it runs alone
+# instead of being refused by Serve's batch queue.
+_PATCH_CAP = 32768
+
+
+def _batch_patches(items: list[Any]) -> int:
+    return sum(min(p.patches, _PATCH_CAP) for p in items)
+
+
+def embedding_record(embedding: Any, fingerprint: str) -> Any:
+    """The store record of an engine ``Embedding``: numpy views of its tensors (bf16 as raw
+    16-bit words); tensors on a GPU are copied to host memory first (a store holds bytes)."""
+    import torch
+
+    from vitserve.cache.codec import EmbeddingRecord
+
+    def host(t: torch.Tensor) -> np.ndarray:
+        t = t.detach().to("cpu")  # no copy when already on the CPU
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(np.uint16)
+        return t.numpy()
+
+    tag = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[
+        embedding.tensor.dtype
+    ]
+    tensors = {"embedding": host(embedding.tensor)}
+    tensors |= {name: host(t) for name, t in embedding.extras.items()}
+    return EmbeddingRecord(key=embedding.key, fingerprint=fingerprint, dtype=tag,
+                           num_tokens=embedding.num_tokens, grid=embedding.grid,
+                           tensors=tensors)  # fmt: skip
+
+
+def describe_header(header: Any) -> dict[str, Any]:
+    """The API's description of a stored embedding, from its record header."""
+    return {
+        "key": header.key,
+        "num_tokens": header.num_tokens,
+        "grid": list(header.grid) if header.grid else None,
+        "dtype": header.dtype,
+        "shape": [header.num_tokens, header.tensors[0].width],
+        "extras": [t.name for t in header.tensors[1:]],
+    }
+
+
+def error_item(exc: VitserveError) -> dict[str, Any]:
+    return {"error": {**exc.to_dict(), "status": exc.http_status}}
+
+
+@serve.deployment
+class PreprocessDeployment:
+    def __init__(self, config: dict[str, Any]) -> None:
+        from vitserve.encoder.images import ImageLimits
+        from vitserve.encoder.preprocess import Preprocessor
+
+        cfg = VitserveConfig.model_validate(config)
+        limits = ImageLimits(max_image_bytes=cfg.limits.max_image_bytes,
+                             max_image_pixels=cfg.limits.max_image_pixels)  # fmt: skip
+        self.preprocessor = Preprocessor.from_pretrained(cfg.model, revision=cfg.revision,
+                                                         limits=limits)  # fmt: skip
+
+    def prepare(self, data: bytes, key: str, index: int) -> Any:
+        """A PreparedImage, or an error item (a bad image fails alone, never the replica)."""
+        try:
+            return self.preprocessor.prepare(data, key, index)
+        except ImageError as exc:
+            return error_item(exc)
+
+
+@serve.deployment
+class EncoderDeployment:
+    def __init__(self, config: dict[str, Any]) -> None:
+        import torch
+
+        from vitserve.cache import open_store
+        from vitserve.encoder.engine import EncoderEngine
+
+        global _PATCH_CAP
+        cfg = VitserveConfig.model_validate(config)
+        self.cfg = cfg
+        if cfg.torch_threads or not torch.cuda.is_available():
+            import os
+
+            torch.set_num_threads(cfg.torch_threads or os.cpu_count() or 1)
+        self.engine = EncoderEngine.from_pretrained(
+            cfg.model, device=cfg.device, dtype=cfg.dtype, budget_bytes=cfg.budget_bytes,
+            revision=cfg.revision, namespace=cfg.namespace,
+        )  # fmt: skip
+        self.store = open_store(cfg.store, namespace=cfg.namespace,
+                                fingerprint=self.engine.fingerprint)  # fmt: skip
+        _PATCH_CAP = cfg.batching.max_batch_patches
+        self._encode_batch.set_max_batch_size(cfg.batching.max_batch_patches)
+        self._encode_batch.set_batch_wait_timeout_s(cfg.batching.batch_wait_timeout_s)
+        self._inflight: dict[str, asyncio.Future] = {}
+        self._device_lock = asyncio.Lock()  # one forward on the device at a time
+        cfg.log_effective()
+
+    # -- queries -----------------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        e = self.engine
+        return {"model": self.cfg.model, "family": e.family, "fingerprint": e.fingerprint,
+                "dtype": str(e.dtype).removeprefix("torch."), "device": str(e.device),
+                "namespace": e.namespace}  # fmt: skip
+
+    def counters(self) -> dict[str, Any]:
+        c = self.engine.counters
+        return {"forward_calls": c.forward_calls, "images": c.images, "patches": c.patches,
+                "oversize": c.oversize,
+                "forward_calls_by_bucket": {str(k): v for k, v in
+                                            c.forward_calls_by_bucket.items()}}  # fmt: skip
+
+    # -- encoding ------------------------------------------------------------------------------
+    async def encode(self, prepared: Any) -> dict[str, Any]:
+        """Encode one prepared image (or pass an error item through); single flight."""
+        if isinstance(prepared, dict):  # the preprocessor refused the image
+            return prepared
+        key = prepared.key
+        pending = self._inflight.get(key)
+        if pending is not None:
+            metrics.inc("single_flight_joins_total", scope="local")
+            return await asyncio.shield(pending)
+        future = asyncio.get_running_loop().create_future()
+        self._inflight[key] = future
+        try:
+            result = await self._encode_once(prepared)
+            future.set_result(result)
+            return result
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: waiters re-raise it, nobody else needs to
+            raise
+        finally:
+            del self._inflight[key]
+
+    async def _store_call(self, op: str, fn: Any, *args: Any, default: Any = None) -> Any:
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except StoreError as exc:
+            metrics.inc("store_errors_total", op=op)
+            log.warning("store %s failed: %s", op, exc)
+            return default
+
+    async def _published(self, key: str) -> dict[str, Any] | None:
+        headers = await self._store_call("headers", self.store.headers_many, [key],
+                                         default=[None])  # fmt: skip
+        return describe_header(headers[0]) if headers[0] is not None else None
+
+    async def _encode_once(self, prepared: Any) -> dict[str, Any]:
+        started = time.perf_counter()
+        key = prepared.key
+        cached = await self._published(key)
+        if cached is not None:
+            metrics.inc("cache_hits_total")
+            return cached
+        metrics.inc("cache_misses_total")
+        sf = self.cfg.single_flight
+        won = await self._store_call("claim", self.store.claim, key, sf.claim_ttl_s,
+                                     default=True)  # fmt: skip
+        if not won:  # another replica is encoding it: wait for its publish
+            metrics.inc("single_flight_joins_total", scope="remote")
+            if await self._store_call("wait_for", self.store.wait_for, key, sf.wait_timeout_s,
+                                      default=False):  # fmt: skip
+                published = await self._published(key)
+                if published is not None:
+                    return published
+            # the claimant gave up, failed or timed out: encode it here
+        try:
+            if self.cfg.batching.enabled:
+                result = await self._encode_batch(prepared, started)
+            else:
+                [result] = await self._run([prepared], [started])
+        finally:
+            if won:
+                await self._store_call("release", self.store.release, key)
+        metrics.observe("encode_latency_seconds", time.perf_counter() - started)
+        return result
+
+    @serve.batch(max_batch_size=32768, batch_wait_timeout_s=0.01, batch_size_fn=_batch_patches)
+    async def _encode_batch(self, items: list[Any], arrived: list[float]) -> list[dict[str, Any]]:
+        return await self._run(items, arrived)
+
+    async def _run(self, items: list[Any], arrived: list[float]) -> list[dict[str, Any]]:
+        async with self._device_lock:
+            start = time.perf_counter()
+            for t in arrived:
+                metrics.observe("queue_wait_seconds", start - t)
+            results, values, plan = await asyncio.to_thread(self._forward_and_encode, items)
+        for batch in plan.batches:
+            metrics.inc("tower_forward_calls_total", bucket=str(batch.bucket))
+            metrics.observe("batch_images", batch.num_items)
+            metrics.observe("batch_patches", batch.patches)
+        metrics.inc("images_encoded_total", len(items))
+        metrics.inc("padded_tokens_total", 0)  # packing and uniform buckets never pad
+        try:
+            await asyncio.to_thread(self.store.put_values, values)
+            metrics.inc("bytes_published_total", sum(len(v) for _, v in values))
+        except StoreError as exc:  # the embeddings are computed; the caller still gets them
+            metrics.inc("store_errors_total", op="put")
+            log.warning("publishing %d embeddings failed: %s", len(values), exc)
+        self._report_store()
+        return results
+
+    def _forward_and_encode(self, items: list[Any]) -> tuple[list[dict], list[tuple], Any]:
+        """Worker thread: plan, forward, and encode each embedding into its record."""
+        from vitserve.cache.codec import encode_record, read_header
+
+        plan = self.engine.plan(items)
+        embeddings = self.engine.run(items, plan)
+        results, values = [], []
+        for e in embeddings:
+            value = encode_record(embedding_record(e, self.engine.fingerprint))
+            values.append((e.key, value))
+            results.append(describe_header(read_header(value)))
+        return results, values, plan
+
+    def _report_store(self) -> None:
+        try:
+            stats = self.store.stats()
+        except StoreError:
+            return
+        metrics.set_gauge("cache_evictions", stats.get("evictions", 0)
+                          + stats.get("local_evictions", 0))  # fmt: skip

@@ -1,0 +1,312 @@
+"""The HTTP ingress: FastAPI under ``@serve.ingress``; OpenAPI at ``/docs``; all on one port.
+
+Routes:
+
+* ``POST /v1/encode``: images as repeated multipart fields ``images``, or JSON
+  ``{"images": [{"data": "<base64>"} | {"key": "<hex>"}]}`` (a key-only item names an image the
+  caller believes cached). Answer: ``{"items": [...]}`` in input order, each
+  ``{key, num_tokens, grid, dtype, shape, extras, cached}`` or ``{error}``.
+* ``POST /v1/probe``: ``{"keys": [...]}`` -> ``{"exists": [bool, ...]}``.
+* ``GET /v1/embeddings/{key}[?start=&end=]``: the record (``application/octet-stream``, the
+  store's record format); with a row range, a record of just those rows, whose first row is
+  row ``X-Vitserve-Row-Start`` of the image's ``X-Vitserve-Num-Tokens``.
+* ``GET /healthz``, ``GET /metrics`` (this node's ``vitserve_*`` metrics, Prometheus text).
+
+Request-level limits are checked before any work, from the request's size and each image's
+header: too many images, too many bytes, an image over ``max_image_bytes`` or
+``max_image_pixels`` -> 413 (422 for malformed input) with a JSON error naming the limit; the
+request then costs nothing else. Images that pass the limits but do not decode or preprocess
+fail alone: their item carries the error, the others are encoded. A full encoder queue -> 429
+with ``Retry-After``. A store that is down -> 503 for fetches and probes, while encodes still
+answer (from a tiered store's local tier, or by encoding).
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI reads the routes' annotations
+# (``Request``) at run time inside Serve's class-based ingress.
+import asyncio
+import base64
+import binascii
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from ray import serve
+
+from vitserve.deployments import metrics
+from vitserve.deployments.config import VitserveConfig
+from vitserve.deployments.encoder import describe_header, error_item
+from vitserve.errors import (
+    BackpressureError,
+    CacheMissError,
+    ImageError,
+    LimitExceededError,
+    MalformedRequestError,
+    StoreError,
+    StoreUnavailableError,
+    VitserveError,
+)
+
+log = logging.getLogger("vitserve")
+KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+RETRY_AFTER_S = 1
+
+api = FastAPI(
+    title="vitserve",
+    summary="Disaggregated vision encoder: encode images once, fetch embeddings by key.",
+    version="0.1.0",
+)
+
+
+def _error(exc: VitserveError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.retryable else None
+    return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status, headers=headers)
+
+
+@serve.deployment
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, encoder: Any, preprocess: Any, config: dict[str, Any]) -> None:
+        from vitserve.cache import open_store
+
+        self.cfg = VitserveConfig.model_validate(config)
+        self.encoder = encoder
+        self.preprocess = preprocess
+        self.store = open_store(self.cfg.store, namespace=self.cfg.namespace)
+        self._model: dict[str, Any] | None = None
+
+    async def _describe(self) -> dict[str, Any]:
+        if self._model is None:
+            self._model = await self.encoder.describe.remote()
+            self.store.fingerprint = self._model["fingerprint"]
+        return self._model
+
+    # -- encode ------------------------------------------------------------------------------
+    @api.post("/v1/encode", summary="Encode images (multipart or JSON); items in input order")
+    async def encode(self, request: Request) -> Response:
+        try:
+            items = await self._read_images(request)
+            response = await self._encode(items)
+        except VitserveError as exc:
+            response = _error(exc)
+        metrics.inc("requests_total", route="encode", status=str(response.status_code))
+        return response
+
+    async def _read_images(self, request: Request) -> list[bytes | str]:
+        """The request's items: image bytes or keys; request-level limits checked."""
+        limits = self.cfg.limits
+        length = request.headers.get("content-length")
+        if length is not None and int(length) > limits.max_request_bytes:
+            raise LimitExceededError("max_request_bytes", int(length), limits.max_request_bytes)
+        ctype = request.headers.get("content-type", "")
+        items: list[bytes | str] = []
+        if ctype.startswith("multipart/form-data"):
+            form = await request.form(max_files=limits.max_images_per_request + 1,
+                                      max_part_size=limits.max_image_bytes + 1)  # fmt: skip
+            for upload in form.getlist("images"):
+                if isinstance(upload, str):
+                    raise MalformedRequestError("multipart field 'images' must be a file")
+                items.append(await upload.read())
+            unknown = set(form.keys()) - {"images"}
+            if unknown:
+                raise MalformedRequestError(f"unknown multipart fields: {sorted(unknown)}")
+        elif ctype.startswith("application/json"):
+            items = self._json_items(await request.body())
+        else:
+            raise MalformedRequestError(
+                f"unsupported content type {ctype!r}; use multipart/form-data or JSON", 415
+            )
+        if not items:
+            raise MalformedRequestError("no images in the request")
+        if len(items) > limits.max_images_per_request:
+            raise LimitExceededError("max_images_per_request", len(items),
+                               limits.max_images_per_request)  # fmt: skip
+        total = sum(len(i) for i in items if isinstance(i, bytes))
+        if total > limits.max_request_bytes:
+            raise LimitExceededError("max_request_bytes", total, limits.max_request_bytes)
+        self._check_images(items)
+        return items
+
+    def _json_items(self, body: bytes) -> list[bytes | str]:
+        import json
+
+        try:
+            doc = json.loads(body)
+        except ValueError as exc:
+            raise MalformedRequestError(f"invalid JSON: {exc}") from None
+        if not isinstance(doc, dict) or set(doc) != {"images"} or not isinstance(doc["images"],
+                                                                                list):  # fmt: skip
+            raise MalformedRequestError('expected {"images": [{"data": ...} | {"key": ...}]}')
+        items: list[bytes | str] = []
+        for i, item in enumerate(doc["images"]):
+            if isinstance(item, dict) and set(item) == {"data"} and isinstance(item["data"], str):
+                try:
+                    items.append(base64.b64decode(item["data"], validate=True))
+                except (binascii.Error, ValueError):
+                    raise MalformedRequestError(f"images[{i}].data is not base64") from None
+            elif isinstance(item, dict) and set(item) == {"key"} and isinstance(item["key"], str):
+                if not KEY_RE.match(item["key"]):
+                    raise MalformedRequestError(f"images[{i}].key is not a 64-hex key")
+                items.append(item["key"])
+            else:
+                raise MalformedRequestError(
+                    f'images[{i}] must be {{"data": ...}} or {{"key": ...}}'
+                )
+        return items
+
+    def _check_images(self, items: list[bytes | str]) -> None:
+        """Byte and pixel limits of each image, from its header only (no decode)."""
+        from vitserve.encoder.images import ImageLimits, image_size
+
+        limits = ImageLimits(max_image_bytes=self.cfg.limits.max_image_bytes,
+                             max_image_pixels=self.cfg.limits.max_image_pixels)  # fmt: skip
+        for i, item in enumerate(items):
+            if isinstance(item, bytes):
+                try:
+                    image_size(item, index=i, limits=limits)
+                except ImageError as exc:
+                    if exc.http_status == 413:  # over a limit: refuse the request up front
+                        raise
+                    # undecodable: that item fails alone (the preprocessor says why)
+
+    async def _encode(self, items: list[bytes | str]) -> Response:
+        from vitserve.encoder.keys import content_key
+
+        model = await self._describe()
+        keys = [i if isinstance(i, str) else content_key(i, model["fingerprint"],
+                                                           self.cfg.namespace)
+                for i in items]  # fmt: skip
+        try:
+            headers = await asyncio.to_thread(self.store.headers_many, keys)
+        except StoreError as exc:  # encode anyway; the encoder publishes when it can
+            metrics.inc("store_errors_total", op="headers")
+            log.warning("store lookup failed: %s", exc)
+            headers = [None] * len(keys)
+        results: list[Any] = [None] * len(items)
+        pending: dict[int, Any] = {}
+        first: dict[str, int] = {}
+        for i, (item, key, header) in enumerate(zip(items, keys, headers, strict=True)):
+            if header is not None:
+                results[i] = {**describe_header(header), "cached": True}
+                metrics.inc("cache_hits_total")
+            elif isinstance(item, str):
+                results[i] = error_item(CacheMissError([key]))
+                metrics.inc("cache_misses_total")
+            elif key in first:  # the same image twice in one request: encode it once
+                continue
+            else:
+                first[key] = i
+                prepared = self.preprocess.prepare.remote(item, key, i)
+                # Passed by reference: the pixels go from the preprocessor to the encoder
+                # through the object store without passing through this process.
+                pending[i] = self.encoder.encode.remote(prepared)
+        for i, response in pending.items():
+            try:
+                results[i] = {**await response, "cached": False}
+            except Exception as exc:
+                err = _backpressure(exc)
+                if err is None:
+                    raise
+                for other in pending.values():
+                    other.cancel()
+                return _error(err)
+        for i, key in enumerate(keys):
+            if results[i] is None:  # a duplicate: the first occurrence's result
+                results[i] = {**results[first[key]]}
+        return JSONResponse({"items": results})
+
+    # -- probe and fetch -------------------------------------------------------------------------
+    @api.post("/v1/probe", summary="Which keys the store holds")
+    async def probe(self, request: Request) -> Response:
+        import json
+
+        try:
+            doc = json.loads(await request.body())
+            keys = doc["keys"]
+            if not isinstance(keys, list) or not all(isinstance(k, str) and KEY_RE.match(k)
+                                                     for k in keys):  # fmt: skip
+                raise ValueError("keys must be a list of 64-hex keys")
+            if len(keys) > self.cfg.limits.max_keys_per_probe:
+                raise LimitExceededError("max_keys_per_probe", len(keys),
+                                   self.cfg.limits.max_keys_per_probe)  # fmt: skip
+            exists = await asyncio.to_thread(self.store.exists_many, keys)
+            response: Response = JSONResponse({"exists": exists})
+        except (ValueError, KeyError, TypeError) as exc:
+            response = _error(MalformedRequestError(f'expected {{"keys": [...]}}: {exc}'))
+        except VitserveError as exc:
+            response = _error(exc)
+        metrics.inc("requests_total", route="probe", status=str(response.status_code))
+        return response
+
+    @api.get("/v1/embeddings/{key}", summary="One embedding in the record format")
+    async def fetch(self, key: str, start: int | None = None, end: int | None = None) -> Response:
+        try:
+            response = await self._fetch(key, start, end)
+        except VitserveError as exc:
+            response = _error(exc)
+        metrics.inc("requests_total", route="fetch", status=str(response.status_code))
+        return response
+
+    async def _fetch(self, key: str, start: int | None, end: int | None) -> Response:
+        from vitserve.cache.codec import EmbeddingRecord, encode_record
+
+        if not KEY_RE.match(key):
+            raise MalformedRequestError("key must be 64 hex characters")
+        await self._describe()
+        if start is None and end is None:
+            value = await asyncio.to_thread(self.store.get_value, key)
+            if value is None:
+                raise CacheMissError([key])
+            body = bytes(value)
+            headers = {}
+        else:
+            header = (await asyncio.to_thread(self.store.headers_many, [key]))[0]
+            if header is None:
+                raise CacheMissError([key])
+            r0 = start or 0
+            r1 = header.num_tokens if end is None else end
+            if not 0 <= r0 < r1 <= header.num_tokens:
+                raise MalformedRequestError(
+                    f"row range [{r0}, {r1}) is outside [0, {header.num_tokens})"
+                )
+            part = await asyncio.to_thread(self.store.get_rows, key, r0, r1)
+            if part is None:
+                raise CacheMissError([key])
+            rows = EmbeddingRecord(key=key, fingerprint=part.fingerprint, dtype=part.dtype,
+                                   num_tokens=r1 - r0, grid=part.grid,
+                                   tensors=part.tensors)  # fmt: skip
+            body = bytes(encode_record(rows))
+            headers = {"X-Vitserve-Row-Start": str(r0),
+                       "X-Vitserve-Num-Tokens": str(header.num_tokens)}  # fmt: skip
+        metrics.inc("bytes_fetched_total", len(body))
+        return Response(body, media_type="application/octet-stream", headers=headers)
+
+    # -- operations ------------------------------------------------------------------------------
+    @api.get("/healthz", summary="Liveness and the served model")
+    async def healthz(self) -> Response:
+        return JSONResponse({"status": "ok", **await self._describe()})
+
+    @api.get("/metrics", summary="This node's vitserve metrics (Prometheus text format)")
+    async def metrics_page(self) -> Response:
+        import httpx
+
+        try:
+            async with httpx.AsyncClient(timeout=5) as client:
+                page = await client.get(metrics.node_metrics_url())
+            text = metrics.vitserve_families(page.text)
+        except httpx.HTTPError as exc:
+            return _error(StoreUnavailableError("metrics", f"node metrics endpoint: {exc}"))
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+def _backpressure(exc: Exception) -> VitserveError | None:
+    """A full encoder queue as the API's 429, or None for other errors."""
+    from ray.serve.exceptions import BackPressureError
+
+    if isinstance(exc, BackPressureError):
+        return BackpressureError(queued=-1, limit=-1, detail=str(exc))
+    return None
+
+
+__all__ = ["Ingress", "api"]

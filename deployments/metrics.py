@@ -1,0 +1,108 @@
+"""Service metrics: recorded in replicas with Ray's metrics API, served on the HTTP port.
+
+Replicas record through ``ray.util.metrics`` (Prometheus scrapes each node's Ray metrics
+endpoint, as KubeRay setups expect; there the names carry Ray's ``ray_`` prefix). The ingress's
+``/metrics`` route serves this node's view on the one HTTP port: it reads the node's Ray metrics
+endpoint and passes on the ``vitserve_*`` families with Ray's prefix removed, so the embedded
+default needs no second port.
+
+Metrics (all ``vitserve_``; counters end in ``_total``):
+
+=====================================  =========  ===============================================
+images_encoded_total                   counter    images run through the tower
+tower_forward_calls_total{bucket}      counter    tower forwards, per bucket
+encode_latency_seconds                 histogram  encode call latency at the encoder (queue+run)
+queue_wait_seconds                     histogram  wait from arrival to the start of its batch
+batch_images / batch_patches           histogram  size of each forward
+padded_tokens_total                    counter    padding in forwards (bucketing keeps it 0)
+cache_hits_total / cache_misses_total  counter    store lookups by the service
+cache_evictions                        gauge      the store's evictions so far
+single_flight_joins_total{scope}       counter    images joined instead of encoded (local/remote)
+bytes_published_total                  counter    record bytes written to the store
+bytes_fetched_total                    counter    record bytes served by /v1/embeddings
+store_errors_total{op}                 counter    store operations that failed
+requests_total{route,status}           counter    HTTP requests by route and status
+=====================================  =========  ===============================================
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from typing import Any
+
+LATENCY_BOUNDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+SIZE_BOUNDS = [1, 2, 4, 8, 16, 32, 64, 128]
+PATCH_BOUNDS = [256, 1024, 4096, 16384, 65536, 262144]
+
+_SPECS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
+    "images_encoded_total": ("counter", "Images run through the vision tower", (), None),
+    "tower_forward_calls_total": ("counter", "Vision tower forward calls", ("bucket",), None),
+    "encode_latency_seconds": ("histogram", "Encoder latency per image", (), LATENCY_BOUNDS),
+    "queue_wait_seconds": (
+        "histogram",
+        "Wait before an image's batch starts",
+        (),
+        LATENCY_BOUNDS,
+    ),
+    "batch_images": ("histogram", "Images per tower forward", (), SIZE_BOUNDS),
+    "batch_patches": ("histogram", "Patches per tower forward", (), PATCH_BOUNDS),
+    "padded_tokens_total": ("counter", "Padding tokens run through the tower", (), None),
+    "cache_hits_total": ("counter", "Store lookups that found the embedding", (), None),
+    "cache_misses_total": ("counter", "Store lookups that did not", (), None),
+    "cache_evictions": ("gauge", "Evictions reported by the store", (), None),
+    "single_flight_joins_total": ("counter", "Images joined, not encoded", ("scope",), None),
+    "bytes_published_total": ("counter", "Record bytes written to the store", (), None),
+    "bytes_fetched_total": ("counter", "Record bytes served over HTTP", (), None),
+    "store_errors_total": ("counter", "Failed store operations", ("op",), None),
+    "requests_total": ("counter", "HTTP requests", ("route", "status"), None),
+}
+
+
+@cache
+def metric(name: str) -> Any:
+    """The Ray metric ``vitserve_<name>`` of this process (created on first use)."""
+    from ray.util import metrics
+
+    kind, description, tags, bounds = _SPECS[name]
+    full = f"vitserve_{name}"
+    if kind == "counter":
+        return metrics.Counter(full, description=description, tag_keys=tags)
+    if kind == "gauge":
+        return metrics.Gauge(full, description=description, tag_keys=tags)
+    return metrics.Histogram(full, description=description, boundaries=bounds, tag_keys=tags)
+
+
+def inc(name: str, value: float = 1.0, **tags: str) -> None:
+    if value:
+        metric(name).inc(value, tags=tags or None)
+
+
+def observe(name: str, value: float, **tags: str) -> None:
+    metric(name).observe(value, tags=tags or None)
+
+
+def set_gauge(name: str, value: float, **tags: str) -> None:
+    metric(name).set(value, tags=tags or None)
+
+
+_RAY_PREFIX = re.compile(r"^(# (?:HELP|TYPE) )?ray_(vitserve_)")
+
+
+def vitserve_families(prometheus_text: str) -> str:
+    """The ``vitserve_*`` families of a Ray metrics page, with Ray's ``ray_`` prefix removed."""
+    out = []
+    for line in prometheus_text.splitlines():
+        renamed, n = _RAY_PREFIX.subn(r"\1\2", line)
+        if n:
+            out.append(renamed)
+    return "\n".join(out) + "\n"
+
+
+def node_metrics_url() -> str:
+    """This node's Ray metrics endpoint."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
+    return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
