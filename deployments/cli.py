@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from vitserve.encoder.testmodels import FAMILIES, PRESETS  # light: transformers loads lazily
-from vitserve.errors import VitserveError
+from vitserve.errors import ConfigError, VitserveError
 
 
 def _make_model(args: argparse.Namespace) -> None:
@@ -17,11 +18,98 @@ def _make_model(args: argparse.Namespace) -> None:
     print(f"wrote a random-weight {args.family} ({args.preset}) model to {out}")
 
 
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Config overrides from flags (only those given) and ``--set key=value`` pairs."""
+    import json
+
+    out: dict[str, Any] = {}
+    fields = {"model": "model", "store": "store", "port": "http_port", "host": "http_host",
+              "device": "device", "dtype": "dtype"}  # fmt: skip
+    for flag, field in fields.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            out[field] = value
+    for pair in getattr(args, "set", None) or []:
+        name, sep, raw = pair.partition("=")
+        if not sep:
+            raise ConfigError(f"--set takes key=value, got {pair!r}")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        node = out
+        *parents, leaf = name.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import signal
+    import threading
+
+    from vitserve.deployments.local import local_config, start_local, stop_local
+
+    cfg = local_config(_overrides(args))
+    url = start_local(cfg)
+    print(f"vitserve is serving {cfg.model} at {url} (docs: {url}/docs); Ctrl-C stops it",
+          flush=True)  # fmt: skip
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    stop_local()
+
+
+def _encode(args: argparse.Namespace) -> int:
+    import httpx
+
+    files = []
+    for path in args.files:
+        with open(path, "rb") as f:
+            files.append(("images", (path, f.read(), "application/octet-stream")))
+    try:
+        response = httpx.post(f"{args.url.rstrip('/')}/v1/encode", files=files,
+                              timeout=args.timeout)  # fmt: skip
+    except httpx.HTTPError as exc:
+        print(f"vitserve: error: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 2
+    body = response.json()
+    if response.status_code != 200:
+        print(f"vitserve: error: HTTP {response.status_code}: {body.get('error', body)}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    failed = 0
+    for path, item in zip(args.files, body["items"], strict=True):
+        if "error" in item:
+            failed += 1
+            print(f"{path}\terror\t{item['error']['message']}")
+        else:
+            source = "cached" if item["cached"] else "encoded"
+            print(f"{path}\t{item['key']}\t{item['num_tokens']} tokens\t{source}")
+    return 1 if failed else 0
+
+
 def _demo(args: argparse.Namespace) -> None:
     from vitserve.deployments.demo import run_demo
 
-    run_demo(args.model, family=args.family, preset=args.preset, device=args.device,
-             dtype=args.dtype)  # fmt: skip
+    run_demo(_overrides(args))
+
+
+def _service_flags(p: argparse.ArgumentParser, default_model: str | None = "demo") -> None:
+    p.add_argument(
+        "--model",
+        default=default_model,
+        help="HF id, local folder, or 'demo' (a random-weight model built offline)",
+    )
+    p.add_argument("--store", help="node:// (default), redis://host:port/db or tiered://...")
+    p.add_argument("--port", type=int, help="HTTP port (default 8000; 0: a free port)")
+    p.add_argument("--host", help="HTTP host (default 127.0.0.1)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+    p.add_argument("--dtype", help="fp32, bf16 or fp16 (default: bf16 where native)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="any config field, e.g. limits.max_images_per_request=16")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,12 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("out", help="folder to write the model to")
     make.set_defaults(func=_make_model)
 
-    demo = sub.add_parser("demo", help="encode generated images end to end, offline")
-    demo.add_argument("--model", help="HF id or folder (default: a random-weight model)")
-    demo.add_argument("--family", default="qwen2_vl", choices=FAMILIES)
-    demo.add_argument("--preset", default="small", choices=PRESETS)
-    demo.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
-    demo.add_argument("--dtype", help="fp32, bf16 or fp16 (default: bf16 where native)")
+    serve = sub.add_parser("serve", help="run the service on a local Ray cluster (embedded)")
+    _service_flags(serve)
+    serve.set_defaults(func=_serve)
+
+    encode = sub.add_parser("encode", help="encode image files through a running service")
+    encode.add_argument("files", nargs="+")
+    encode.add_argument("--url", default="http://127.0.0.1:8000")
+    encode.add_argument("--timeout", type=float, default=600)
+    encode.set_defaults(func=_encode)
+
+    demo = sub.add_parser("demo", help="serve the demo model, encode images over HTTP twice, exit")
+    _service_flags(demo, default_model=None)
     demo.set_defaults(func=_demo)
     return parser
 
@@ -48,11 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        return int(args.func(args) or 0)
     except VitserveError as exc:
         print(f"vitserve: error: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
-"""``vitserve demo``: the encoder end to end on a random-weight model, offline.
+"""``vitserve demo``: the whole service path on a random-weight model, offline, then exit.
 
-Builds (once, into the cache folder) a small random-weight model unless one is given, encodes a
-set of generated images of mixed resolution twice, and prints each image's key and token count,
-the batches the planner formed, and timings.
+Starts the embedded default (local Ray, node-local store, no Redis) serving the demo model (or
+``--model``), sends a mixed-resolution set of generated images through the HTTP API twice, and
+prints each image's key and token count, the tower forwards the encoder formed, whether the
+second pass was served from the store, and timings.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
+from typing import Any
 
 from vitserve.encoder.testimages import make_image
 
@@ -24,74 +25,73 @@ DEMO_IMAGES = [
 ]
 
 
-def demo_images() -> list[bytes]:
+def demo_images() -> list[tuple[str, bytes]]:
     images = [
-        make_image(w, h, mode=mode, fmt=fmt, seed=i)
+        (f"{w}x{h} {mode} {fmt}", make_image(w, h, mode=mode, fmt=fmt, seed=i))
         for i, (w, h, mode, fmt) in enumerate(DEMO_IMAGES)
     ]
-    return [*images, images[0]]  # the first image again: same key, encoded once
+    return [*images, images[0]]  # the first image again: one key, encoded once
 
 
-def run_demo(
-    model: str | None,
-    *,
-    family: str = "qwen2_vl",
-    preset: str = "small",
-    device: str | None = None,
-    dtype: str | None = None,
-    echo: Callable[[str], None] = print,
-) -> None:
-    from vitserve.encoder.device import dtype_name
-    from vitserve.encoder.engine import EncoderEngine
-    from vitserve.encoder.testmodels import cached_model
+def _post(url: str, images: list[tuple[str, bytes]]) -> tuple[dict[str, Any], float]:
+    import httpx
 
-    if model is None:
-        started = time.perf_counter()
-        model = str(cached_model(family, preset))
-        echo(f"model: random-weight {family} ({preset}) at {model} "
-             f"[{time.perf_counter() - started:.1f} s]")  # fmt: skip
+    files = [("images", (f"{i}.img", data, "application/octet-stream"))
+             for i, (_, data) in enumerate(images)]  # fmt: skip
     started = time.perf_counter()
-    engine = EncoderEngine.from_pretrained(model, device=device, dtype=dtype)
-    report = engine.load_report
-    echo(
-        f"loaded the vision side of {Path(model).name} on {engine.device} in "
-        f"{dtype_name(engine.dtype)} in {time.perf_counter() - started:.2f} s: "
-        f"{report.tensors_read} tensors, {report.bytes_read / 2**20:.1f} MiB read of a "
-        f"{report.checkpoint_bytes / 2**20:.1f} MiB checkpoint "
-        f"({len(report.shards_read)}/{report.shards_total} shards)"
-    )
-    cap = engine.max_batch_patches
-    echo(f"activation budget: {engine.budget_bytes / 2**20:.0f} MiB"
-         + (f"; at most {cap} patches per forward (CPU cache cap)" if cap else ""))  # fmt: skip
-
-    images = demo_images()
-    names = [f"{w}x{h} {mode} {fmt}" for w, h, mode, fmt in [*DEMO_IMAGES, DEMO_IMAGES[0]]]
-    started = time.perf_counter()
-    prepared = engine.prepare(images)
-    prep_s = time.perf_counter() - started
-    first: dict[str, int] = {}
-    for i, p in enumerate(prepared):
-        first.setdefault(p.key, i)
-    unique = [prepared[i] for i in first.values()]
-    echo(f"\n{len(images)} images ({len(unique)} distinct), preprocessed in {prep_s:.2f} s")
-    echo(f"{'#':>2}  {'input':<17} {'key':<18} {'grid':<9} {'patches':>7} {'tokens':>6}")
-    for i, (name, p) in enumerate(zip(names, prepared, strict=True)):
-        grid = "x".join(map(str, p.grid)) if p.grid else "-"
-        same = f"  (same bytes as #{first[p.key]})" if first[p.key] != i else ""
-        echo(f"{i:>2}  {name:<17} {p.key[:16]}.. {grid:<9} {p.patches:>7} {p.num_tokens:>6}{same}")
-
-    plan = engine.plan(unique)
-    echo(f"\nbatches: {plan.forward_calls} tower forwards for {len(unique)} distinct images")
-    for n, batch in enumerate(plan.batches):
-        members = [first[unique[j].key] for j in batch.indices]
-        note = " (over budget alone)" if batch.oversize else ""
-        echo(f"  forward {n}: bucket {batch.bucket}, images {members}, {batch.patches} patches, "
-             f"~{batch.act_bytes / 2**20:.0f} MiB activations{note}")  # fmt: skip
-
-    started = time.perf_counter()
-    results = engine.encode(images)
+    response = httpx.post(f"{url}/v1/encode", files=files, timeout=600)
     elapsed = time.perf_counter() - started
-    c = engine.counters
-    echo(f"\nencoded in {elapsed:.2f} s: {c.forward_calls} tower forwards, {c.images} images "
-         f"through the tower, {c.patches} patches, {len(unique) / elapsed:.2f} images/s; "
-         f"embeddings {[tuple(r.tensor.shape) for r in results]}")  # fmt: skip
+    response.raise_for_status()
+    return response.json(), elapsed
+
+
+def run_demo(overrides: dict[str, Any], *, echo: Callable[[str], None] = print) -> None:
+    from ray import serve
+
+    from vitserve.deployments.app import DEMO_MODEL
+    from vitserve.deployments.local import APP_NAME, local_config, start_local, stop_local
+
+    cfg = local_config({"http_port": 0, **overrides})
+    if cfg.model == DEMO_MODEL:
+        echo("building the demo model once (random weights, Qwen2-VL with a ViT-B tower)...")
+    started = time.perf_counter()
+    url = start_local(cfg)
+    try:
+        encoder = serve.get_deployment_handle("EncoderDeployment", app_name=APP_NAME)
+        info = encoder.describe.remote().result()
+        echo(f"serving {info['family']} ({info['dtype']} on {info['device']}) at {url}, "
+             f"store {cfg.store}, started in {time.perf_counter() - started:.1f} s")  # fmt: skip
+
+        images = demo_images()
+        for attempt in ("first", "second"):
+            before = encoder.counters.remote().result()
+            body, elapsed = _post(url, images)
+            after = encoder.counters.remote().result()
+            forwards = after["forward_calls"] - before["forward_calls"]
+            echo(f"\n{attempt} pass: {len(images)} images in {elapsed:.2f} s over HTTP, "
+                 f"{after['images'] - before['images']} through the tower in {forwards} "
+                 f"forwards")  # fmt: skip
+            echo(f"{'#':>2}  {'input':<17} {'key':<18} {'grid':<9} {'tokens':>6}  source")
+            for i, ((name, _), item) in enumerate(zip(images, body["items"], strict=True)):
+                if "error" in item:
+                    echo(f"{i:>2}  {name:<17} error: {item['error']['message']}")
+                    continue
+                grid = "x".join(map(str, item["grid"])) if item["grid"] else "-"
+                source = "store (cached)" if item["cached"] else "encoded"
+                echo(f"{i:>2}  {name:<17} {item['key'][:16]}.. {grid:<9} "
+                     f"{item['num_tokens']:>6}  {source}")  # fmt: skip
+            buckets = {
+                k: v - before["forward_calls_by_bucket"].get(k, 0)
+                for k, v in after["forward_calls_by_bucket"].items()
+                if v != before["forward_calls_by_bucket"].get(k, 0)
+            }
+            if buckets:
+                echo(f"forwards per bucket: {buckets}")
+        key = body["items"][0]["key"]
+        import httpx
+
+        record = httpx.get(f"{url}/v1/embeddings/{key}", timeout=60)
+        echo(f"\nGET /v1/embeddings/{key[:16]}..: {record.status_code}, "
+             f"{len(record.content)} bytes in the record format")  # fmt: skip
+    finally:
+        stop_local()

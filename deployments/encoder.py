@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -127,7 +128,11 @@ class EncoderDeployment:
         self._encode_batch.set_max_batch_size(cfg.batching.max_batch_patches)
         self._encode_batch.set_batch_wait_timeout_s(cfg.batching.batch_wait_timeout_s)
         self._inflight: dict[str, asyncio.Future] = {}
-        self._device_lock = asyncio.Lock()  # one forward on the device at a time
+        self._gathered: Counter[int] = Counter()  # images per gathered batch -> how often
+        # The device queue: what Serve's batches handed over and the device has not taken yet.
+        self._queued: list[tuple[Any, float, asyncio.Future]] = []
+        self._wakeup = asyncio.Event()
+        self._device_task: asyncio.Task | None = None
         cfg.log_effective()
 
     # -- queries -----------------------------------------------------------------------------
@@ -141,6 +146,7 @@ class EncoderDeployment:
         c = self.engine.counters
         return {"forward_calls": c.forward_calls, "images": c.images, "patches": c.patches,
                 "oversize": c.oversize,
+                "gathered_batches": dict(self._gathered),
                 "forward_calls_by_bucket": {str(k): v for k, v in
                                             c.forward_calls_by_bucket.items()}}  # fmt: skip
 
@@ -210,16 +216,67 @@ class EncoderDeployment:
         metrics.observe("encode_latency_seconds", time.perf_counter() - started)
         return result
 
-    @serve.batch(max_batch_size=32768, batch_wait_timeout_s=0.01, batch_size_fn=_batch_patches)
+    # max_concurrent_batches is high on purpose: Serve runs its batches one at a time only by
+    # holding each formed batch back until the previous one returns, so images that arrive
+    # during a forward would each form a batch of one and run one by one; here every formed
+    # batch reaches the device queue at once and the device loop merges them.
+    @serve.batch(max_batch_size=32768, batch_wait_timeout_s=0.01, max_concurrent_batches=256,
+                 batch_size_fn=_batch_patches)  # fmt: skip
     async def _encode_batch(self, items: list[Any], arrived: list[float]) -> list[dict[str, Any]]:
         return await self._run(items, arrived)
 
     async def _run(self, items: list[Any], arrived: list[float]) -> list[dict[str, Any]]:
-        async with self._device_lock:
-            start = time.perf_counter()
-            for t in arrived:
-                metrics.observe("queue_wait_seconds", start - t)
+        """Queue images for the device and wait for their results.
+
+        Serve forms a batch as soon as its wait times out, even while the device is busy with
+        the previous one; the device loop therefore takes everything queued when it becomes
+        free (up to ``max_batch_patches``), so images that arrive during a forward share the
+        next one instead of running one by one.
+        """
+        self._gathered[len(items)] += 1
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in items]
+        self._queued.extend(zip(items, arrived, futures, strict=True))
+        self._wakeup.set()
+        if self._device_task is None or self._device_task.done():
+            self._device_task = asyncio.create_task(self._device_loop())
+        return list(await asyncio.gather(*futures))
+
+    def _take(self) -> list[tuple[Any, float, asyncio.Future]]:
+        """The next device step: queued images in arrival order up to the patch cap (at least
+        one; one at a time when batching is off)."""
+        if not self.cfg.batching.enabled:
+            work, self._queued = self._queued[:1], self._queued[1:]
+            return work
+        cap = self.cfg.batching.max_batch_patches
+        take, patches = 1, min(self._queued[0][0].patches, cap)
+        while take < len(self._queued):
+            patches += min(self._queued[take][0].patches, cap)
+            if patches > cap:
+                break
+            take += 1
+        work, self._queued = self._queued[:take], self._queued[take:]
+        return work
+
+    async def _device_loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queued:
+                await self._device_step(self._take())
+
+    async def _device_step(self, work: list[tuple[Any, float, asyncio.Future]]) -> None:
+        items = [w[0] for w in work]
+        start = time.perf_counter()
+        for _, arrived, _ in work:
+            metrics.observe("queue_wait_seconds", start - arrived)
+        try:
             results, values, plan = await asyncio.to_thread(self._forward_and_encode, items)
+        except Exception as exc:
+            for _, _, future in work:
+                if not future.done():
+                    future.set_exception(exc)
+            return
         for batch in plan.batches:
             metrics.inc("tower_forward_calls_total", bucket=str(batch.bucket))
             metrics.observe("batch_images", batch.num_items)
@@ -229,11 +286,13 @@ class EncoderDeployment:
         try:
             await asyncio.to_thread(self.store.put_values, values)
             metrics.inc("bytes_published_total", sum(len(v) for _, v in values))
-        except StoreError as exc:  # the embeddings are computed; the caller still gets them
+        except StoreError as exc:  # the embeddings are computed; the callers still get them
             metrics.inc("store_errors_total", op="put")
             log.warning("publishing %d embeddings failed: %s", len(values), exc)
         self._report_store()
-        return results
+        for (_, _, future), result in zip(work, results, strict=True):
+            if not future.done():
+                future.set_result(result)
 
     def _forward_and_encode(self, items: list[Any]) -> tuple[list[dict], list[tuple], Any]:
         """Worker thread: plan, forward, and encode each embedding into its record."""

@@ -1,0 +1,60 @@
+"""The embedded default: a local Ray cluster running the vitserve application on one port.
+
+Used by ``vitserve serve`` and ``vitserve demo``: local Ray, the node-local store, no Redis, no
+dashboard, access logs off. Everything a user needs to run it offline.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from vitserve.deployments.config import VitserveConfig
+
+APP_NAME = "vitserve"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def start_local(cfg: VitserveConfig, *, num_cpus: int | None = None) -> str:
+    """Start local Ray (unless already up), Serve on ``cfg.http_host:cfg.http_port``, and the
+    application; returns its base URL once it answers."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from vitserve.deployments.app import build_app
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="warning",
+                 log_to_driver=False)  # fmt: skip
+    serve.start(
+        http_options={"host": cfg.http_host, "port": cfg.http_port},
+        logging_config={"enable_access_log": cfg.access_log, "log_level": "WARNING"},
+    )
+    serve.run(build_app(config=cfg), name=APP_NAME, route_prefix="/",
+              logging_config={"enable_access_log": cfg.access_log,
+                              "log_level": "WARNING"})  # fmt: skip
+    return f"http://{cfg.http_host}:{cfg.http_port}"
+
+
+def stop_local() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def local_config(overrides: dict[str, Any]) -> VitserveConfig:
+    """The config of a local run: the environment and ``overrides`` over the defaults; port 0
+    picks a free port."""
+    cfg = VitserveConfig.load(overrides)
+    if cfg.http_port == 0:
+        cfg = cfg.model_copy(update={"http_port": free_port(cfg.http_host)})
+    return cfg
