@@ -52,6 +52,7 @@ def _serve(args: argparse.Namespace) -> None:
     from vitserve.deployments.local import local_config, start_local, stop_local
 
     cfg = local_config(_overrides(args))
+    print(f"effective config: {cfg.model_dump_json()}", flush=True)
     url = start_local(cfg)
     print(f"vitserve is serving {cfg.model} at {url} (docs: {url}/docs); Ctrl-C stops it",
           flush=True)  # fmt: skip

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from vitserve.errors import ConfigError
 
 ENV_PREFIX = "VITSERVE_"
-log = logging.getLogger("vitserve")
+log = logging.getLogger("ray.serve")  # where `serve run` and Serve's logs show it
 
 
 class _Strict(BaseModel):
@@ -112,8 +112,12 @@ class VitserveConfig(_Strict):
     @classmethod
     def load(cls, overrides: Mapping[str, Any] | None = None,
              environ: Mapping[str, str] | None = None) -> VitserveConfig:  # fmt: skip
-        """Defaults, then ``VITSERVE_*`` environment, then ``overrides`` (nested dicts)."""
-        data: dict[str, Any] = {}
+        """Defaults, then ``VITSERVE_*`` environment, then ``overrides`` (nested dicts).
+
+        A partial section (``{"encoder": {"num_gpus": 1}}``) keeps the section's other fields
+        at this config's defaults, not at the section class's.
+        """
+        data: dict[str, Any] = cls().model_dump()
         for name, raw in (os.environ if environ is None else environ).items():
             if not name.startswith(ENV_PREFIX) or name in _NOT_CONFIG:
                 continue

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from vitserve.deployments import metrics
 from vitserve.deployments.config import VitserveConfig
 from vitserve.errors import ImageError, StoreError, VitserveError
 
-log = logging.getLogger("vitserve")
+log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
 
 # The effective patch cap of this replica's batch queue (set in __init__; one deployment class
 # per replica process). An image larger than the cap counts as the cap, so it runs alone
@@ -129,11 +129,11 @@ class EncoderDeployment:
         self._encode_batch.set_batch_wait_timeout_s(cfg.batching.batch_wait_timeout_s)
         self._inflight: dict[str, asyncio.Future] = {}
         self._gathered: Counter[int] = Counter()  # images per gathered batch -> how often
+        self._forwards: deque[dict[str, Any]] = deque(maxlen=256)  # the latest forwards
         # The device queue: what Serve's batches handed over and the device has not taken yet.
         self._queued: list[tuple[Any, float, asyncio.Future]] = []
         self._wakeup = asyncio.Event()
         self._device_task: asyncio.Task | None = None
-        cfg.log_effective()
 
     # -- queries -----------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -147,6 +147,7 @@ class EncoderDeployment:
         return {"forward_calls": c.forward_calls, "images": c.images, "patches": c.patches,
                 "oversize": c.oversize,
                 "gathered_batches": dict(self._gathered),
+                "recent_forwards": list(self._forwards),
                 "forward_calls_by_bucket": {str(k): v for k, v in
                                             c.forward_calls_by_bucket.items()}}  # fmt: skip
 
@@ -266,23 +267,29 @@ class EncoderDeployment:
                 await self._device_step(self._take())
 
     async def _device_step(self, work: list[tuple[Any, float, asyncio.Future]]) -> None:
+        """Run one device step and settle its futures. Whatever fails here fails this step's
+        callers with the error (never leaves them waiting) and the loop goes on."""
+        futures = [w[2] for w in work]
+        try:
+            results = await self._encode_and_publish(work)
+        except Exception as exc:
+            log.exception("encoding %d images failed", len(work))
+            for future in futures:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for future, result in zip(futures, results, strict=True):
+            if not future.done():
+                future.set_result(result)
+
+    async def _encode_and_publish(self, work: list[tuple[Any, float, asyncio.Future]]) -> list:
         items = [w[0] for w in work]
         start = time.perf_counter()
         for _, arrived, _ in work:
             metrics.observe("queue_wait_seconds", start - arrived)
-        try:
-            results, values, plan = await asyncio.to_thread(self._forward_and_encode, items)
-        except Exception as exc:
-            for _, _, future in work:
-                if not future.done():
-                    future.set_exception(exc)
-            return
-        for batch in plan.batches:
-            metrics.inc("tower_forward_calls_total", bucket=str(batch.bucket))
-            metrics.observe("batch_images", batch.num_items)
-            metrics.observe("batch_patches", batch.patches)
+        results, values, plan = await asyncio.to_thread(self._forward_and_encode, items)
+        self._record_forwards(items, plan)
         metrics.inc("images_encoded_total", len(items))
-        metrics.inc("padded_tokens_total", 0)  # packing and uniform buckets never pad
         try:
             await asyncio.to_thread(self.store.put_values, values)
             metrics.inc("bytes_published_total", sum(len(v) for _, v in values))
@@ -290,9 +297,24 @@ class EncoderDeployment:
             metrics.inc("store_errors_total", op="put")
             log.warning("publishing %d embeddings failed: %s", len(values), exc)
         self._report_store()
-        for (_, _, future), result in zip(work, results, strict=True):
-            if not future.done():
-                future.set_result(result)
+        return results
+
+    def _record_forwards(self, items: list[Any], plan: Any) -> None:
+        """Metrics and the recent-forwards log: per forward its bucket, the buckets of the
+        images it ran (one, by the planner's invariant) and its padding."""
+        packs = self.engine.adapter.packs_sequences
+        for batch in plan.batches:
+            members = [items[i] for i in batch.indices]
+            lengths = [p.seq_len for p in members]
+            tokens = sum(lengths) if packs else len(lengths) * max(lengths)
+            padded = tokens - sum(lengths)
+            metrics.inc("tower_forward_calls_total", bucket=str(batch.bucket))
+            metrics.observe("batch_images", batch.num_items)
+            metrics.observe("batch_patches", batch.patches)
+            metrics.observe("padded_token_fraction", padded / tokens)
+            self._forwards.append({"bucket": str(batch.bucket), "images": batch.num_items,
+                                   "item_buckets": sorted({str(p.bucket) for p in members}),
+                                   "tokens": tokens, "padded_tokens": padded})  # fmt: skip
 
     def _forward_and_encode(self, items: list[Any]) -> tuple[list[dict], list[tuple], Any]:
         """Worker thread: plan, forward, and encode each embedding into its record."""

@@ -48,7 +48,7 @@ from vitserve.errors import (
     VitserveError,
 )
 
-log = logging.getLogger("vitserve")
+log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 RETRY_AFTER_S = 1
 
@@ -62,6 +62,15 @@ api = FastAPI(
 def _error(exc: VitserveError) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.retryable else None
     return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status, headers=headers)
+
+
+def _backpressure(exc: Exception) -> VitserveError | None:
+    """A full encoder queue as the API's 429, or None for other errors."""
+    from ray.serve.exceptions import BackPressureError
+
+    if isinstance(exc, BackPressureError):
+        return BackpressureError(queued=-1, limit=-1, detail=str(exc))
+    return None
 
 
 @serve.deployment
@@ -208,8 +217,9 @@ class Ingress:
                 err = _backpressure(exc)
                 if err is None:
                     raise
-                for other in pending.values():
-                    other.cancel()
+                for j, other in pending.items():
+                    if j > i:  # not awaited yet; cancelling an awaited one re-raises its error
+                        other.cancel()
                 return _error(err)
         for i, key in enumerate(keys):
             if results[i] is None:  # a duplicate: the first occurrence's result
@@ -298,15 +308,6 @@ class Ingress:
         except httpx.HTTPError as exc:
             return _error(StoreUnavailableError("metrics", f"node metrics endpoint: {exc}"))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
-
-
-def _backpressure(exc: Exception) -> VitserveError | None:
-    """A full encoder queue as the API's 429, or None for other errors."""
-    from ray.serve.exceptions import BackPressureError
-
-    if isinstance(exc, BackPressureError):
-        return BackpressureError(queued=-1, limit=-1, detail=str(exc))
-    return None
 
 
 __all__ = ["Ingress", "api"]

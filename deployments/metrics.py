@@ -1,7 +1,8 @@
 """Service metrics: recorded in replicas with Ray's metrics API, served on the HTTP port.
 
-Replicas record through ``ray.util.metrics`` (Prometheus scrapes each node's Ray metrics
-endpoint, as KubeRay setups expect; there the names carry Ray's ``ray_`` prefix). The ingress's
+Replicas record through ``ray.serve.metrics`` (Prometheus scrapes each node's Ray metrics
+endpoint, as KubeRay setups expect; there the names carry Ray's ``ray_`` prefix), which tags
+every series with its ``application``, ``deployment`` and ``replica``. The ingress's
 ``/metrics`` route serves this node's view on the one HTTP port: it reads the node's Ray metrics
 endpoint and passes on the ``vitserve_*`` families with Ray's prefix removed, so the embedded
 default needs no second port.
@@ -14,7 +15,8 @@ tower_forward_calls_total{bucket}      counter    tower forwards, per bucket
 encode_latency_seconds                 histogram  encode call latency at the encoder (queue+run)
 queue_wait_seconds                     histogram  wait from arrival to the start of its batch
 batch_images / batch_patches           histogram  size of each forward
-padded_tokens_total                    counter    padding in forwards (bucketing keeps it 0)
+padded_token_fraction                  histogram  padding share of each forward's tokens (0 when
+                                                  packed, or stacked within one bucket)
 cache_hits_total / cache_misses_total  counter    store lookups by the service
 cache_evictions                        gauge      the store's evictions so far
 single_flight_joins_total{scope}       counter    images joined instead of encoded (local/remote)
@@ -47,7 +49,12 @@ _SPECS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
     ),
     "batch_images": ("histogram", "Images per tower forward", (), SIZE_BOUNDS),
     "batch_patches": ("histogram", "Patches per tower forward", (), PATCH_BOUNDS),
-    "padded_tokens_total": ("counter", "Padding tokens run through the tower", (), None),
+    "padded_token_fraction": (
+        "histogram",
+        "Padding share of a forward's tokens",
+        (),
+        [0.001, 0.01, 0.05, 0.1, 0.25, 0.5],  # Ray's bounds must be > 0
+    ),
     "cache_hits_total": ("counter", "Store lookups that found the embedding", (), None),
     "cache_misses_total": ("counter", "Store lookups that did not", (), None),
     "cache_evictions": ("gauge", "Evictions reported by the store", (), None),
@@ -62,7 +69,7 @@ _SPECS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
 @cache
 def metric(name: str) -> Any:
     """The Ray metric ``vitserve_<name>`` of this process (created on first use)."""
-    from ray.util import metrics
+    from ray.serve import metrics
 
     kind, description, tags, bounds = _SPECS[name]
     full = f"vitserve_{name}"

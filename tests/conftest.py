@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -39,8 +44,11 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
+        # Metrics reach the node's endpoint every second (default 10 s), so tests of
+        # /metrics wait briefly.
         ray.init(num_cpus=2, include_dashboard=False, namespace="vitserve-tests",
-                 logging_level="warning")  # fmt: skip
+                 logging_level="warning",
+                 _system_config={"metrics_report_interval_ms": 1000})  # fmt: skip
     yield ray
     ray.shutdown()
 
@@ -59,3 +67,61 @@ def redis_url() -> str:
     client.flushdb()
     client.close()
     return url
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A private redis-server subprocess on a free port (killed at teardown)."""
+
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.args = args
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", "--port", str(self.port),
+             "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *self.args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.1).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture
+def spawn_redis() -> Iterator[Callable[..., RedisServer]]:
+    servers: list[RedisServer] = []
+
+    def spawn(*args: str) -> RedisServer:
+        servers.append(RedisServer(*args))
+        return servers[-1]
+
+    yield spawn
+    for server in servers:
+        server.kill()
+
+
+@pytest.fixture(scope="session")
+def lru_redis_url() -> Iterator[str]:
+    """A private redis-server whose maxmemory the LRU test sets (allkeys-lru)."""
+    server = RedisServer("--maxmemory-policy", "allkeys-lru")
+    yield server.url
+    server.kill()

@@ -17,7 +17,7 @@ class VitserveError(Exception):
     def to_dict(self) -> dict[str, object]:
         """A JSON-able description: the class name, the message and the structured fields."""
         fields = {k: v for k, v in vars(self).items() if not k.startswith("_")}
-        return {"error": type(self).__name__, "message": str(self), **fields}
+        return {"type": type(self).__name__, "message": str(self), **fields}
 
 
 class ConfigError(VitserveError):
@@ -59,17 +59,17 @@ class ImageDecodeError(ImageError):
 class ImageTooLargeError(ImageError):
     """The image exceeds a configured limit; checked before the pixels are decoded.
 
-    ``limit_name`` says which limit (``max_image_bytes`` or ``max_image_pixels``), ``value`` is
-    what the image has and ``limit`` what is allowed.
+    ``limit`` names the limit (``max_image_bytes`` or ``max_image_pixels``), ``value`` is what
+    the image has and ``allowed`` what the limit allows (the fields of LimitExceededError).
     """
 
     http_status = 413
 
-    def __init__(self, index: int, limit_name: str, value: int, limit: int) -> None:
-        super().__init__(index, f"{limit_name} exceeded: {value} > {limit}")
-        self.limit_name = limit_name
-        self.value = value
+    def __init__(self, index: int, limit: str, value: int, allowed: int) -> None:
+        super().__init__(index, f"{limit} exceeded: {value} > {allowed}")
         self.limit = limit
+        self.value = value
+        self.allowed = allowed
 
 
 class ImagePreprocessError(ImageError):

@@ -85,6 +85,9 @@ class FamilyAdapter(ABC):
 
     families: ClassVar[tuple[str, ...]]
     weight_prefixes: ClassVar[Mapping[str, tuple[str, ...]]]
+    # True when a forward packs its images into one sequence (never pads); False when it stacks
+    # them, padding each to the batch's longest sequence (zero for a uniform bucket).
+    packs_sequences: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -44,6 +44,7 @@ class QwenAdapter(FamilyAdapter):
     # Hub checkpoints of Qwen2/2.5-VL name the tower ``visual.*``; the in-memory model (and
     # Qwen3-VL checkpoints) use ``model.visual.*``.
     weight_prefixes: ClassVar = {"tower": (r"model\.visual\.", r"visual\.")}
+    packs_sequences: ClassVar = True
 
     @classmethod
     def build_modules(cls, config: Any) -> dict[str, Any]:

@@ -1,0 +1,345 @@
+"""The vitserve application on a real Ray Serve instance, over real HTTP.
+
+Batching, single flight (one replica and two), the encode/probe/fetch API, bad requests, the
+429 and 503 paths, and the /metrics route. Outputs are compared with the in-process engine.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import io
+import itertools
+import time
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vitserve.encoder.keys import content_key
+from vitserve.encoder.testimages import bad_images, crafted_png, make_image
+
+_seeds = itertools.count(10_000)
+
+
+def fresh(width: int, height: int, fmt: str = "PNG", mode: str = "RGB") -> bytes:
+    """An image no earlier test has sent (a new seed each call)."""
+    return make_image(width, height, fmt=fmt, mode=mode, seed=next(_seeds))
+
+
+def concurrently(fn, args: list) -> list:
+    with cf.ThreadPoolExecutor(len(args)) as pool:
+        return list(pool.map(fn, args))
+
+
+def delta(after: dict, before: dict, name: str) -> int:
+    return after[name] - before[name]
+
+
+# -- 1. batching ------------------------------------------------------------------------------
+def test_concurrent_mixed_resolution_requests_are_batched_and_equal_the_engine(
+    main_app, engines
+) -> None:
+    from vitserve.cache.codec import decode_record
+
+    sizes = [(448, 448), (320, 240), (448, 448), (640, 480), (320, 240), (448, 448),
+             (640, 480), (200, 120), (448, 448), (320, 240), (200, 120), (640, 480)]  # fmt: skip
+    images = [fresh(w, h, fmt="JPEG" if i % 2 else "PNG") for i, (w, h) in enumerate(sizes)]
+    before = main_app.counters()
+    # twelve clients, one image each, at once
+    responses = concurrently(lambda b: main_app.encode([b]), images)
+    after = main_app.counters()
+
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    items = [r.json()["items"][0] for r in responses]
+    forwards = delta(after, before, "forward_calls")
+    assert delta(after, before, "images") == len(images)
+    assert forwards < len(images), f"{forwards} forwards for {len(images)} images"
+    new_forwards = after["recent_forwards"][len(before["recent_forwards"]) :]
+    assert len(new_forwards) == forwards
+    for f in new_forwards:  # every forward ran one bucket only
+        assert f["item_buckets"] == [f["bucket"]], f
+        assert f["padded_tokens"] == 0
+    assert sum(f["images"] for f in new_forwards) == len(images)
+    assert any(f["images"] > 1 for f in new_forwards)
+
+    engine = engines["qwen2_vl"]
+    assert main_app.client.get(f"{main_app.url}/healthz").json()["fingerprint"] == (
+        engine.fingerprint
+    )
+    expected = engine.encode(images)
+    worst = 0.0
+    for item, image, want in zip(items, images, expected, strict=True):
+        assert item["key"] == content_key(image, engine.fingerprint, main_app.config.namespace)
+        assert item["num_tokens"] == want.num_tokens
+        assert item["grid"] == list(want.grid)
+        assert item["shape"] == list(want.tensor.shape) and item["dtype"] == "fp32"
+        body = main_app.client.get(f"{main_app.url}/v1/embeddings/{item['key']}")
+        assert body.status_code == 200
+        assert body.headers["content-type"] == "application/octet-stream"
+        got = decode_record(body.content, key=item["key"]).embedding
+        ref = want.tensor.numpy()
+        worst = max(worst, float(np.abs(got - ref).max() / np.abs(ref).max()))
+    print(f"\nservice vs in-process engine: max |diff| / max |value| = {worst:.2e}")
+    assert worst <= 1e-5
+
+
+def test_a_request_of_many_images_is_batched_and_answers_in_input_order(main_app, engines) -> None:
+    images = [fresh(448, 448), fresh(200, 120), fresh(448, 448), fresh(640, 480)]
+    images.append(images[1])  # the same bytes twice: one key, encoded once
+    before = main_app.counters()
+    response = main_app.encode(images)
+    after = main_app.counters()
+    assert response.status_code == 200, response.text
+    items = response.json()["items"]
+    assert delta(after, before, "images") == 4
+    assert delta(after, before, "forward_calls") < 4
+    assert items[4]["key"] == items[1]["key"] and items[4]["num_tokens"] == items[1]["num_tokens"]
+    engine = engines["qwen2_vl"]
+    expected = engine.prepare(images)
+    ns = main_app.config.namespace
+    assert [i["key"] for i in items] == [content_key(b, engine.fingerprint, ns) for b in images]
+    assert [i["grid"] for i in items] == [list(p.grid) for p in expected]
+
+
+# -- the API ----------------------------------------------------------------------------------
+def test_json_items_key_only_items_probe_and_row_ranges(main_app) -> None:
+    from vitserve.cache.codec import decode_record
+
+    image = fresh(320, 240)
+    first = main_app.encode([image]).json()["items"][0]
+    assert first["cached"] is False
+    key, unknown = first["key"], "ab" * 32
+
+    doc = {"images": [{"data": base64.b64encode(image).decode()}, {"key": key}, {"key": unknown}]}
+    before = main_app.counters()
+    response = main_app.client.post(f"{main_app.url}/v1/encode", json=doc)
+    assert response.status_code == 200, response.text
+    items = response.json()["items"]
+    assert items[0]["cached"] is True and items[0]["key"] == key
+    assert items[1]["cached"] is True and items[1]["num_tokens"] == first["num_tokens"]
+    assert items[2]["error"]["type"] == "CacheMissError" and items[2]["error"]["status"] == 404
+    assert main_app.counters()["images"] == before["images"]  # nothing re-encoded
+
+    probe = main_app.client.post(f"{main_app.url}/v1/probe", json={"keys": [key, unknown]})
+    assert probe.json() == {"exists": [True, False]}
+
+    whole = decode_record(main_app.client.get(f"{main_app.url}/v1/embeddings/{key}").content)
+    part = main_app.client.get(f"{main_app.url}/v1/embeddings/{key}", params={"start": 3,
+                                                                             "end": 9})  # fmt: skip
+    assert part.status_code == 200
+    assert part.headers["x-vitserve-row-start"] == "3"
+    assert part.headers["x-vitserve-num-tokens"] == str(first["num_tokens"])
+    rows = decode_record(part.content)
+    assert rows.num_tokens == 6
+    np.testing.assert_array_equal(rows.embedding, whole.embedding[3:9])
+
+
+def test_health_and_openapi(main_app) -> None:
+    health = main_app.client.get(f"{main_app.url}/healthz").json()
+    assert health["status"] == "ok" and health["family"] == "qwen2_vl"
+    paths = main_app.client.get(f"{main_app.url}/openapi.json").json()["paths"]
+    assert {"/v1/encode", "/v1/probe", "/v1/embeddings/{key}", "/healthz", "/metrics"} <= set(paths)
+    assert main_app.client.get(f"{main_app.url}/docs").status_code == 200
+
+
+# -- 2. single flight -------------------------------------------------------------------------
+def test_sixteen_concurrent_requests_for_one_new_image_encode_it_once(main_app) -> None:
+    image = fresh(640, 480)
+    before = main_app.counters()
+    responses = concurrently(main_app.encode, [[image]] * 16)
+    after = main_app.counters()
+    assert all(r.status_code == 200 for r in responses)
+    items = [r.json()["items"][0] for r in responses]
+    assert len({(i["key"], i["num_tokens"]) for i in items}) == 1
+    assert delta(after, before, "images") == 1
+    assert delta(after, before, "forward_calls") == 1
+
+
+def test_single_flight_holds_across_two_encoder_replicas(deploy) -> None:
+    """Two encoder replicas share the node store: one encodes, the other waits on its claim."""
+    app = deploy("pair", encoder={"num_replicas": 2, "num_cpus": 0.2},
+                 batching={"batch_wait_timeout_s": 0.2})  # fmt: skip
+    outcomes = ("vitserve_images_encoded_total", "vitserve_single_flight_joins_total",
+                "vitserve_cache_hits_total")  # fmt: skip
+
+    def totals() -> tuple[float, float, float]:
+        samples = app.samples()
+        encoded = sum(v for n, _, v in samples if n == outcomes[0])
+        remote = sum(v for n, lab, v in samples if n == outcomes[1] and lab["scope"] == "remote")
+        return encoded, remote, sum(v for n, _, v in samples if n in outcomes)
+
+    for _ in range(3):  # until the router has sent some of the burst to each replica
+        image = fresh(640, 480)
+        encoded0, remote0, all0 = totals()
+        responses = concurrently(app.encode, [[image]] * 16)
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+        assert len({r.json()["items"][0]["key"] for r in responses}) == 1
+        # Each of the 16 ends as exactly one of: encoded, joined on its replica, joined
+        # through the other replica's claim, or found in the store. Wait until all are seen.
+        deadline = time.monotonic() + 20
+        while (now := totals())[2] - all0 < 16 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        encoded, remote = now[0] - encoded0, now[1] - remote0
+        assert encoded == 1, f"{encoded} encodes of one image across two replicas"
+        if remote >= 1:
+            return
+    pytest.fail("no request ever waited on the other replica's claim")
+
+
+# -- 3. bad requests --------------------------------------------------------------------------
+def _error(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    return response.json()["error"]
+
+
+def test_request_limits_answer_413_naming_the_limit(main_app) -> None:
+    small = fresh(64, 64)
+    err = _error(main_app.encode([small] * 9), 413)
+    assert err["limit"] == "max_images_per_request" and err["value"] == 9 and err["allowed"] == 8
+
+    noise = np.random.default_rng(0).integers(0, 255, (1100, 1100, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(noise).save(buf, format="BMP")  # 3.6 MB: over max_request_bytes (3 MiB)
+    err = _error(main_app.encode([buf.getvalue()]), 413)
+    assert err["limit"] == "max_request_bytes"
+
+    declared = crafted_png(5000, 5000, 8, zlib.compress(b"\0" * 64))
+    err = _error(main_app.encode([small, declared]), 413)
+    assert err["limit"] == "max_image_pixels" and "25000000" in err["message"]
+
+
+def test_malformed_requests_answer_422_or_415_with_a_clear_message(main_app) -> None:
+    post = main_app.client.post
+    url = f"{main_app.url}/v1/encode"
+    cases = {
+        "invalid JSON": post(url, content=b"{nope", headers={"content-type": "application/json"}),
+        "expected {": post(url, json={"pictures": []}),
+        "not base64": post(url, json={"images": [{"data": "%%%"}]}),
+        "not a 64-hex key": post(url, json={"images": [{"key": "xyz"}]}),
+        "must be": post(url, json={"images": [{"data": "aGk=", "key": "ab" * 32}]}),
+        "no images": post(url, json={"images": []}),
+        "unknown multipart fields": post(url, files=[("image", ("a", b"x"))]),
+    }
+    for needle, response in cases.items():
+        err = _error(response, 422)
+        assert err["type"] == "MalformedRequestError" and needle in err["message"], (needle, err)
+    err = _error(post(url, content=b"raw", headers={"content-type": "text/plain"}), 415)
+    assert "unsupported content type" in err["message"]
+
+    assert _error(post(f"{main_app.url}/v1/probe", json={"keys": ["zz"]}), 422)
+    assert _error(main_app.client.get(f"{main_app.url}/v1/embeddings/nothex"), 422)
+    missing = main_app.client.get(f"{main_app.url}/v1/embeddings/{'cd' * 32}")
+    assert _error(missing, 404)["type"] == "CacheMissError"
+
+
+def test_bad_images_fail_alone_and_the_replica_keeps_serving(main_app) -> None:
+    bad = bad_images()
+    good = fresh(320, 240)
+    images = [bad["truncated-jpeg"], good, bad["text"], bad["empty"]]
+    response = main_app.encode(images)
+    assert response.status_code == 200, response.text
+    items = response.json()["items"]
+    assert items[0]["error"]["type"] == "ImageDecodeError" and items[0]["error"]["index"] == 0
+    assert "num_tokens" in items[1]
+    assert items[2]["error"]["type"] == "ImageDecodeError" and items[2]["error"]["status"] == 422
+    assert items[3]["error"]["index"] == 3
+    # the bomb is refused up front, from its header
+    err = _error(main_app.encode([good, bad["bomb"]]), 413)
+    assert err["limit"] == "max_image_pixels"
+    # and the same replica still serves
+    after = main_app.encode([fresh(448, 448)])
+    assert after.status_code == 200 and "num_tokens" in after.json()["items"][0]
+
+
+def test_an_overloaded_encoder_answers_429_with_retry_after(deploy) -> None:
+    """One request in flight and one queued: the next is refused at once (429), not queued
+    until memory or a timeout gives out; the deployment keeps serving."""
+    app = deploy(
+        "tight",
+        encoder={"max_ongoing_requests": 1, "max_queued_requests": 1},
+        batching={"batch_wait_timeout_s": 2.0},
+    )  # the first holds the slot ~2 s
+    with cf.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(app.encode, [fresh(320, 240)])
+        time.sleep(0.5)
+        second = pool.submit(app.encode, [fresh(320, 240)])
+        time.sleep(0.5)
+        started = time.monotonic()
+        refused = app.encode([fresh(320, 240)])
+        refused_in = time.monotonic() - started
+        assert first.result().status_code == 200 and second.result().status_code == 200
+    err = _error(refused, 429)
+    assert err["type"] == "BackpressureError" and refused.headers["retry-after"] == "1"
+    assert refused_in < 1.0  # refused at once, not after waiting
+    ok = app.encode([fresh(320, 240)])
+    assert ok.status_code == 200, ok.text
+
+
+# -- store down -------------------------------------------------------------------------------
+def test_a_store_that_is_down_gives_503_for_fetches_while_encodes_still_answer(
+    deploy, spawn_redis
+) -> None:
+    server = spawn_redis()
+    app = deploy("redisdown", store=f"{server.url}?timeout_s=0.5")
+    image = fresh(320, 240)
+    key = app.encode([image]).json()["items"][0]["key"]
+    assert app.client.get(f"{app.url}/v1/embeddings/{key}").status_code == 200
+
+    server.kill()
+    fetch = app.client.get(f"{app.url}/v1/embeddings/{key}")
+    assert _error(fetch, 503)["type"] == "StoreUnavailableError"
+    assert fetch.headers["retry-after"] == "1"
+    assert _error(app.client.post(f"{app.url}/v1/probe", json={"keys": [key]}), 503)
+    again = app.encode([image, fresh(200, 120)])  # recomputed, not failed
+    assert again.status_code == 200, again.text
+    assert again.json()["items"][0]["key"] == key
+    assert app.wait_metric("vitserve_store_errors_total", lambda v: v >= 2) >= 2
+
+
+# -- 4. metrics -------------------------------------------------------------------------------
+METRICS = [
+    "vitserve_images_encoded_total",
+    "vitserve_tower_forward_calls_total",
+    "vitserve_encode_latency_seconds_count",
+    "vitserve_queue_wait_seconds_count",
+    "vitserve_batch_images_count",
+    "vitserve_batch_patches_sum",
+    "vitserve_padded_token_fraction_count",
+    "vitserve_cache_hits_total",
+    "vitserve_cache_misses_total",
+    "vitserve_cache_evictions",
+    "vitserve_single_flight_joins_total",
+    "vitserve_bytes_published_total",
+    "vitserve_bytes_fetched_total",
+    "vitserve_requests_total",
+]
+
+
+def test_metrics_route_exposes_the_service_metrics_and_they_move(main_app) -> None:
+    warm = fresh(448, 448)
+    concurrently(main_app.encode, [[warm]] * 3)  # some single-flight joins
+    key = main_app.encode([warm]).json()["items"][0]["key"]
+    main_app.client.get(f"{main_app.url}/v1/embeddings/{key}")
+    main_app.wait_metric("vitserve_bytes_fetched_total", lambda v: v > 0)
+    page = main_app.client.get(f"{main_app.url}/metrics")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
+    assert "ray_vitserve" not in page.text and "# TYPE vitserve_images_encoded_total" in page.text
+    names = {n for n, _, _ in main_app.samples()}
+    assert set(METRICS) <= names, set(METRICS) - names
+
+    before = {n: main_app.metric(n) for n in METRICS}
+    images = [fresh(448, 448), fresh(320, 240), fresh(200, 120)]
+    keys = [i["key"] for i in main_app.encode(images).json()["items"]]
+    main_app.encode(images[:1])  # a cache hit
+    for key in keys:
+        main_app.client.get(f"{main_app.url}/v1/embeddings/{key}")
+    moving = [n for n in METRICS if n not in ("vitserve_cache_evictions",
+                                              "vitserve_single_flight_joins_total")]  # fmt: skip
+    after = {n: main_app.wait_metric(n, lambda v, n=n: v > before[n]) for n in moving}
+    after[METRICS[0]] = main_app.wait_metric(METRICS[0], lambda v: v >= before[METRICS[0]] + 3)
+    assert after["vitserve_images_encoded_total"] == before["vitserve_images_encoded_total"] + 3
+    stuck = [n for n, v in after.items() if v <= before[n]]
+    assert not stuck, stuck
+    assert main_app.metric("vitserve_requests_total", route="encode", status="200") > 0
