@@ -28,6 +28,15 @@ def resolve_model(model: str) -> str:
     return str(cached_model(DEMO_FAMILY, DEMO_PRESET))
 
 
+def check_model(cfg: VitserveConfig) -> None:
+    """Fail now, with the loader's clear error, if the model's config and image processor
+    cannot be read or its family is unsupported, instead of after replicas retry to start.
+    Reads no weights."""
+    from vitserve.encoder.loading import load_preprocessor
+
+    load_preprocessor(cfg.model, revision=cfg.revision)
+
+
 def _nest(args: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in args.items():
@@ -64,6 +73,7 @@ def build_app(args: Mapping[str, Any] | None = None, *, config: VitserveConfig |
 
     cfg = config or VitserveConfig.load(_nest(args or {}))
     cfg = cfg.model_copy(update={"model": resolve_model(cfg.model)})
+    check_model(cfg)
     cfg.log_effective()
     plain = cfg.model_dump()
     encoder = EncoderDeployment.options(**_options(cfg.encoder)).bind(plain)

@@ -30,14 +30,16 @@ def start_local(cfg: VitserveConfig, *, num_cpus: int | None = None) -> str:
 
     from vitserve.deployments.app import build_app
 
+    app = build_app(config=cfg)  # a model that cannot load fails here, before Ray starts
     if not ray.is_initialized():
-        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="warning",
-                 log_to_driver=False)  # fmt: skip
+        # address="local": always a new cluster of this process, never someone else's.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                 logging_level="warning", log_to_driver=False)  # fmt: skip
     serve.start(
         http_options={"host": cfg.http_host, "port": cfg.http_port},
         logging_config={"enable_access_log": cfg.access_log, "log_level": "WARNING"},
     )
-    serve.run(build_app(config=cfg), name=APP_NAME, route_prefix="/",
+    serve.run(app, name=APP_NAME, route_prefix="/",
               logging_config={"enable_access_log": cfg.access_log,
                               "log_level": "WARNING"})  # fmt: skip
     return f"http://{cfg.http_host}:{cfg.http_port}"

@@ -1,0 +1,104 @@
+"""The service config: strict, environment-settable, and what build_app makes of it (no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vitserve.deployments.config import VitserveConfig
+from vitserve.errors import ConfigError
+
+
+def test_defaults_are_the_embedded_default() -> None:
+    cfg = VitserveConfig.load(environ={})
+    assert (cfg.model, cfg.store, cfg.http_port) == ("demo", "node://", 8000)
+    assert cfg.encoder.max_ongoing_requests == 256 and cfg.ingress.num_cpus == 0.25
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ({"encoder": {"max_ongoing_request": 5}}, "encoder.max_ongoing_request"),
+        ({"batchng": {"enabled": False}}, "batchng"),
+        ({"limits": {"max_images_per_request": 0}}, "limits.max_images_per_request"),
+        ({"store": "memory://"}, "memory:// is private to one process"),
+        ({"dtype": "int8"}, "unknown dtype 'int8'"),
+        ({"encoder": {"num_gpus": -1}}, "encoder.num_gpus"),
+    ],
+)
+def test_a_misspelled_or_invalid_field_is_an_error_naming_it(overrides, needle) -> None:
+    with pytest.raises(ConfigError, match="invalid vitserve config") as info:
+        VitserveConfig.load(overrides, environ={})
+    assert needle in str(info.value)
+
+
+def test_every_field_is_settable_by_environment_and_arguments_win() -> None:
+    environ = {
+        "VITSERVE_MODEL": "/models/qwen",
+        "VITSERVE_STORE": "redis://cache:6379/0",
+        "VITSERVE_LIMITS__MAX_IMAGES_PER_REQUEST": "16",
+        "VITSERVE_BATCHING__ENABLED": "false",
+        "VITSERVE_ENCODER__NUM_GPUS": "1",
+        "VITSERVE_CACHE": "/not/a/config/field",  # the model cache folder, not config
+        "PATH": "/usr/bin",
+    }
+    cfg = VitserveConfig.load({"limits": {"max_images_per_request": 32}}, environ=environ)
+    assert cfg.model == "/models/qwen" and cfg.store == "redis://cache:6379/0"
+    assert cfg.batching.enabled is False
+    assert cfg.limits.max_images_per_request == 32  # the argument over the environment
+    # a partial section keeps the section's other defaults
+    assert cfg.encoder.num_gpus == 1 and cfg.encoder.max_ongoing_requests == 256
+    assert cfg.encoder.num_cpus == 1.0
+
+
+def test_an_unknown_environment_variable_with_the_prefix_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="max_imagse"):
+        VitserveConfig.load(environ={"VITSERVE_LIMITS__MAX_IMAGSE": "3"})
+
+
+def test_config_is_frozen() -> None:
+    cfg = VitserveConfig.load(environ={})
+    with pytest.raises(Exception, match="frozen"):
+        cfg.model = "other"  # type: ignore[misc]
+
+
+def test_build_app_takes_serve_run_style_dotted_args(tiny_models) -> None:
+    from ray.serve import Application
+
+    from vitserve.deployments.app import build_app
+
+    app = build_app({"model": str(tiny_models["qwen2_vl"]), "limits.max_images_per_request": 4,
+                     "encoder.num_replicas": 2})  # fmt: skip
+    assert isinstance(app, Application)
+    with pytest.raises(ConfigError, match=r"limits\.max_images"):
+        build_app({"model": str(tiny_models["qwen2_vl"]), "limits.max_images": 4})
+
+
+def test_build_app_refuses_a_model_that_cannot_load_before_anything_starts(tmp_path) -> None:
+    from vitserve.deployments.app import build_app
+    from vitserve.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="cannot load model"):
+        build_app({"model": str(tmp_path / "missing")})
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text('{"model_type": "bert"}')
+    (tmp_path / "bert" / "preprocessor_config.json").write_text("{}")
+    with pytest.raises(ModelLoadError):
+        build_app({"model": str(tmp_path / "bert")})
+
+
+def test_every_metric_is_constructible_and_ray_prefix_is_stripped() -> None:
+    from vitserve.deployments import metrics
+
+    for name in metrics._SPECS:
+        metrics.metric(name)
+    page = (
+        "# HELP ray_vitserve_images_encoded_total Images\n"
+        "# TYPE ray_vitserve_images_encoded_total counter\n"
+        'ray_vitserve_images_encoded_total{application="a"} 3.0\n'
+        'ray_serve_num_http_requests_total{route="/"} 9.0\n'
+    )
+    assert metrics.vitserve_families(page) == (
+        "# HELP vitserve_images_encoded_total Images\n"
+        "# TYPE vitserve_images_encoded_total counter\n"
+        'vitserve_images_encoded_total{application="a"} 3.0\n'
+    )
