@@ -45,7 +45,9 @@ class BatchingConfig(_Strict):
 
     enabled: bool = True
     max_batch_patches: int = Field(32768, gt=0)  # batch_size_fn counts patches, not images
-    batch_wait_timeout_s: float = Field(0.01, ge=0)
+    # 0: no image waits for company when the device is free; images that arrive while it is
+    # busy are gathered into its next forward anyway (the encoder's device queue).
+    batch_wait_timeout_s: float = Field(0.0, ge=0)
 
 
 class AutoscalingConfig(_Strict):
