@@ -3,7 +3,8 @@
 ``build_app`` is what ``serve run vitserve.deployments.app:build_app model=demo`` and a
 ``serve build``-style YAML (``import_path: vitserve.deployments.app:build_app`` with ``args``)
 call. ``args`` are the config's fields; nested fields take dotted names
-(``limits.max_images_per_request=16``) or nested mappings. The model ``demo`` is the small
+(``limits.max_images_per_request=16``) or nested mappings. ``build_application(config)`` is the
+same from a ``VitserveConfig`` (the CLI, tests, benchmarks). The model ``demo`` is the small
 random-weight model, built once into the cache folder; it is never used in place of a model
 that failed to load.
 """
@@ -66,12 +67,17 @@ def _options(d: DeploymentConfig) -> dict[str, Any]:
     return options
 
 
-def build_app(args: Mapping[str, Any] | None = None, *, config: VitserveConfig | None = None):
-    """The bound vitserve application (ingress -> preprocess -> encoder)."""
+def build_app(args: Mapping[str, Any]):
+    """The application from ``serve run``/YAML-style args (one parameter, as Serve requires):
+    config fields, nested ones by dotted names or nested mappings; values may be strings."""
+    return build_application(VitserveConfig.load(_nest(args or {})))
+
+
+def build_application(cfg: VitserveConfig):
+    """The bound vitserve application (ingress -> preprocess -> encoder) for ``cfg``."""
     from vitserve.deployments.encoder import EncoderDeployment, PreprocessDeployment
     from vitserve.deployments.ingress import Ingress
 
-    cfg = config or VitserveConfig.load(_nest(args or {}))
     cfg = cfg.model_copy(update={"model": resolve_model(cfg.model)})
     check_model(cfg)
     cfg.log_effective()

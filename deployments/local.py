@@ -32,9 +32,9 @@ def start_local(cfg: VitserveConfig, *, num_cpus: int | None = None) -> str:
     import ray
     from ray import serve
 
-    from vitserve.deployments.app import build_app
+    from vitserve.deployments.app import build_application
 
-    app = build_app(config=cfg)  # a model that cannot load fails here, before Ray starts
+    app = build_application(cfg)  # a model that cannot load fails here, before Ray starts
     if not ray.is_initialized():
         # address="local": always a new cluster of this process, never someone else's.
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,

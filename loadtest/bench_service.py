@@ -53,7 +53,7 @@ def start(apps: dict[str, dict[str, Any]], model: str) -> tuple[str, dict[str, A
     import ray
     from ray import serve
 
-    from vitserve.deployments.app import build_app
+    from vitserve.deployments.app import build_application
     from vitserve.deployments.config import VitserveConfig
     from vitserve.deployments.local import LOCAL_SYSTEM_CONFIG, free_port
 
@@ -67,7 +67,7 @@ def start(apps: dict[str, dict[str, Any]], model: str) -> tuple[str, dict[str, A
     for name, overrides in apps.items():
         cfg = VitserveConfig.load({"model": model, "namespace": f"bench-{name}-{time.time()}",
                                    **overrides})  # fmt: skip
-        serve.run(build_app(config=cfg), name=name, route_prefix=f"/{name}", logging_config=quiet)
+        serve.run(build_application(cfg), name=name, route_prefix=f"/{name}", logging_config=quiet)
         handles[name] = serve.get_deployment_handle("EncoderDeployment", app_name=name)
     return f"http://127.0.0.1:{port}", handles
 

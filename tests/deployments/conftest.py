@@ -105,7 +105,7 @@ def serve_url(ray_cluster) -> Iterator[str]:
 def deploy(serve_url: str, tiny_models: dict[str, Path]) -> Iterator[Callable[..., App]]:
     from ray import serve
 
-    from vitserve.deployments.app import build_app
+    from vitserve.deployments.app import build_application
     from vitserve.deployments.config import VitserveConfig
 
     apps: dict[str, App] = {}
@@ -124,7 +124,7 @@ def deploy(serve_url: str, tiny_models: dict[str, Path]) -> Iterator[Callable[..
             "ingress": {"num_cpus": 0.05},
         }
         cfg = VitserveConfig.load(_merge(base, overrides))
-        serve.run(build_app(config=cfg), name=name, route_prefix=f"/{name}",
+        serve.run(build_application(cfg), name=name, route_prefix=f"/{name}",
                   logging_config=QUIET)  # fmt: skip
         apps[name] = App(name, f"{serve_url}/{name}", cfg)
         return apps[name]

@@ -61,16 +61,21 @@ def test_config_is_frozen() -> None:
         cfg.model = "other"  # type: ignore[misc]
 
 
-def test_build_app_takes_serve_run_style_dotted_args(tiny_models) -> None:
+def test_build_app_is_a_serve_application_builder_with_dotted_string_args(tiny_models) -> None:
+    """What ``serve run vitserve.deployments.app:build_app k=v`` and a YAML ``args:`` do."""
     from ray.serve import Application
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
     from vitserve.deployments.app import build_app
 
-    app = build_app({"model": str(tiny_models["qwen2_vl"]), "limits.max_images_per_request": 4,
-                     "encoder.num_replicas": 2})  # fmt: skip
+    model = str(tiny_models["qwen2_vl"])
+    app = call_user_app_builder_with_args_if_necessary(
+        build_app,
+        {"model": model, "limits.max_images_per_request": "4", "encoder.num_replicas": "2"},
+    )
     assert isinstance(app, Application)
     with pytest.raises(ConfigError, match=r"limits\.max_images"):
-        build_app({"model": str(tiny_models["qwen2_vl"]), "limits.max_images": 4})
+        build_app({"model": model, "limits.max_images": 4})
 
 
 def test_build_app_refuses_a_model_that_cannot_load_before_anything_starts(tmp_path) -> None:
