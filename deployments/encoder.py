@@ -88,9 +88,11 @@ def error_item(exc: VitserveError) -> dict[str, Any]:
 @serve.deployment
 class PreprocessDeployment:
     def __init__(self, config: dict[str, Any]) -> None:
+        from vitserve.encoder.device import tune_cpu_allocator
         from vitserve.encoder.images import ImageLimits
         from vitserve.encoder.preprocess import Preprocessor
 
+        tune_cpu_allocator()  # see WORKER_ENV in app.py
         cfg = VitserveConfig.model_validate(config)
         limits = ImageLimits(max_image_bytes=cfg.limits.max_image_bytes,
                              max_image_pixels=cfg.limits.max_image_pixels)  # fmt: skip
