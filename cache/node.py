@@ -419,6 +419,9 @@ class NodeStore(EmbeddingStore):
     def _get_head(self, full_key: str) -> Buffer | None:
         return self._get_values([full_key])[0]  # the whole value, zero-copy: get_rows slices it
 
+    def _get_heads(self, full_keys: list[str]) -> list[Buffer | None]:
+        return self._get_values(full_keys)  # one actor call for all (was one per key)
+
     def _delete(self, full_keys: list[str]) -> int:
         return self._call("delete", lambda a: a.delete.remote(full_keys))
 
