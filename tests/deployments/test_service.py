@@ -205,6 +205,11 @@ def test_request_limits_answer_413_naming_the_limit(main_app) -> None:
     err = _error(main_app.encode([buf.getvalue()]), 413)
     assert err["limit"] == "max_request_bytes"
 
+    buf = io.BytesIO()
+    Image.fromarray(noise[:860, :860]).save(buf, format="BMP")  # 2.2 MB: one image over 2 MiB
+    err = _error(main_app.encode([small, buf.getvalue()]), 413)
+    assert (err["limit"], err["index"], err["allowed"]) == ("max_image_bytes", 1, 2 * 2**20)
+
     declared = crafted_png(5000, 5000, 8, zlib.compress(b"\0" * 64))
     err = _error(main_app.encode([small, declared]), 413)
     assert err["limit"] == "max_image_pixels" and "25000000" in err["message"]
