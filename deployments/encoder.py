@@ -144,6 +144,7 @@ class EncoderDeployment:
         self._forwards: deque[dict[str, Any]] = deque(maxlen=256)  # the latest forwards
         self._seconds: Counter[str] = Counter()  # device-step time by phase
         self._background: set[asyncio.Task] = set()  # claim releases in flight
+        self._store_reporter: asyncio.Task | None = None
         # The device queue: what Serve's batches handed over and the device has not taken yet.
         self._queued: list[tuple[Any, float, asyncio.Future]] = []
         self._wakeup = asyncio.Event()
@@ -169,6 +170,8 @@ class EncoderDeployment:
     # -- encoding ------------------------------------------------------------------------------
     async def encode(self, prepared: Any) -> dict[str, Any]:
         """Encode one prepared image (or pass an error item through); single flight."""
+        if self._store_reporter is None:
+            self._store_reporter = asyncio.create_task(self._report_store_forever())
         if isinstance(prepared, dict):  # the preprocessor refused the image
             return prepared
         key = prepared.key
@@ -319,7 +322,6 @@ class EncoderDeployment:
             metrics.inc("store_errors_total", op="put")
             log.warning("publishing %d embeddings failed: %s", len(values), exc)
         self._seconds["publish"] += time.perf_counter() - encoded
-        self._report_store()
         return results
 
     def _record_forwards(self, items: list[Any], plan: Any) -> None:
@@ -351,6 +353,16 @@ class EncoderDeployment:
             values.append((e.key, value))
             results.append(describe_header(read_header(value)))
         return results, values, plan
+
+    async def _report_store_forever(self, period_s: float = 1.0) -> None:
+        """Keep the store gauge fresh: Ray drops a gauge not set for two report intervals,
+        and evictions happen whenever any replica publishes."""
+        while True:
+            try:
+                await asyncio.to_thread(self._report_store)
+            except Exception:  # a metrics fault must not end the reporting, nor anything else
+                log.exception("reporting store stats failed")
+            await asyncio.sleep(period_s)
 
     def _report_store(self) -> None:
         try:

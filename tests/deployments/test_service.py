@@ -328,6 +328,7 @@ def test_metrics_route_exposes_the_service_metrics_and_they_move(main_app) -> No
     key = main_app.encode([warm]).json()["items"][0]["key"]
     main_app.client.get(f"{main_app.url}/v1/embeddings/{key}")
     main_app.wait_metric("vitserve_bytes_fetched_total", lambda v: v > 0)
+    time.sleep(3)  # idle for longer than Ray keeps a gauge nobody refreshes (2 intervals)
     page = main_app.client.get(f"{main_app.url}/metrics")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
     assert "ray_vitserve" not in page.text and "# TYPE vitserve_images_encoded_total" in page.text
