@@ -207,8 +207,10 @@ class EmbeddingStore(ABC):
         """Which keys hold a value (a cheap probe: no payload is read or checked)."""
         return self._exists([self.full_key(k) for k in keys])
 
-    def get_rows(self, key: str, r0: int, r1: int) -> EmbeddingRecord | None:
-        """Rows ``[r0, r1)`` of every tensor of ``key``, reading only those rows' blocks."""
+    def get_rows(self, key: str, r0: int, r1: int | None = None) -> EmbeddingRecord | None:
+        """Rows ``[r0, r1)`` of every tensor of ``key`` (``r1=None``: to the last row), reading
+        only those rows' blocks. The record's ``num_tokens`` is the whole image's, its
+        ``row_start`` is ``r0``."""
         fk = self.full_key(key)
         try:
             head = self._get_head(fk)
@@ -218,6 +220,8 @@ class EmbeddingStore(ABC):
             header = read_header(head)
             if header.key != key:
                 raise RecordFormatError("record holds another key")
+            if r1 is None:
+                r1 = header.num_tokens
             if not 0 <= r0 < r1 <= header.num_tokens:
                 raise ConfigError(f"row range [{r0}, {r1}) is outside [0, {header.num_tokens})")
             spans = row_spans(header, r0, r1)

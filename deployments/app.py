@@ -45,17 +45,6 @@ def check_model(cfg: VitserveConfig) -> None:
     load_preprocessor(cfg.model, revision=cfg.revision)
 
 
-def _nest(args: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, value in args.items():
-        node = out
-        *parents, leaf = name.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
-
-
 def _options(d: DeploymentConfig) -> dict[str, Any]:
     """Serve deployment options from vitserve's checked subset."""
     options: dict[str, Any] = {
@@ -81,7 +70,7 @@ def _options(d: DeploymentConfig) -> dict[str, Any]:
 def build_app(args: Mapping[str, Any]):
     """The application from ``serve run``/YAML-style args (one parameter, as Serve requires):
     config fields, nested ones by dotted names or nested mappings; values may be strings."""
-    return build_application(VitserveConfig.load(_nest(args or {})))
+    return build_application(VitserveConfig.load(args))
 
 
 def build_application(cfg: VitserveConfig):

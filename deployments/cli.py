@@ -19,8 +19,8 @@ def _make_model(args: argparse.Namespace) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """Config overrides from flags (only those given) and ``--set key=value`` pairs."""
-    import json
+    """Config overrides (dotted names) from flags (only those given) and ``--set key=value``."""
+    from vitserve.deployments.config import parse_value
 
     out: dict[str, Any] = {}
     fields = {"model": "model", "store": "store", "port": "http_port", "host": "http_host",
@@ -33,15 +33,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         name, sep, raw = pair.partition("=")
         if not sep:
             raise ConfigError(f"--set takes key=value, got {pair!r}")
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            value = raw
-        node = out
-        *parents, leaf = name.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
+        out[name] = parse_value(raw)
     return out
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from vitserve.encoder.device import DTYPES
 from vitserve.errors import ConfigError
 
 ENV_PREFIX = "VITSERVE_"
@@ -106,29 +107,25 @@ class VitserveConfig(_Strict):
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, value: str | None) -> str | None:
-        if value is not None and value.lower() not in ("fp32", "bf16", "fp16", "float32",
-                                                       "bfloat16", "float16"):  # fmt: skip
+        if value is not None and value.lower() not in DTYPES:
             raise ValueError(f"unknown dtype {value!r}; use fp32, bf16 or fp16")
         return value
 
     @classmethod
     def load(cls, overrides: Mapping[str, Any] | None = None,
              environ: Mapping[str, str] | None = None) -> VitserveConfig:  # fmt: skip
-        """Defaults, then ``VITSERVE_*`` environment, then ``overrides`` (nested dicts).
+        """Defaults, then ``VITSERVE_*`` environment, then ``overrides``.
 
-        A partial section (``{"encoder": {"num_gpus": 1}}``) keeps the section's other fields
-        at this config's defaults, not at the section class's.
+        Overrides name nested fields by dotted names (``"limits.max_images_per_request"``), by
+        nested mappings, or both. A partial section (``{"encoder": {"num_gpus": 1}}``) keeps
+        the section's other fields at this config's defaults, not at the section class's.
         """
         data: dict[str, Any] = cls().model_dump()
         for name, raw in (os.environ if environ is None else environ).items():
-            if not name.startswith(ENV_PREFIX) or name in _NOT_CONFIG:
-                continue
-            path = name[len(ENV_PREFIX) :].lower().split("__")
-            node = data
-            for part in path[:-1]:
-                node = node.setdefault(part, {})
-            node[path[-1]] = _parse_env(raw)
-        _merge(data, dict(overrides or {}))
+            if name.startswith(ENV_PREFIX) and name not in _NOT_CONFIG:
+                _assign(data, name[len(ENV_PREFIX) :].lower().split("__"), parse_value(raw))
+        for name, value in (overrides or {}).items():
+            _assign(data, name.split("."), value)
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
@@ -146,16 +143,24 @@ class VitserveConfig(_Strict):
 _NOT_CONFIG = {"VITSERVE_CACHE", "VITSERVE_TEST_REDIS"}
 
 
-def _parse_env(raw: str) -> Any:
+def parse_value(raw: str) -> Any:
+    """A value given as text (environment, ``--set``): JSON when it parses, else the text."""
     try:
         return json.loads(raw)
     except ValueError:
         return raw
 
 
-def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> None:
-    for key, value in extra.items():
-        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
-            _merge(base[key], value)
-        else:
-            base[key] = value
+def _assign(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    """Set ``tree[path[0]]...[path[-1]]``; a mapping merges into the section already there."""
+    node = tree
+    for part in path[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    leaf = path[-1]
+    if isinstance(value, Mapping) and isinstance(node.get(leaf), dict):
+        for key, sub in value.items():
+            _assign(node[leaf], [key], sub)
+    else:
+        node[leaf] = value

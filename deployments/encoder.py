@@ -31,15 +31,16 @@ import numpy as np
 from ray import serve
 
 from vitserve.deployments import metrics
-from vitserve.deployments.config import VitserveConfig
+from vitserve.deployments.config import BatchingConfig, VitserveConfig
 from vitserve.errors import ImageError, StoreError, VitserveError
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
 
+_BATCHING = BatchingConfig()  # the decorator's defaults; each replica sets its config's
 # The effective patch cap of this replica's batch queue (set in __init__; one deployment class
 # per replica process). An image larger than the cap counts as the cap, so it runs alone
 # instead of being refused by Serve's batch queue.
-_PATCH_CAP = 32768
+_PATCH_CAP = _BATCHING.max_batch_patches
 
 
 def _batch_patches(items: list[Any]) -> int:
@@ -52,6 +53,7 @@ def embedding_record(embedding: Any, fingerprint: str) -> Any:
     import torch
 
     from vitserve.cache.codec import EmbeddingRecord
+    from vitserve.encoder.device import dtype_name
 
     def host(t: torch.Tensor) -> np.ndarray:
         t = t.detach().to("cpu")  # no copy when already on the CPU
@@ -59,12 +61,10 @@ def embedding_record(embedding: Any, fingerprint: str) -> Any:
             return t.view(torch.int16).numpy().view(np.uint16)
         return t.numpy()
 
-    tag = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[
-        embedding.tensor.dtype
-    ]
     tensors = {"embedding": host(embedding.tensor)}
     tensors |= {name: host(t) for name, t in embedding.extras.items()}
-    return EmbeddingRecord(key=embedding.key, fingerprint=fingerprint, dtype=tag,
+    return EmbeddingRecord(key=embedding.key, fingerprint=fingerprint,
+                           dtype=dtype_name(embedding.tensor.dtype),
                            num_tokens=embedding.num_tokens, grid=embedding.grid,
                            tensors=tensors)  # fmt: skip
 
@@ -140,7 +140,6 @@ class EncoderDeployment:
         self._encode_batch.set_max_batch_size(cfg.batching.max_batch_patches)
         self._encode_batch.set_batch_wait_timeout_s(cfg.batching.batch_wait_timeout_s)
         self._inflight: dict[str, asyncio.Future] = {}
-        self._gathered: Counter[int] = Counter()  # images per gathered batch -> how often
         self._forwards: deque[dict[str, Any]] = deque(maxlen=256)  # the latest forwards
         self._seconds: Counter[str] = Counter()  # device-step time by phase
         self._background: set[asyncio.Task] = set()  # claim releases in flight
@@ -152,16 +151,17 @@ class EncoderDeployment:
 
     # -- queries -----------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
+        from vitserve.encoder.device import dtype_name
+
         e = self.engine
         return {"model": self.cfg.model, "family": e.family, "fingerprint": e.fingerprint,
-                "dtype": str(e.dtype).removeprefix("torch."), "device": str(e.device),
+                "dtype": dtype_name(e.dtype), "device": str(e.device),
                 "namespace": e.namespace}  # fmt: skip
 
     def counters(self) -> dict[str, Any]:
         c = self.engine.counters
         return {"forward_calls": c.forward_calls, "images": c.images, "patches": c.patches,
                 "oversize": c.oversize,
-                "gathered_batches": dict(self._gathered),
                 "recent_forwards": list(self._forwards),
                 "seconds": dict(self._seconds),
                 "forward_calls_by_bucket": {str(k): v for k, v in
@@ -241,7 +241,8 @@ class EncoderDeployment:
     # holding each formed batch back until the previous one returns, so images that arrive
     # during a forward would each form a batch of one and run one by one; here every formed
     # batch reaches the device queue at once and the device loop merges them.
-    @serve.batch(max_batch_size=32768, batch_wait_timeout_s=0.01, max_concurrent_batches=256,
+    @serve.batch(max_batch_size=_BATCHING.max_batch_patches,
+                 batch_wait_timeout_s=_BATCHING.batch_wait_timeout_s, max_concurrent_batches=256,
                  batch_size_fn=_batch_patches)  # fmt: skip
     async def _encode_batch(self, items: list[Any], arrived: list[float]) -> list[dict[str, Any]]:
         return await self._run(items, arrived)
@@ -254,7 +255,6 @@ class EncoderDeployment:
         free (up to ``max_batch_patches``), so images that arrive during a forward share the
         next one instead of running one by one.
         """
-        self._gathered[len(items)] += 1
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in items]
         self._queued.extend(zip(items, arrived, futures, strict=True))

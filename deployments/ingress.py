@@ -40,6 +40,7 @@ from vitserve.deployments.encoder import describe_header, error_item
 from vitserve.errors import (
     BackpressureError,
     CacheMissError,
+    ConfigError,
     ImageError,
     LimitExceededError,
     MalformedRequestError,
@@ -68,8 +69,8 @@ def _backpressure(exc: Exception) -> VitserveError | None:
     """A full encoder queue as the API's 429, or None for other errors."""
     from ray.serve.exceptions import BackPressureError
 
-    if isinstance(exc, BackPressureError):
-        return BackpressureError(queued=-1, limit=-1, detail=str(exc))
+    if isinstance(exc, BackPressureError):  # args: num_queued_requests, max_queued_requests
+        return BackpressureError(queued=exc.args[0], limit=exc.args[1])
     return None
 
 
@@ -271,24 +272,18 @@ class Ingress:
             body = bytes(value)
             headers = {}
         else:
-            header = (await asyncio.to_thread(self.store.headers_many, [key]))[0]
-            if header is None:
-                raise CacheMissError([key])
-            r0 = start or 0
-            r1 = header.num_tokens if end is None else end
-            if not 0 <= r0 < r1 <= header.num_tokens:
-                raise MalformedRequestError(
-                    f"row range [{r0}, {r1}) is outside [0, {header.num_tokens})"
-                )
-            part = await asyncio.to_thread(self.store.get_rows, key, r0, r1)
+            try:  # one read: the store checks the range against the record's header
+                part = await asyncio.to_thread(self.store.get_rows, key, start or 0, end)
+            except ConfigError as exc:
+                raise MalformedRequestError(str(exc)) from None
             if part is None:
                 raise CacheMissError([key])
             rows = EmbeddingRecord(key=key, fingerprint=part.fingerprint, dtype=part.dtype,
-                                   num_tokens=r1 - r0, grid=part.grid,
+                                   num_tokens=len(part.embedding), grid=part.grid,
                                    tensors=part.tensors)  # fmt: skip
             body = bytes(encode_record(rows))
-            headers = {"X-Vitserve-Row-Start": str(r0),
-                       "X-Vitserve-Num-Tokens": str(header.num_tokens)}  # fmt: skip
+            headers = {"X-Vitserve-Row-Start": str(part.row_start),
+                       "X-Vitserve-Num-Tokens": str(part.num_tokens)}  # fmt: skip
         metrics.inc("bytes_fetched_total", len(body))
         return Response(body, media_type="application/octet-stream", headers=headers)
 

@@ -25,29 +25,48 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def start_local(cfg: VitserveConfig, *, num_cpus: int | None = None) -> str:
-    """Start local Ray (unless already up), Serve on ``cfg.http_host:cfg.http_port``, and the
-    application; returns its base URL once it answers."""
+def _logging(access_log: bool) -> dict[str, Any]:
+    return {"enable_access_log": access_log, "log_level": "WARNING"}
+
+
+def start_ray(num_cpus: int | None = None) -> None:
+    """A new local Ray cluster for this process (unless one is up already)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
-    from ray import serve
 
-    from vitserve.deployments.app import build_application
-
-    app = build_application(cfg)  # a model that cannot load fails here, before Ray starts
     if not ray.is_initialized():
         # address="local": always a new cluster of this process, never someone else's.
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
                  logging_level="warning", log_to_driver=False,
                  _system_config=LOCAL_SYSTEM_CONFIG)  # fmt: skip
-    serve.start(
-        http_options={"host": cfg.http_host, "port": cfg.http_port},
-        logging_config={"enable_access_log": cfg.access_log, "log_level": "WARNING"},
-    )
-    serve.run(app, name=APP_NAME, route_prefix="/",
-              logging_config={"enable_access_log": cfg.access_log,
-                              "log_level": "WARNING"})  # fmt: skip
-    return f"http://{cfg.http_host}:{cfg.http_port}"
+
+
+def start_serve(host: str, port: int, *, access_log: bool = False) -> str:
+    """Serve's HTTP proxy on ``host:port`` in the running cluster; its base URL."""
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port}, logging_config=_logging(access_log))
+    return f"http://{host}:{port}"
+
+
+def serve_app(app: Any, *, name: str = APP_NAME, route_prefix: str = "/",
+              access_log: bool = False) -> None:  # fmt: skip
+    """Deploy a built application and wait until it is ready."""
+    from ray import serve
+
+    serve.run(app, name=name, route_prefix=route_prefix, logging_config=_logging(access_log))
+
+
+def start_local(cfg: VitserveConfig, *, num_cpus: int | None = None) -> str:
+    """Start local Ray (unless already up), Serve on ``cfg.http_host:cfg.http_port``, and the
+    application; returns its base URL once it answers."""
+    from vitserve.deployments.app import build_application
+
+    app = build_application(cfg)  # a model that cannot load fails here, before Ray starts
+    start_ray(num_cpus)
+    url = start_serve(cfg.http_host, cfg.http_port, access_log=cfg.access_log)
+    serve_app(app, access_log=cfg.access_log)
+    return url
 
 
 def stop_local() -> None:

@@ -49,27 +49,21 @@ def post(client: httpx.Client, url: str, images: list[bytes]) -> dict[str, Any]:
 
 def start(apps: dict[str, dict[str, Any]], model: str) -> tuple[str, dict[str, Any]]:
     """Local Ray and Serve with one application per entry (route prefix = name)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
     from ray import serve
 
     from vitserve.deployments.app import build_application
     from vitserve.deployments.config import VitserveConfig
-    from vitserve.deployments.local import LOCAL_SYSTEM_CONFIG, free_port
+    from vitserve.deployments.local import free_port, serve_app, start_ray, start_serve
 
-    # Logical CPUs: both applications' replicas must fit; the machine's cores are shared.
-    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="warning",
-             log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG)  # fmt: skip
-    port = free_port()
-    quiet = {"enable_access_log": False, "log_level": "WARNING"}
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
+    start_ray(num_cpus=8)  # logical CPUs: both applications' replicas must fit
+    url = start_serve("127.0.0.1", free_port())
     handles = {}
     for name, overrides in apps.items():
         cfg = VitserveConfig.load({"model": model, "namespace": f"bench-{name}-{time.time()}",
                                    **overrides})  # fmt: skip
-        serve.run(build_application(cfg), name=name, route_prefix=f"/{name}", logging_config=quiet)
+        serve_app(build_application(cfg), name=name, route_prefix=f"/{name}")
         handles[name] = serve.get_deployment_handle("EncoderDeployment", app_name=name)
-    return f"http://127.0.0.1:{port}", handles
+    return url, handles
 
 
 def overhead(url: str, handle: Any, engine: Any, rounds: int) -> None:

@@ -69,16 +69,12 @@ def redis_url() -> str:
     return url
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RedisServer:
     """A private redis-server subprocess on a free port (killed at teardown)."""
 
     def __init__(self, *args: str) -> None:
+        from vitserve.deployments.local import free_port
+
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.args = args

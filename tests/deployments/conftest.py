@@ -10,23 +10,13 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-
-QUIET = {"enable_access_log": False, "log_level": "WARNING"}
-
-
-def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
-    return out
-
 
 _SAMPLE = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -93,11 +83,9 @@ class App:
 def serve_url(ray_cluster) -> Iterator[str]:
     from ray import serve
 
-    from vitserve.deployments.local import free_port
+    from vitserve.deployments.local import free_port, start_serve
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=QUIET)
-    yield f"http://127.0.0.1:{port}"
+    yield start_serve("127.0.0.1", free_port())
     serve.shutdown()
 
 
@@ -107,6 +95,7 @@ def deploy(serve_url: str, tiny_models: dict[str, Path]) -> Iterator[Callable[..
 
     from vitserve.deployments.app import build_application
     from vitserve.deployments.config import VitserveConfig
+    from vitserve.deployments.local import serve_app
 
     apps: dict[str, App] = {}
 
@@ -119,13 +108,12 @@ def deploy(serve_url: str, tiny_models: dict[str, Path]) -> Iterator[Callable[..
             "dtype": "fp32",
             "namespace": f"t-{name}",
             "torch_threads": 1,
-            "encoder": {"num_cpus": 0.2},
-            "preprocess": {"num_cpus": 0.1},
-            "ingress": {"num_cpus": 0.05},
+            "encoder.num_cpus": 0.2,
+            "preprocess.num_cpus": 0.1,
+            "ingress.num_cpus": 0.05,
         }
-        cfg = VitserveConfig.load(_merge(base, overrides))
-        serve.run(build_application(cfg), name=name, route_prefix=f"/{name}",
-                  logging_config=QUIET)  # fmt: skip
+        cfg = VitserveConfig.load({**base, **overrides})  # a section given merges
+        serve_app(build_application(cfg), name=name, route_prefix=f"/{name}")
         apps[name] = App(name, f"{serve_url}/{name}", cfg)
         return apps[name]
 

@@ -50,6 +50,15 @@ def test_every_field_is_settable_by_environment_and_arguments_win() -> None:
     assert cfg.encoder.num_cpus == 1.0
 
 
+def test_overrides_take_dotted_names_and_sections_together() -> None:
+    cfg = VitserveConfig.load({"limits.max_images_per_request": 5, "encoder": {"num_gpus": 1},
+                               "encoder.num_cpus": 2, "encoder.autoscaling.max_replicas": 4},
+                              environ={})  # fmt: skip
+    assert cfg.limits.max_images_per_request == 5
+    assert (cfg.encoder.num_gpus, cfg.encoder.num_cpus) == (1, 2)
+    assert cfg.encoder.autoscaling.max_replicas == 4 and cfg.encoder.max_ongoing_requests == 256
+
+
 def test_an_unknown_environment_variable_with_the_prefix_is_an_error() -> None:
     with pytest.raises(ConfigError, match="max_imagse"):
         VitserveConfig.load(environ={"VITSERVE_LIMITS__MAX_IMAGSE": "3"})

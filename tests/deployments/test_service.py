@@ -134,6 +134,14 @@ def test_json_items_key_only_items_probe_and_row_ranges(main_app) -> None:
     rows = decode_record(part.content)
     assert rows.num_tokens == 6
     np.testing.assert_array_equal(rows.embedding, whole.embedding[3:9])
+    last4 = first["num_tokens"] - 4  # no end: to the last row
+    tail = main_app.client.get(f"{main_app.url}/v1/embeddings/{key}", params={"start": last4})
+    assert tail.headers["x-vitserve-row-start"] == str(last4)
+    np.testing.assert_array_equal(decode_record(tail.content).embedding, whole.embedding[last4:])
+    outside = main_app.client.get(f"{main_app.url}/v1/embeddings/{key}",
+                                  params={"start": 5, "end": first["num_tokens"] + 1})  # fmt: skip
+    err = _error(outside, 422)
+    assert err["type"] == "MalformedRequestError" and "outside" in err["message"]
 
 
 def test_health_and_openapi(main_app) -> None:
@@ -277,6 +285,7 @@ def test_an_overloaded_encoder_answers_429_with_retry_after(deploy) -> None:
         assert first.result().status_code == 200 and second.result().status_code == 200
     err = _error(refused, 429)
     assert err["type"] == "BackpressureError" and refused.headers["retry-after"] == "1"
+    assert (err["queued"], err["limit"]) == (1, 1)
     assert refused_in < 1.0  # refused at once, not after waiting
     ok = app.encode([fresh(320, 240)])
     assert ok.status_code == 200, ok.text
