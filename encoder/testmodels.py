@@ -7,7 +7,11 @@ through exactly the path a published checkpoint takes. No network is needed.
 
 Presets (the language model stays small in all of them; only the vision side scales):
 
-* ``tiny``: well under a million parameters, for tests (milliseconds per image on a CPU).
+* ``tiny``: well under a million parameters, for tests (milliseconds per image on a CPU). Its
+  vision weights are drawn wider than transformers' default init (std 0.2 instead of 0.02), so
+  that attention depends on position and content: with the default init, attention over a
+  32-wide tower is nearly uniform, and a shifted rotary position changed the Qwen embeddings by
+  only ~1e-4 of their scale; at std 0.2, by 6-15%, so an equivalence test catches it.
 * ``small``: a ViT-B-sized tower (768 wide, 12 layers), for CPU benchmarks.
 * ``large``: the family's published tower size (transformers' default vision config, e.g. the
   ~670M-parameter Qwen2.5-VL-7B tower), for GPU benchmarks.
@@ -41,6 +45,9 @@ _TEXT_SIZES = {
     "large": {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2},
 }
 _HEAD_DIM = 16
+# The init std of the tiny models' vision weights (see the module docstring).
+_TINY_VISION_STD = 0.2
+_VISION_PARAMS = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")
 # Vision tower sizes. ``large`` spells out the published towers: Qwen2-VL-7B, Qwen2.5-VL-7B,
 # Qwen3-VL-8B, CLIP ViT-L/14-336 (LLaVA-1.5) and SigLIP So400m (Gemma 3). transformers' default
 # vision configs are not these (its Qwen2.5-VL default is 3584 wide, 3B parameters).
@@ -253,10 +260,15 @@ def make_model(
     torch.manual_seed(seed)
     model = full_model_class(family)._from_config(config, attn_implementation="sdpa")
     with torch.no_grad():
-        for param in model.parameters():
-            # Some projections start as exact zeros (e.g. Gemma 3's mm_input_projection_weight);
-            # a model whose image features are all zero would make every equality test vacuous.
-            if param.ndim >= 2 and float(param.std()) == 0.0:
+        for name, param in model.named_parameters():
+            if param.ndim < 2:
+                continue
+            if preset == "tiny" and name.startswith(_VISION_PARAMS):
+                param.normal_(0.0, _TINY_VISION_STD)
+            elif float(param.std()) == 0.0:
+                # Some projections start as exact zeros (e.g. Gemma 3's
+                # mm_input_projection_weight); all-zero image features would make every
+                # equality test vacuous.
                 param.normal_(0.0, 0.02)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -277,14 +289,23 @@ def cache_dir() -> Path:
     return Path(base) / "vitserve"
 
 
+def _cache_path(family: str, preset: str, seed: int) -> Path:
+    return cache_dir() / "models" / f"{family}-{preset}-seed{seed}"
+
+
+def is_cached(family: str, preset: str, *, seed: int = 0) -> bool:
+    """Whether :func:`cached_model` would return a folder already built (nothing to build)."""
+    return (_cache_path(family, preset, seed) / "config.json").is_file()
+
+
 def cached_model(family: str, preset: str, *, seed: int = 0) -> Path:
     """The folder of a test model in the cache, built once (atomically) if it is not there."""
     import shutil
     import tempfile
 
     build_config(family, preset)  # validate before touching the disk
-    target = cache_dir() / "models" / f"{family}-{preset}-seed{seed}"
-    if (target / "config.json").is_file():
+    target = _cache_path(family, preset, seed)
+    if is_cached(family, preset, seed=seed):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
@@ -293,7 +314,7 @@ def cached_model(family: str, preset: str, *, seed: int = 0) -> Path:
         try:
             tmp.rename(target)
         except OSError:
-            if not (target / "config.json").is_file():  # not a concurrent builder's win
+            if not is_cached(family, preset, seed=seed):  # not a concurrent builder's win
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -26,15 +26,40 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {family: make_model(family, "tiny", root / family) for family in FAMILIES}
 
 
+# Batching limits the suite's engines and services set themselves, so no test's batching
+# depends on the host (the CPU cap follows its last-level cache, the default budget its free
+# memory): room for the largest request the tests send to the tiny models in one forward.
+TEST_MAX_BATCH_PATCHES = 8192
+TEST_BUDGET_BYTES = 2**30
+
+
+def _engines(tiny_models: dict[str, Path], dtype: str) -> dict[str, object]:
+    from vitserve.encoder.engine import EncoderEngine
+
+    limits = {"budget_bytes": TEST_BUDGET_BYTES, "max_batch_patches": TEST_MAX_BATCH_PATCHES}
+    return {
+        f: EncoderEngine.from_pretrained(str(p), device="cpu", dtype=dtype, **limits)
+        for f, p in tiny_models.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def batching_limits() -> dict[str, int]:
+    """The batching limits every engine and service of the suite sets (see above)."""
+    return {"max_batch_patches": TEST_MAX_BATCH_PATCHES, "budget_bytes": TEST_BUDGET_BYTES}
+
+
 @pytest.fixture(scope="session")
 def engines(tiny_models: dict[str, Path]):
     """family -> fp32 CPU EncoderEngine over the tiny model (shared; read counters as deltas)."""
-    from vitserve.encoder.engine import EncoderEngine
+    return _engines(tiny_models, "fp32")
 
-    return {
-        f: EncoderEngine.from_pretrained(str(p), device="cpu", dtype="fp32")
-        for f, p in tiny_models.items()
-    }
+
+@pytest.fixture(scope="session")
+def bf16_engines(tiny_models: dict[str, Path]):
+    """family -> bf16 CPU EncoderEngine (the default dtype of CPUs with native bf16 and of
+    GPUs; emulated, and slower, elsewhere: the tiny models keep it cheap)."""
+    return _engines(tiny_models, "bf16")
 
 
 @pytest.fixture(scope="session")
