@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from vitserve.encoder.device import DTYPES
+from vitserve.encoder.device import DTYPES, HOST_OVERRIDE_VARS
 from vitserve.errors import ConfigError
 
 ENV_PREFIX = "VITSERVE_"
@@ -45,7 +45,10 @@ class BatchingConfig(_Strict):
     """How the encoder deployment gathers concurrent images into one ``@serve.batch`` call."""
 
     enabled: bool = True
-    max_batch_patches: int = Field(32768, gt=0)  # batch_size_fn counts patches, not images
+    # The most patches one tower forward takes (and one gathered batch holds). None: the
+    # engine's default, sized to the CPU's last-level cache on a CPU, uncapped on a GPU (see
+    # vitserve.encoder.device).
+    max_batch_patches: int | None = Field(None, gt=0)
     # 0: no image waits for company when the device is free; images that arrive while it is
     # busy are gathered into its next forward anyway (the encoder's device queue).
     batch_wait_timeout_s: float = Field(0.0, ge=0)
@@ -140,7 +143,7 @@ class VitserveConfig(_Strict):
 
 
 # Environment variables that share the prefix but are not config fields.
-_NOT_CONFIG = {"VITSERVE_CACHE", "VITSERVE_TEST_REDIS"}
+_NOT_CONFIG = {"VITSERVE_CACHE", "VITSERVE_TEST_REDIS", *HOST_OVERRIDE_VARS}
 
 
 def parse_value(raw: str) -> Any:

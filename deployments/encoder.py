@@ -37,14 +37,12 @@ from vitserve.errors import ImageError, StoreError, VitserveError
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
 
 _BATCHING = BatchingConfig()  # the decorator's defaults; each replica sets its config's
-# The effective patch cap of this replica's batch queue (set in __init__; one deployment class
-# per replica process). An image larger than the cap counts as the cap, so it runs alone
-# instead of being refused by Serve's batch queue.
-_PATCH_CAP = _BATCHING.max_batch_patches
+# The most patches one gathered batch holds when the engine has no cap (GPUs).
+UNCAPPED_GATHER_PATCHES = 32768
 
 
 def _batch_patches(items: list[Any]) -> int:
-    return sum(min(p.patches, _PATCH_CAP) for p in items)
+    return sum(p.patches for p in items)
 
 
 def embedding_record(embedding: Any, fingerprint: str) -> Any:
@@ -115,7 +113,6 @@ class EncoderDeployment:
         from vitserve.cache import open_store
         from vitserve.encoder.engine import EncoderEngine
 
-        global _PATCH_CAP
         cfg = VitserveConfig.model_validate(config)
         self.cfg = cfg
         threads = cfg.torch_threads or (None if torch.cuda.is_available() else os.cpu_count())
@@ -132,12 +129,14 @@ class EncoderDeployment:
         )  # fmt: skip
         self.engine = EncoderEngine.from_pretrained(
             cfg.model, device=cfg.device, dtype=cfg.dtype, budget_bytes=cfg.budget_bytes,
-            revision=cfg.revision, namespace=cfg.namespace,
+            max_batch_patches=cfg.batching.max_batch_patches, revision=cfg.revision,
+            namespace=cfg.namespace,
         )  # fmt: skip
         self.store = open_store(cfg.store, namespace=cfg.namespace,
                                 fingerprint=self.engine.fingerprint)  # fmt: skip
-        _PATCH_CAP = cfg.batching.max_batch_patches
-        self._encode_batch.set_max_batch_size(cfg.batching.max_batch_patches)
+        # One cap for gathering and for the engine's forwards (config, else the engine's).
+        self.max_batch_patches = self.engine.max_batch_patches or UNCAPPED_GATHER_PATCHES
+        self._encode_batch.set_max_batch_size(self.max_batch_patches)
         self._encode_batch.set_batch_wait_timeout_s(cfg.batching.batch_wait_timeout_s)
         self._inflight: dict[str, asyncio.Future] = {}
         self._forwards: deque[dict[str, Any]] = deque(maxlen=256)  # the latest forwards
@@ -156,7 +155,8 @@ class EncoderDeployment:
         e = self.engine
         return {"model": self.cfg.model, "family": e.family, "fingerprint": e.fingerprint,
                 "dtype": dtype_name(e.dtype), "device": str(e.device),
-                "namespace": e.namespace}  # fmt: skip
+                "namespace": e.namespace, "max_batch_patches": e.max_batch_patches,
+                "budget_bytes": e.budget_bytes}  # fmt: skip
 
     def counters(self) -> dict[str, Any]:
         c = self.engine.counters
@@ -225,9 +225,10 @@ class EncoderDeployment:
                     return published
             # the claimant gave up, failed or timed out: encode it here
         try:
-            if self.cfg.batching.enabled:
+            if self.cfg.batching.enabled and prepared.patches <= self.max_batch_patches:
                 result = await self._encode_batch(prepared, started)
-            else:
+            else:  # batching off, or an image over the cap: it runs alone either way (and
+                # Serve's batch queue refuses an item larger than its max_batch_size)
                 [result] = await self._run([prepared], [started])
         finally:
             if won:  # off the answer's path: the embedding is already published (or failed)
@@ -241,7 +242,7 @@ class EncoderDeployment:
     # holding each formed batch back until the previous one returns, so images that arrive
     # during a forward would each form a batch of one and run one by one; here every formed
     # batch reaches the device queue at once and the device loop merges them.
-    @serve.batch(max_batch_size=_BATCHING.max_batch_patches,
+    @serve.batch(max_batch_size=UNCAPPED_GATHER_PATCHES,
                  batch_wait_timeout_s=_BATCHING.batch_wait_timeout_s, max_concurrent_batches=256,
                  batch_size_fn=_batch_patches)  # fmt: skip
     async def _encode_batch(self, items: list[Any], arrived: list[float]) -> list[dict[str, Any]]:
@@ -269,7 +270,7 @@ class EncoderDeployment:
         if not self.cfg.batching.enabled:
             work, self._queued = self._queued[:1], self._queued[1:]
             return work
-        cap = self.cfg.batching.max_batch_patches
+        cap = self.max_batch_patches
         take, patches = 1, min(self._queued[0][0].patches, cap)
         while take < len(self._queued):
             patches += min(self._queued[take][0].patches, cap)

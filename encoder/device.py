@@ -11,10 +11,20 @@
   (GELU, rotary products) become memory-bound once their tensors spill the cache: measured here
   (ViT-B, fp32, 32 MiB L3), packing seven 1156-patch images made ``mul``/``sigmoid`` 3-5x
   slower per image and the forward ~5% slower per image than one image alone. GPUs get no cap.
+
+Host readings, and how to override them: two of these defaults read the host CPU, the size of
+its last-level cache (Linux sysfs) and whether it multiplies bf16 natively (``/proc/cpuinfo``).
+``VITSERVE_CPU_LLC_BYTES`` (a size: ``8MiB``, ``480M``, ``33554432``) and ``VITSERVE_CPU_BF16``
+(``1``/``0``, ``true``/``false``) replace those readings, in this process and in the Ray workers
+it starts, so a run (the test suite's CPU-profile passes, a benchmark) behaves as it would on
+another CPU. A malformed value is a :class:`ConfigError`, never ignored. Only the decisions
+change (default dtype, batch cap): the kernels that run are still the host's.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +38,12 @@ SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # be published, the allocator's slack and whatever else shares the device.
 GPU_BUDGET_FRACTION = 0.5
 CPU_BUDGET_FRACTION = 0.25
+
+# Environment variables that replace a host reading (see the module docstring).
+LLC_ENV = "VITSERVE_CPU_LLC_BYTES"
+BF16_ENV = "VITSERVE_CPU_BF16"
+HOST_OVERRIDE_VARS = (LLC_ENV, BF16_ENV)
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
 def resolve_device(device: str | Any | None) -> Any:
@@ -64,9 +80,42 @@ def dtype_name(dtype: Any) -> str:
     return SHORT_NAMES[str(dtype).removeprefix("torch.")]
 
 
+def parse_size(text: str) -> int:
+    """Bytes from ``8MiB``, ``8M``, ``8 MB``, ``512K`` or ``33554432`` (binary units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
+    if m is None:
+        raise ValueError(f"not a size: {text!r} (e.g. 8MiB, 480M, 33554432)")
+    return int(m[1]) * _UNITS[m[2].upper()]
+
+
+def _env_override(name: str, parse: Any) -> Any:
+    """The parsed value of override variable ``name``, or None when it is unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return parse(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name}={raw!r}: {exc}") from None
+
+
+def _parse_flag(raw: str) -> bool:
+    flags = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+    if raw.lower() not in flags:
+        raise ValueError("expected 1 or 0 (true/false)")
+    return flags[raw.lower()]
+
+
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16 flags)."""
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16 flags).
+
+    With ``cpuinfo`` given, answers for that text; else ``$VITSERVE_CPU_BF16`` when set, else
+    the host's ``/proc/cpuinfo``.
+    """
     if cpuinfo is None:
+        forced = _env_override(BF16_ENV, _parse_flag)
+        if forced is not None:
+            return bool(forced)
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
@@ -104,7 +153,13 @@ def free_memory_bytes(device: Any) -> int:
 
 
 def last_level_cache_bytes() -> int | None:
-    """The CPU's largest cache (Linux sysfs), or None when it cannot be read."""
+    """The CPU's largest cache: ``$VITSERVE_CPU_LLC_BYTES`` when set, else Linux sysfs; None
+    when it cannot be read."""
+    forced = _env_override(LLC_ENV, parse_size)
+    if forced is not None:
+        if forced <= 0:
+            raise ConfigError(f"{LLC_ENV} must be a positive size, got {forced}")
+        return int(forced)
     best = None
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
@@ -117,20 +172,40 @@ def last_level_cache_bytes() -> int | None:
     return best
 
 
-def default_max_batch_patches(device: Any, mlp_width: int, dtype: Any) -> int | None:
-    """The CPU batch cap (see the module docstring); None (no cap) on GPUs or unknown caches.
+def cpu_batch_cap(llc_bytes: int | None, native_bf16: bool, mlp_width: int,
+                  itemsize: int) -> int | None:  # fmt: skip
+    """The CPU batch cap in patches (see the module docstring), from its inputs alone: as many
+    tokens as fit one MLP intermediate (``mlp_width`` elements each) in the last-level cache;
+    None (no cap) when the cache size is unknown.
 
     Sized for 4-byte elements unless the CPU computes 16-bit floats natively: without native
     bf16, bf16 layers run through fp32 conversions, and a cap sized for 2-byte elements
     measured 5% slower per image than one image at a time (0.94-0.95x in three rounds).
     """
+    if not llc_bytes:
+        return None
+    element = itemsize if native_bf16 else max(4, itemsize)
+    return max(1, llc_bytes // (mlp_width * element))
+
+
+def default_max_batch_patches(device: Any, mlp_width: int, dtype: Any) -> int | None:
+    """:func:`cpu_batch_cap` for this host (or its overrides); None (no cap) on GPUs."""
     if device.type != "cpu":
         return None
-    cache = last_level_cache_bytes()
-    if not cache:
-        return None
-    itemsize = dtype.itemsize if cpu_has_native_bf16() else max(4, dtype.itemsize)
-    return max(1, cache // (mlp_width * itemsize))
+    return cpu_batch_cap(last_level_cache_bytes(), cpu_has_native_bf16(), mlp_width,
+                         dtype.itemsize)  # fmt: skip
+
+
+def describe_cpu() -> str:
+    """The host readings behind the CPU defaults, naming the ones an override replaced."""
+
+    def source(name: str) -> str:
+        return f" (from {name})" if os.environ.get(name, "").strip() else ""
+
+    llc = last_level_cache_bytes()
+    cache = f"{llc / 2**20:g} MiB last-level cache" if llc else "last-level cache unknown"
+    bf16 = "native bf16" if cpu_has_native_bf16() else "no native bf16"
+    return f"{cache}{source(LLC_ENV)}, {bf16}{source(BF16_ENV)}"
 
 
 def default_budget_bytes(device: Any) -> int:

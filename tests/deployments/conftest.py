@@ -90,7 +90,8 @@ def serve_url(ray_cluster) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def deploy(serve_url: str, tiny_models: dict[str, Path]) -> Iterator[Callable[..., App]]:
+def deploy(serve_url: str, tiny_models: dict[str, Path],
+           batching_limits: dict[str, int]) -> Iterator[Callable[..., App]]:  # fmt: skip
     from ray import serve
 
     from vitserve.deployments.app import build_application
@@ -102,10 +103,13 @@ def deploy(serve_url: str, tiny_models: dict[str, Path]) -> Iterator[Callable[..
     def _deploy(name: str, **overrides: Any) -> App:
         if name in apps:
             return apps[name]
-        # Small CPU shares so several applications fit the session's 2-CPU cluster.
+        # Small CPU shares so several applications fit the session's 2-CPU cluster; batching
+        # limits set here, not derived from the host.
         base = {
             "model": str(tiny_models["qwen2_vl"]),
             "dtype": "fp32",
+            "budget_bytes": batching_limits["budget_bytes"],
+            "batching.max_batch_patches": batching_limits["max_batch_patches"],
             "namespace": f"t-{name}",
             "torch_threads": 1,
             "encoder.num_cpus": 0.2,

@@ -12,6 +12,7 @@ def test_defaults_are_the_embedded_default() -> None:
     cfg = VitserveConfig.load(environ={})
     assert (cfg.model, cfg.store, cfg.http_port) == ("demo", "node://", 8000)
     assert cfg.encoder.max_ongoing_requests == 256 and cfg.ingress.num_cpus == 0.25
+    assert cfg.batching.max_batch_patches is None  # the engine's default for its device
 
 
 @pytest.mark.parametrize(
@@ -39,11 +40,14 @@ def test_every_field_is_settable_by_environment_and_arguments_win() -> None:
         "VITSERVE_BATCHING__ENABLED": "false",
         "VITSERVE_ENCODER__NUM_GPUS": "1",
         "VITSERVE_CACHE": "/not/a/config/field",  # the model cache folder, not config
+        "VITSERVE_CPU_LLC_BYTES": "8MiB",  # host readings' overrides, not config either
+        "VITSERVE_CPU_BF16": "0",
+        "VITSERVE_BATCHING__MAX_BATCH_PATCHES": "4096",
         "PATH": "/usr/bin",
     }
     cfg = VitserveConfig.load({"limits": {"max_images_per_request": 32}}, environ=environ)
     assert cfg.model == "/models/qwen" and cfg.store == "redis://cache:6379/0"
-    assert cfg.batching.enabled is False
+    assert cfg.batching.enabled is False and cfg.batching.max_batch_patches == 4096
     assert cfg.limits.max_images_per_request == 32  # the argument over the environment
     # a partial section keeps the section's other defaults
     assert cfg.encoder.num_gpus == 1 and cfg.encoder.max_ongoing_requests == 256
