@@ -3,16 +3,20 @@
 Starts the embedded default (local Ray, node-local store, no Redis) serving the demo model (or
 ``--model``), sends a mixed-resolution set of generated images through the HTTP API twice, and
 prints each image's key and token count, the tower forwards the encoder formed, whether the
-second pass was served from the store, and timings.
+second pass was served from the store, and timings. While a pass runs (tens of seconds on a
+slow CPU), it prints the encoder's progress as images leave the tower.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import time
 from collections.abc import Callable
 from typing import Any
 
 from vitserve.encoder.testimages import make_image
+
+PROGRESS_PERIOD_S = 1.0
 
 # (width, height, mode, format): a mixed-resolution request, with one image sent twice.
 DEMO_IMAGES = [
@@ -45,14 +49,56 @@ def _post(url: str, images: list[tuple[str, bytes]]) -> tuple[dict[str, Any], fl
     return response.json(), elapsed
 
 
+def _post_with_progress(url: str, images: list[tuple[str, bytes]], encoder: Any,
+                        echo: Callable[[str], None]) -> tuple[dict[str, Any], float]:  # fmt: skip
+    """``_post``, printing the encoder's progress (images through the tower, forwards) every
+    ``PROGRESS_PERIOD_S`` while the request runs."""
+    start = encoder.counters.remote().result()
+    seen = start["images"]
+    with cf.ThreadPoolExecutor(1) as pool:
+        request = pool.submit(_post, url, images)
+        began = time.perf_counter()
+        while True:
+            try:
+                return request.result(timeout=PROGRESS_PERIOD_S)
+            except cf.TimeoutError:
+                now = encoder.counters.remote().result()
+                if now["images"] != seen:
+                    seen = now["images"]
+                    images_done = seen - start["images"]
+                    forwards = now["forward_calls"] - start["forward_calls"]
+                    echo(f"  ... {_count(images_done, 'image')} through the tower in "
+                         f"{_count(forwards, 'forward')}, "
+                         f"{time.perf_counter() - began:.1f} s")  # fmt: skip
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _batch_cap_line(info: dict[str, Any], cfg: Any) -> str:
+    from vitserve.encoder.device import describe_cpu
+
+    cap = info["max_batch_patches"]
+    if cap is None:
+        return "batch cap: none (a GPU takes whole batches under its memory budget)"
+    if cfg.batching.max_batch_patches is not None:
+        source = "set by batching.max_batch_patches"
+    else:  # the engine's CPU default (see vitserve.encoder.device)
+        source = f"sized to the CPU's cache: {describe_cpu()}"
+    return (f"batch cap: {cap} patches per forward ({source}); an image over it runs alone, "
+            f"a 448x448 image is 1024 patches")  # fmt: skip
+
+
 def run_demo(overrides: dict[str, Any], *, echo: Callable[[str], None] = print) -> None:
     from ray import serve
 
-    from vitserve.deployments.app import DEMO_MODEL
+    from vitserve.deployments.app import DEMO_FAMILY, DEMO_MODEL, DEMO_PRESET
     from vitserve.deployments.local import APP_NAME, local_config, start_local, stop_local
+    from vitserve.encoder.testmodels import is_cached
 
     cfg = local_config({"http_port": 0, **overrides})
-    if cfg.model == DEMO_MODEL:
+    if cfg.model == DEMO_MODEL and not is_cached(DEMO_FAMILY, DEMO_PRESET):
         echo("building the demo model once (random weights, Qwen2-VL with a ViT-B tower)...")
     started = time.perf_counter()
     url = start_local(cfg)
@@ -61,11 +107,15 @@ def run_demo(overrides: dict[str, Any], *, echo: Callable[[str], None] = print) 
         info = encoder.describe.remote().result()
         echo(f"serving {info['family']} ({info['dtype']} on {info['device']}) at {url}, "
              f"store {cfg.store}, started in {time.perf_counter() - started:.1f} s")  # fmt: skip
+        echo(_batch_cap_line(info, cfg))
 
         images = demo_images()
         for attempt in ("first", "second"):
+            distinct = len({data for _, data in images})
+            echo(f"\nPOST /v1/encode: {len(images)} images ({distinct} distinct) in one "
+                 f"request: {', '.join(name for name, _ in images)}")  # fmt: skip
             before = encoder.counters.remote().result()
-            body, elapsed = _post(url, images)
+            body, elapsed = _post_with_progress(url, images, encoder, echo)
             after = encoder.counters.remote().result()
             forwards = after["forward_calls"] - before["forward_calls"]
             echo(f"\n{attempt} pass: {len(images)} images in {elapsed:.2f} s over HTTP, "

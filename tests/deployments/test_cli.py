@@ -3,7 +3,13 @@
 ``serve`` and ``demo`` start their own local Ray cluster (beside the test session's), offline
 (``HF_HUB_OFFLINE``), with a model cache folder that starts empty, on the embedded default: the
 node-local store, no Redis configured anywhere (``VITSERVE_*`` and ``REDIS*`` variables are
-removed from their environment).
+removed from their environment, but for the CPU-profile overrides, which a run may set).
+
+They run the demo model (a ViT-B tower) in fp32 whatever the host: a CPU-profile pass that
+claims native bf16 on a CPU without it would otherwise emulate bf16 at ~1% of fp32's speed. Where
+a test needs images to share a forward, it sets the batch cap itself; the demo test also runs
+under the small-cache profile (8 MiB, no bf16), where the CPU default cap (682 patches) is below
+one 448px image, so a batching check that leaned on the host's default fails there on any host.
 """
 
 from __future__ import annotations
@@ -11,29 +17,46 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import pytest
+import torch
 
+from vitserve.encoder.device import (
+    BF16_ENV,
+    HOST_OVERRIDE_VARS,
+    LLC_ENV,
+    default_max_batch_patches,
+)
 from vitserve.encoder.testimages import make_image
 
 VITSERVE = str(Path(sys.executable).parent / "vitserve")
+SMALL_CACHE_PROFILE = {LLC_ENV: "8MiB", BF16_ENV: "0"}
+DEMO_MLP_WIDTH = 3072  # the demo model's ViT-B tower
+# What every test that needs batching sets: room for the demo's 448px images (1024 patches) to
+# share a forward.
+CAP = "batching.max_batch_patches=4096"
 
 
-def _env(cache: Path) -> dict[str, str]:
+def _env(cache: Path, profile: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("VITSERVE_", "REDIS", "RAY_ADDRESS"))}  # fmt: skip
-    return {**env, "VITSERVE_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
+           if not k.startswith(("VITSERVE_", "REDIS", "RAY_ADDRESS"))
+           or k in HOST_OVERRIDE_VARS}  # fmt: skip
+    return {**env, **(profile or {}), "VITSERVE_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}  # fmt: skip
 
 
-def _run(*args: str, cache: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([VITSERVE, *args], capture_output=True, text=True, env=_env(cache),
-                          timeout=timeout)  # fmt: skip
+def _run(*args: str, cache: Path, timeout: float = 600,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    return subprocess.run([VITSERVE, *args], capture_output=True, text=True,
+                          env=env or _env(cache), timeout=timeout)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +88,13 @@ def test_serve_demo_then_encode_through_http_then_ctrl_c(tmp_path, user_cache) -
     from vitserve.deployments.local import free_port
 
     port = free_port()
-    proc = subprocess.Popen([VITSERVE, "serve", "--model", "demo", "--port", str(port)],
+    # Where Ray puts its session (a short path: Ray's socket paths must stay under 108 bytes);
+    # the missing-model test checks that nothing lands there.
+    ray_tmp = Path(tempfile.mkdtemp(prefix="vr-", dir="/tmp"))
+    proc = subprocess.Popen([VITSERVE, "serve", "--model", "demo", "--port", str(port),
+                             "--dtype", "fp32"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(user_cache))  # fmt: skip
+                            env={**_env(user_cache), "RAY_TMPDIR": str(ray_tmp)})  # fmt: skip
     try:
         lines = []
         deadline = time.monotonic() + 300
@@ -80,14 +107,23 @@ def test_serve_demo_then_encode_through_http_then_ctrl_c(tmp_path, user_cache) -
                 break
         out = "".join(lines)
         assert f"at http://127.0.0.1:{port}" in out, out
+        assert (ray_tmp / "ray").is_dir()  # Ray took RAY_TMPDIR
         effective = json.loads(re.search(r"effective config: (\{.*\})", out)[1])
         assert effective["store"] == "node://" and effective["model"] == "demo"
+        assert effective["batching"]["max_batch_patches"] is None  # the engine's default
+        url = f"http://127.0.0.1:{port}"
+
+        # The replicas took this process's CPU readings (or the pass's overrides of them).
+        health = httpx.get(f"{url}/healthz", timeout=30).json()
+        assert health["dtype"] == "fp32"
+        assert health["max_batch_patches"] == default_max_batch_patches(
+            torch.device("cpu"), DEMO_MLP_WIDTH, torch.float32
+        )
 
         files = []
         for i, (w, h) in enumerate([(448, 448), (320, 240), (640, 480)]):
             files.append(tmp_path / f"img{i}.png")
             files[-1].write_bytes(make_image(w, h, seed=500 + i))
-        url = f"http://127.0.0.1:{port}"
         first = _run("encode", *map(str, files), "--url", url, cache=user_cache)
         assert first.returncode == 0, first.stderr
         rows = [line.split("\t") for line in first.stdout.splitlines()]
@@ -108,6 +144,8 @@ def test_serve_demo_then_encode_through_http_then_ctrl_c(tmp_path, user_cache) -
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
+        finally:
+            shutil.rmtree(ray_tmp, ignore_errors=True)
     assert code == 0
 
 
@@ -121,11 +159,23 @@ def test_encode_against_no_server_fails_clearly(tmp_path) -> None:
     assert proc.returncode == 2 and "cannot reach" in proc.stderr
 
 
-def test_demo_serves_encodes_twice_and_the_second_pass_comes_from_the_store(user_cache) -> None:
-    proc = _run("demo", cache=user_cache)
+@pytest.mark.parametrize("profile", [None, SMALL_CACHE_PROFILE], ids=["this-run", "small-cache"])
+def test_demo_serves_encodes_twice_and_the_second_pass_comes_from_the_store(
+    user_cache, profile, monkeypatch
+) -> None:
+    from vitserve.deployments.app import DEMO_FAMILY, DEMO_PRESET
+    from vitserve.encoder.testmodels import is_cached
+
+    monkeypatch.setenv("VITSERVE_CACHE", str(user_cache))
+    built_before = is_cached(DEMO_FAMILY, DEMO_PRESET)
+    proc = _run("demo", "--dtype", "fp32", "--set", CAP, cache=user_cache,
+                env=_env(user_cache, profile))  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "store node://" in out
+    assert ("building the demo model" in out) is not built_before
+    assert "batch cap: 4096 patches per forward (set by batching.max_batch_patches)" in out
+    assert "POST /v1/encode: 7 images (6 distinct) in one request: 448x448 RGB JPEG" in out
     first, second = out.split("\nfirst pass:")[1].split("\nsecond pass:")
     m = re.match(r" 7 images in [0-9.]+ s over HTTP, 6 through the tower in (\d+) forwards", first)
     assert m and int(m[1]) < 6, first
@@ -135,10 +185,25 @@ def test_demo_serves_encodes_twice_and_the_second_pass_comes_from_the_store(user
     assert re.search(r"GET /v1/embeddings/[0-9a-f]{16}\.\.: 200, \d+ bytes", out)
 
 
+def test_the_demo_says_where_its_default_batch_cap_comes_from(monkeypatch) -> None:
+    """Without a set cap, the demo reports the CPU default and the readings behind it (here the
+    small-cache profile's, whatever the host): on such a CPU a 448px image runs alone."""
+    from vitserve.deployments.demo import _batch_cap_line
+    from vitserve.deployments.local import local_config
+
+    for name, value in SMALL_CACHE_PROFILE.items():
+        monkeypatch.setenv(name, value)
+    line = _batch_cap_line({"max_batch_patches": 682}, local_config({}))
+    assert line.startswith("batch cap: 682 patches per forward (sized to the CPU's cache: 8 MiB")
+    assert f"(from {LLC_ENV}), no native bf16 (from {BF16_ENV})" in line
+
+
 def test_demo_with_a_missing_model_fails_clearly_before_starting_anything(tmp_path) -> None:
-    started = time.monotonic()
-    proc = _run("demo", "--model", str(tmp_path / "missing"), cache=tmp_path)
+    ray_tmp = tmp_path / "ray-tmp"
+    ray_tmp.mkdir()
+    env = {**_env(tmp_path), "RAY_TMPDIR": str(ray_tmp)}
+    proc = _run("demo", "--model", str(tmp_path / "missing"), cache=tmp_path, env=env)
     assert proc.returncode == 2
     assert "vitserve: error: cannot load model" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert time.monotonic() - started < 60
+    assert list(ray_tmp.iterdir()) == []  # no Ray session was started
