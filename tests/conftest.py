@@ -69,9 +69,11 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        # Metrics reach the node's endpoint every second (default 10 s), so tests of
-        # /metrics wait briefly.
-        ray.init(num_cpus=2, include_dashboard=False, namespace="vitserve-tests",
+        # address="local": a new cluster of this session, never one left running on the
+        # machine (ray.init() alone would join a `ray start` cluster). Metrics reach the
+        # node's endpoint every second (default 10 s), so tests of /metrics wait briefly.
+        ray.init(address="local", num_cpus=2, include_dashboard=False,
+                 namespace="vitserve-tests",
                  logging_level="warning",
                  _system_config={"metrics_report_interval_ms": 1000})  # fmt: skip
     yield ray
@@ -106,19 +108,28 @@ class RedisServer:
         self.proc: subprocess.Popen | None = None
         self.start()
 
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", "--port", str(self.port),
-             "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *self.args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.1).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+    def start(self, attempts: int = 3) -> None:
+        """Start on ``self.port``; if the server exits at once (another process took the port
+        since it was found free), on a new free port."""
+        from vitserve.deployments.local import free_port
+
+        for _ in range(attempts):
+            self.proc = subprocess.Popen(
+                [shutil.which("redis-server") or "redis-server", "--port", str(self.port),
+                 "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *self.args],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            deadline = time.monotonic() + 10
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    socket.create_connection(("127.0.0.1", self.port), timeout=0.1).close()
+                    return
+                except OSError:
+                    time.sleep(0.05)
+            self.kill()
+            self.port = free_port()
+            self.url = f"redis://127.0.0.1:{self.port}/0"
+        raise RuntimeError(f"redis-server did not start ({attempts} ports tried)")
 
     def kill(self) -> None:
         if self.proc is not None:

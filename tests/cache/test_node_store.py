@@ -245,14 +245,15 @@ def test_unreachable_actor_fails_fast_then_heals(ray_cluster, actor_name) -> Non
 
     # A hung actor (its process stopped): every call gives up after timeout_s.
     os.kill(store.actor_pid, signal.SIGSTOP)
+    waited = []
     try:
         for call in (lambda: store.get(record.key), lambda: store.exists_many([record.key]),
                      lambda: store.claim(record.key, ttl_s=5), store.stats):  # fmt: skip
             start = time.monotonic()
             with pytest.raises(StoreUnavailableError) as err:
                 call()
-            elapsed = time.monotonic() - start
-            assert 0.45 <= elapsed < 1.5, elapsed
+            waited.append(time.monotonic() - start)
+            assert 0.45 <= waited[-1] < 3 * 0.5, waited  # at its timeout, not a multiple
             assert err.value.retryable and "timed out" in err.value.reason
     finally:
         os.kill(store.actor_pid, signal.SIGCONT)
@@ -265,9 +266,12 @@ def test_unreachable_actor_fails_fast_then_heals(ray_cluster, actor_name) -> Non
     start = time.monotonic()
     with pytest.raises(StoreUnavailableError) as err:
         store.get(record.key)
-    assert time.monotonic() - start < 1.0
+    failed_in = time.monotonic() - start
+    # at once: sooner than any of the calls above, which each waited out the timeout
+    assert failed_in < min(waited), (failed_in, waited)
     assert err.value.retryable and "Actor" in err.value.reason, err.value.reason
-    print(f"\ncall to a dead store actor: {err.value.reason}")
+    print(f"\ncall to a dead store actor failed in {failed_in * 1e3:.0f} ms "
+          f"(hung: {min(waited):.2f} s): {err.value.reason}")  # fmt: skip
     store.timeout_s = 10.0  # re-creating the actor starts a process: more than 0.5 s
     assert store.exists_many([record.key]) == [False]
     assert store.stats()["entries"] == 0

@@ -184,7 +184,9 @@ def _assert_unavailable(store: RedisStore, call: Callable[[], object], limit_s: 
     return elapsed
 
 
-def test_nothing_listening_fails_fast_on_every_operation(spawn_redis, open_redis) -> None:
+def test_nothing_listening_fails_fast_on_every_operation(
+    spawn_redis, open_redis, monkeypatch
+) -> None:
     server = spawn_redis()
     server.kill()  # a free port where nothing listens
     store = open_redis(server.url, timeout_s=0.5)
@@ -194,12 +196,13 @@ def test_nothing_listening_fails_fast_on_every_operation(spawn_redis, open_redis
         _assert_unavailable(store, call, limit_s=store.timeout_s + 1)
     assert store.stats()["errors"] == len(ops)
     # stats() never fails for want of INFO, and does not ask again right after a failure
-    start = time.monotonic()
+    pipelines = []
+    real_pipeline = store._client.pipeline
+    monkeypatch.setattr(store._client, "pipeline",
+                        lambda *a, **k: pipelines.append(1) or real_pipeline(*a, **k))  # fmt: skip
     stats = store.stats()
-    assert "used_memory" not in stats and time.monotonic() - start < store.timeout_s + 1
-    start = time.monotonic()
-    store.stats()
-    assert time.monotonic() - start < 0.05
+    assert "used_memory" not in stats and "errors" in stats
+    assert pipelines == []  # INFO failed just above (in the errors check): not asked again
 
 
 def test_killed_server_fails_within_the_timeout_and_the_pool_recovers(
@@ -269,13 +272,14 @@ def test_claims_across_two_replicas(open_redis, raw: redis.Redis) -> None:
     # one wins; the loser's wait_for sees the publish promptly
     assert winner.claim(key, ttl_s=10)
     assert not loser.claim(key, ttl_s=10)
-    thread, box = _in_thread(lambda: loser.wait_for(key, timeout_s=5))
+    wait_s = 5.0  # every wake-up below comes well before it: the event woke the waiter
+    thread, box = _in_thread(lambda: loser.wait_for(key, timeout_s=wait_s))
     time.sleep(0.2)
     winner.put_many([record])
     put_at = time.monotonic()
     winner.release(key)
     thread.join()
-    assert box["result"] is True and box["at"] - put_at < 0.5
+    assert box["result"] is True and box["at"] - put_at < wait_s / 4
     assert raw.exists(_ckey(winner, key)) == 0
 
     # nobody publishes: False after the timeout
@@ -283,15 +287,15 @@ def test_claims_across_two_replicas(open_redis, raw: redis.Redis) -> None:
     assert winner.claim(quiet, ttl_s=10)
     start = time.monotonic()
     assert loser.wait_for(quiet, timeout_s=0.3) is False
-    assert 0.3 <= time.monotonic() - start < 0.8
+    assert 0.3 <= time.monotonic() - start < 4 * 0.3  # at its timeout, not a multiple of it
 
     # the winner gives up without publishing: False early
-    thread, box = _in_thread(lambda: loser.wait_for(quiet, timeout_s=5))
+    thread, box = _in_thread(lambda: loser.wait_for(quiet, timeout_s=wait_s))
     time.sleep(0.2)
     winner.release(quiet)
     released_at = time.monotonic()
     thread.join()
-    assert box["result"] is False and box["at"] - released_at < 0.5
+    assert box["result"] is False and box["at"] - released_at < wait_s / 4
 
     # a non-owner's release leaves the owner's claim alone
     held = new_key()

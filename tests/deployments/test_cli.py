@@ -37,12 +37,15 @@ from vitserve.encoder.device import (
 )
 from vitserve.encoder.testimages import make_image
 
+pytestmark = pytest.mark.cpu_profile  # CI runs it again as on each CPU profile
+
 VITSERVE = str(Path(sys.executable).parent / "vitserve")
 SMALL_CACHE_PROFILE = {LLC_ENV: "8MiB", BF16_ENV: "0"}
 DEMO_MLP_WIDTH = 3072  # the demo model's ViT-B tower
-# What every test that needs batching sets: room for the demo's 448px images (1024 patches) to
-# share a forward.
+# What every test that needs batching sets (not the host's cache or free memory): room for the
+# demo's 448px images (1024 patches) to share a forward.
 CAP = "batching.max_batch_patches=4096"
+BUDGET = f"budget_bytes={2 * 2**30}"
 
 
 def _env(cache: Path, profile: dict[str, str] | None = None) -> dict[str, str]:
@@ -168,7 +171,7 @@ def test_demo_serves_encodes_twice_and_the_second_pass_comes_from_the_store(
 
     monkeypatch.setenv("VITSERVE_CACHE", str(user_cache))
     built_before = is_cached(DEMO_FAMILY, DEMO_PRESET)
-    proc = _run("demo", "--dtype", "fp32", "--set", CAP, cache=user_cache,
+    proc = _run("demo", "--dtype", "fp32", "--set", CAP, "--set", BUDGET, cache=user_cache,
                 env=_env(user_cache, profile))  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout

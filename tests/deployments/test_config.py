@@ -7,6 +7,8 @@ import pytest
 from vitserve.deployments.config import VitserveConfig
 from vitserve.errors import ConfigError
 
+pytestmark = pytest.mark.cpu_profile  # CI runs it again as on each CPU profile
+
 
 def test_defaults_are_the_embedded_default() -> None:
     cfg = VitserveConfig.load(environ={})

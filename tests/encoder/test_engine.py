@@ -23,6 +23,8 @@ from vitserve.encoder.engine import BATCH_TOLERANCE_ULPS, Embedding, EncoderEngi
 from vitserve.encoder.testimages import bad_images, make_image, mixed_set
 from vitserve.errors import ConfigError, ImageDecodeError, ImageError, ImageTooLargeError
 
+pytestmark = pytest.mark.cpu_profile  # CI runs it again as on each CPU profile
+
 GOOD = [b for _, b in mixed_set()[:4]]
 EXPECTED = {
     "empty": (ImageDecodeError, "empty"),
@@ -73,8 +75,10 @@ def test_budget_splits_batches_and_output_is_unchanged(engines) -> None:
     whole = engine.plan(prepared)
     assert whole.forward_calls == 1
 
+    # The budget splits here, not the cap (set, as the fixture's, not taken from the host).
     small = EncoderEngine(engine.adapter, fingerprint=engine.fingerprint,
-                          budget_bytes=2 * per_image)  # fmt: skip
+                          budget_bytes=2 * per_image,
+                          max_batch_patches=engine.max_batch_patches)  # fmt: skip
     plan = small.plan(prepared)
     assert plan.forward_calls == 3
     assert all(b.act_bytes <= 2 * per_image for b in plan.batches)
@@ -92,7 +96,8 @@ def test_oversize_image_runs_alone_and_is_counted(engines) -> None:
     prepared = engine.prepare([small_img, big_img, small_img])
     budget = engine.adapter.activation_bytes(prepared[0]) * 3
     assert engine.adapter.activation_bytes(prepared[1]) > budget
-    tight = EncoderEngine(engine.adapter, fingerprint=engine.fingerprint, budget_bytes=budget)
+    tight = EncoderEngine(engine.adapter, fingerprint=engine.fingerprint, budget_bytes=budget,
+                          max_batch_patches=engine.max_batch_patches)  # fmt: skip
     out = tight.run(prepared)
     assert tight.counters.oversize == 1
     assert tight.counters.forward_calls == 2  # the two small ones together, the big one alone

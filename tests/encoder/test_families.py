@@ -29,6 +29,8 @@ from vitserve.encoder.images import decode_image
 from vitserve.encoder.testimages import mixed_set
 from vitserve.encoder.testmodels import FAMILIES, full_model_class
 
+pytestmark = pytest.mark.cpu_profile  # CI runs it again as on each CPU profile
+
 MIXED = mixed_set()
 IMAGES = [b for _, b in MIXED]
 QWEN = [f for f in FAMILIES if f.startswith("qwen")]

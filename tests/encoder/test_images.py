@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import time
 import zlib
 
 import numpy as np
@@ -388,14 +387,11 @@ def test_not_bytes() -> None:
 @pytest.mark.parametrize("func", [decode_image, image_size])
 def test_decompression_bomb_rejected_before_decode(func, png_bomb: bytes, load_calls) -> None:
     assert len(png_bomb) < 20_000
-    start = time.perf_counter()
     with pytest.raises(ImageTooLargeError) as excinfo:
         func(png_bomb, index=7)
-    elapsed = time.perf_counter() - start
     err = assert_image_error(excinfo, ImageTooLargeError)
     assert (err.limit, err.value, err.allowed) == ("max_image_pixels", 144_000_000, 40_000_000)
-    assert load_calls == []  # no pixel was decoded
-    assert elapsed < 0.5  # decoding 144 M pixels would take far longer (and 144 MB)
+    assert load_calls == []  # no pixel was decoded (the proof; no clock needed)
 
 
 @pytest.mark.filterwarnings("error::PIL.Image.DecompressionBombWarning")
