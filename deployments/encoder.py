@@ -100,7 +100,8 @@ class PreprocessDeployment:
     def prepare(self, data: bytes, key: str, index: int) -> Any:
         """A PreparedImage, or an error item (a bad image fails alone, never the replica)."""
         try:
-            return self.preprocessor.prepare(data, key, index)
+            with metrics.timed("stage_seconds", stage="preprocess"):
+                return self.preprocessor.prepare(data, key, index)
         except ImageError as exc:
             return error_item(exc)
 
@@ -194,7 +195,8 @@ class EncoderDeployment:
 
     async def _store_call(self, op: str, fn: Any, *args: Any, default: Any = None) -> Any:
         try:
-            return await asyncio.to_thread(fn, *args)
+            with metrics.timed("store_round_trip_seconds", op=op):
+                return await asyncio.to_thread(fn, *args)
         except StoreError as exc:
             metrics.inc("store_errors_total", op=op)
             log.warning("store %s failed: %s", op, exc)
@@ -307,22 +309,26 @@ class EncoderDeployment:
         items = [w[0] for w in work]
         start = time.perf_counter()
         for _, arrived, _ in work:
-            metrics.observe("queue_wait_seconds", start - arrived)
+            metrics.observe("stage_seconds", start - arrived, stage="queue_wait")
         forward = asyncio.get_running_loop().run_in_executor(
             self._device_pool, self._forward_and_encode, items
         )
         results, values, plan = await forward
         encoded = time.perf_counter()
         self._seconds["forward_and_encode"] += encoded - start
+        metrics.observe("stage_seconds", encoded - start, stage="forward")
         self._record_forwards(items, plan)
         metrics.inc("images_encoded_total", len(items))
         try:
-            await asyncio.to_thread(self.store.put_values, values)
+            with metrics.timed("store_round_trip_seconds", op="put"):
+                await asyncio.to_thread(self.store.put_values, values)
             metrics.inc("bytes_published_total", sum(len(v) for _, v in values))
         except StoreError as exc:  # the embeddings are computed; the callers still get them
             metrics.inc("store_errors_total", op="put")
             log.warning("publishing %d embeddings failed: %s", len(values), exc)
-        self._seconds["publish"] += time.perf_counter() - encoded
+        published = time.perf_counter() - encoded
+        self._seconds["publish"] += published
+        metrics.observe("stage_seconds", published, stage="publish")
         return results
 
     def _record_forwards(self, items: list[Any], plan: Any) -> None:

@@ -188,7 +188,8 @@ class Ingress:
                                                            self.cfg.namespace)
                 for i in items]  # fmt: skip
         try:
-            headers = await asyncio.to_thread(self.store.headers_many, keys)
+            with metrics.timed("store_round_trip_seconds", op="headers"):
+                headers = await asyncio.to_thread(self.store.headers_many, keys)
         except StoreError as exc:  # encode anyway; the encoder publishes when it can
             metrics.inc("store_errors_total", op="headers")
             log.warning("store lookup failed: %s", exc)
@@ -241,7 +242,8 @@ class Ingress:
             if len(keys) > self.cfg.limits.max_keys_per_probe:
                 raise LimitExceededError("max_keys_per_probe", len(keys),
                                    self.cfg.limits.max_keys_per_probe)  # fmt: skip
-            exists = await asyncio.to_thread(self.store.exists_many, keys)
+            with metrics.timed("store_round_trip_seconds", op="exists"):
+                exists = await asyncio.to_thread(self.store.exists_many, keys)
             response: Response = JSONResponse({"exists": exists})
         except (ValueError, KeyError, TypeError) as exc:
             response = _error(MalformedRequestError(f'expected {{"keys": [...]}}: {exc}'))
@@ -266,14 +268,16 @@ class Ingress:
             raise MalformedRequestError("key must be 64 hex characters")
         await self._describe()
         if start is None and end is None:
-            value = await asyncio.to_thread(self.store.get_value, key)
+            with metrics.timed("store_round_trip_seconds", op="get"):
+                value = await asyncio.to_thread(self.store.get_value, key)
             if value is None:
                 raise CacheMissError([key])
             body = bytes(value)
             headers = {}
         else:
             try:  # one read: the store checks the range against the record's header
-                part = await asyncio.to_thread(self.store.get_rows, key, start or 0, end)
+                with metrics.timed("store_round_trip_seconds", op="get_rows"):
+                    part = await asyncio.to_thread(self.store.get_rows, key, start or 0, end)
             except ConfigError as exc:
                 raise MalformedRequestError(str(exc)) from None
             if part is None:

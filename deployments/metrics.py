@@ -13,7 +13,16 @@ Metrics (all ``vitserve_``; counters end in ``_total``):
 images_encoded_total                   counter    images run through the tower
 tower_forward_calls_total{bucket}      counter    tower forwards, per bucket
 encode_latency_seconds                 histogram  encode call latency at the encoder (queue+run)
-queue_wait_seconds                     histogram  wait from arrival to the start of its batch
+stage_seconds{stage}                   histogram  time in each stage of a new image's path:
+                                                  ``preprocess`` (decode + image processor, per
+                                                  image), ``queue_wait`` (arrival at the encoder
+                                                  to the start of its device step, per image),
+                                                  ``forward`` (plan, tower forwards and record
+                                                  encoding of one device step), ``publish`` (the
+                                                  store write of one device step)
+store_round_trip_seconds{op}           histogram  each store call the service makes (ingress:
+                                                  headers, exists, get, get_rows; encoder:
+                                                  headers, claim, wait_for, release, put)
 batch_images / batch_patches           histogram  size of each forward
 padded_token_fraction                  histogram  padding share of each forward's tokens (0 when
                                                   packed, or stacked within one bucket)
@@ -30,10 +39,15 @@ requests_total{route,status}           counter    HTTP requests by route and sta
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from typing import Any
 
 LATENCY_BOUNDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+# Stages and store calls take from well under a millisecond (a node-store lookup) to seconds.
+STAGE_BOUNDS = [0.0005, 0.001, 0.0025, *LATENCY_BOUNDS]
 SIZE_BOUNDS = [1, 2, 4, 8, 16, 32, 64, 128]
 PATCH_BOUNDS = [256, 1024, 4096, 16384, 65536, 262144]
 
@@ -41,11 +55,17 @@ _SPECS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
     "images_encoded_total": ("counter", "Images run through the vision tower", (), None),
     "tower_forward_calls_total": ("counter", "Vision tower forward calls", ("bucket",), None),
     "encode_latency_seconds": ("histogram", "Encoder latency per image", (), LATENCY_BOUNDS),
-    "queue_wait_seconds": (
+    "stage_seconds": (
         "histogram",
-        "Wait before an image's batch starts",
-        (),
-        LATENCY_BOUNDS,
+        "Time in each stage of a new image's path",
+        ("stage",),
+        STAGE_BOUNDS,
+    ),
+    "store_round_trip_seconds": (
+        "histogram",
+        "Store calls made by the service",
+        ("op",),
+        STAGE_BOUNDS,
     ),
     "batch_images": ("histogram", "Images per tower forward", (), SIZE_BOUNDS),
     "batch_patches": ("histogram", "Patches per tower forward", (), PATCH_BOUNDS),
@@ -91,6 +111,16 @@ def observe(name: str, value: float, **tags: str) -> None:
 
 def set_gauge(name: str, value: float, **tags: str) -> None:
     metric(name).set(value, tags=tags or None)
+
+
+@contextmanager
+def timed(name: str, **tags: str) -> Iterator[None]:
+    """Observe the histogram ``name`` with the seconds the block took (raised or not)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        observe(name, time.perf_counter() - started, **tags)
 
 
 _RAY_PREFIX = re.compile(r"^(# (?:HELP|TYPE) )?ray_(vitserve_)")

@@ -346,7 +346,8 @@ METRICS = [
     "vitserve_images_encoded_total",
     "vitserve_tower_forward_calls_total",
     "vitserve_encode_latency_seconds_count",
-    "vitserve_queue_wait_seconds_count",
+    "vitserve_stage_seconds_count",
+    "vitserve_store_round_trip_seconds_count",
     "vitserve_batch_images_count",
     "vitserve_batch_patches_sum",
     "vitserve_padded_token_fraction_count",
@@ -358,6 +359,10 @@ METRICS = [
     "vitserve_bytes_fetched_total",
     "vitserve_requests_total",
 ]
+
+
+STAGES = ("preprocess", "queue_wait", "forward", "publish")
+STORE_OPS = ("headers", "claim", "put", "release", "get")  # what encoding + fetching call
 
 
 def test_metrics_route_exposes_the_service_metrics_and_they_move(main_app) -> None:
@@ -374,6 +379,10 @@ def test_metrics_route_exposes_the_service_metrics_and_they_move(main_app) -> No
     assert set(METRICS) <= names, set(METRICS) - names
 
     before = {n: main_app.metric(n) for n in METRICS}
+    stage_count = "vitserve_stage_seconds_count"
+    store_count = "vitserve_store_round_trip_seconds_count"
+    stages = {s: main_app.metric(stage_count, stage=s) for s in STAGES}
+    store_ops = {op: main_app.metric(store_count, op=op) for op in STORE_OPS}
     images = [fresh(448, 448), fresh(320, 240), fresh(200, 120)]
     keys = [i["key"] for i in main_app.encode(images).json()["items"]]
     main_app.encode(images[:1])  # a cache hit
@@ -386,4 +395,9 @@ def test_metrics_route_exposes_the_service_metrics_and_they_move(main_app) -> No
     assert after["vitserve_images_encoded_total"] == before["vitserve_images_encoded_total"] + 3
     stuck = [n for n, v in after.items() if v <= before[n]]
     assert not stuck, stuck
+    # every stage of a new image's path and every store call on it is timed
+    for stage, was in stages.items():
+        assert main_app.wait_metric(stage_count, lambda v, w=was: v > w, stage=stage) > was, stage
+    for op, was in store_ops.items():
+        assert main_app.wait_metric(store_count, lambda v, w=was: v > w, op=op) > was, op
     assert main_app.metric("vitserve_requests_total", route="encode", status="200") > 0
