@@ -160,16 +160,13 @@ def last_level_cache_bytes() -> int | None:
         if forced <= 0:
             raise ConfigError(f"{LLC_ENV} must be a positive size, got {forced}")
         return int(forced)
-    best = None
+    sizes = []
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
-            text = (index / "size").read_text().strip()
-        except OSError:
+            sizes.append(parse_size((index / "size").read_text()))  # e.g. "32768K"
+        except (OSError, ValueError):
             continue
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
-        best = max(best or 0, size)
-    return best
+    return max(sizes, default=None)
 
 
 def cpu_batch_cap(llc_bytes: int | None, native_bf16: bool, mlp_width: int,
