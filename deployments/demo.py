@@ -50,10 +50,10 @@ def _post(url: str, images: list[tuple[str, bytes]]) -> tuple[dict[str, Any], fl
 
 
 def _post_with_progress(url: str, images: list[tuple[str, bytes]], encoder: Any,
+                        start: dict[str, Any],
                         echo: Callable[[str], None]) -> tuple[dict[str, Any], float]:  # fmt: skip
-    """``_post``, printing the encoder's progress (images through the tower, forwards) every
-    ``PROGRESS_PERIOD_S`` while the request runs."""
-    start = encoder.counters.remote().result()
+    """``_post``, printing the encoder's progress since its counters were ``start`` (images
+    through the tower, forwards) every ``PROGRESS_PERIOD_S`` while the request runs."""
     seen = start["images"]
     with cf.ThreadPoolExecutor(1) as pool:
         request = pool.submit(_post, url, images)
@@ -86,8 +86,7 @@ def _batch_cap_line(info: dict[str, Any], cfg: Any) -> str:
         source = "set by batching.max_batch_patches"
     else:  # the engine's CPU default (see vitserve.encoder.device)
         source = f"sized to the CPU's cache: {describe_cpu()}"
-    return (f"batch cap: {cap} patches per forward ({source}); an image over it runs alone, "
-            f"a 448x448 image is 1024 patches")  # fmt: skip
+    return f"batch cap: {cap} patches per forward ({source}); an image over it runs alone"
 
 
 def run_demo(overrides: dict[str, Any], *, echo: Callable[[str], None] = print) -> None:
@@ -115,7 +114,7 @@ def run_demo(overrides: dict[str, Any], *, echo: Callable[[str], None] = print) 
             echo(f"\nPOST /v1/encode: {len(images)} images ({distinct} distinct) in one "
                  f"request: {', '.join(name for name, _ in images)}")  # fmt: skip
             before = encoder.counters.remote().result()
-            body, elapsed = _post_with_progress(url, images, encoder, echo)
+            body, elapsed = _post_with_progress(url, images, encoder, before, echo)
             after = encoder.counters.remote().result()
             forwards = after["forward_calls"] - before["forward_calls"]
             echo(f"\n{attempt} pass: {len(images)} images in {elapsed:.2f} s over HTTP, "

@@ -8,8 +8,11 @@ straight to the encoder's handle (the ingress never fetches the pixels).
 ``EncoderDeployment`` (one replica per GPU, or CPU) holds an :class:`EncoderEngine`:
 
 * Concurrent images are gathered with ``@serve.batch`` whose ``batch_size_fn`` counts patches,
-  not images; the engine's planner splits a gathered batch into uniform-bucket forwards under the
-  activation budget; forwards run in a worker thread, one at a time, off the event loop.
+  not images, up to ``max_batch_patches`` (the config's, else the engine's cap for its device);
+  the engine's planner splits a gathered batch into uniform-bucket forwards under the
+  activation budget; forwards run in a worker thread, one at a time, off the event loop. An
+  image over the cap skips the gathering (Serve's queue refuses an item larger than its batch)
+  and runs alone.
 * Single flight: an image already being encoded on this replica is joined (one shared future);
   one being encoded on another replica is awaited through the store's claim (``claim`` /
   ``wait_for``), then read from the store. Store failures never fail an encode: the image is

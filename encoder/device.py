@@ -88,11 +88,16 @@ def parse_size(text: str) -> int:
     return int(m[1]) * _UNITS[m[2].upper()]
 
 
+def _overridden(name: str) -> bool:
+    """Whether override variable ``name`` is set (an empty value counts as unset)."""
+    return bool(os.environ.get(name, "").strip())
+
+
 def _env_override(name: str, parse: Any) -> Any:
     """The parsed value of override variable ``name``, or None when it is unset or empty."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
+    if not _overridden(name):
         return None
+    raw = os.environ[name].strip()
     try:
         return parse(raw)
     except ValueError as exc:
@@ -197,7 +202,7 @@ def describe_cpu() -> str:
     """The host readings behind the CPU defaults, naming the ones an override replaced."""
 
     def source(name: str) -> str:
-        return f" (from {name})" if os.environ.get(name, "").strip() else ""
+        return f" (from {name})" if _overridden(name) else ""
 
     llc = last_level_cache_bytes()
     cache = f"{llc / 2**20:g} MiB last-level cache" if llc else "last-level cache unknown"

@@ -18,9 +18,11 @@ Invariants:
   small-matrix path, both give row results that depend on how many rows share the call).
   The promise, in ulps of the embedding's largest magnitude (:func:`ulps_apart`), is
   :data:`BATCH_TOLERANCE_ULPS`: 4 in fp32, 2 in bf16, tested per family on the depth-2 test
-  models (deeper towers compound rounding over their layers). Measured there: 0 in fp32 on the
-  three CPUs seen; in bf16 0 for LLaVA and Gemma 3 and up to 0.6 for the Qwen families on an
-  AMX CPU. The same shapes give the same bits: an image alone, or the same batch, run again.
+  models (deeper towers compound rounding over their layers). Measured there on an AMX Xeon:
+  0 in fp32; in bf16 0 for LLaVA and Gemma 3 and up to 0.7 for the Qwen families (earlier test
+  models were bit-equal in fp32 on the two other CPUs seen, an 8 MiB AVX2 EPYC and a 32 MiB
+  AVX512-BF16 CPU). The same shapes give the same bits: an image alone, or the same batch, run
+  again.
 * No copy of pixels or embeddings on the hot path beyond the one pack of each batch's pixels
   into the tower's input buffer: the processor's numpy output is used as is, and each
   embedding is a contiguous row slice of its batch's output.

@@ -33,10 +33,9 @@ TEST_MAX_BATCH_PATCHES = 8192
 TEST_BUDGET_BYTES = 2**30
 
 
-def _engines(tiny_models: dict[str, Path], dtype: str) -> dict[str, object]:
+def _engines(tiny_models: dict[str, Path], dtype: str, limits: dict[str, int]) -> dict:
     from vitserve.encoder.engine import EncoderEngine
 
-    limits = {"budget_bytes": TEST_BUDGET_BYTES, "max_batch_patches": TEST_MAX_BATCH_PATCHES}
     return {
         f: EncoderEngine.from_pretrained(str(p), device="cpu", dtype=dtype, **limits)
         for f, p in tiny_models.items()
@@ -50,16 +49,16 @@ def batching_limits() -> dict[str, int]:
 
 
 @pytest.fixture(scope="session")
-def engines(tiny_models: dict[str, Path]):
+def engines(tiny_models: dict[str, Path], batching_limits: dict[str, int]):
     """family -> fp32 CPU EncoderEngine over the tiny model (shared; read counters as deltas)."""
-    return _engines(tiny_models, "fp32")
+    return _engines(tiny_models, "fp32", batching_limits)
 
 
 @pytest.fixture(scope="session")
-def bf16_engines(tiny_models: dict[str, Path]):
+def bf16_engines(tiny_models: dict[str, Path], batching_limits: dict[str, int]):
     """family -> bf16 CPU EncoderEngine (the default dtype of CPUs with native bf16 and of
     GPUs; emulated, and slower, elsewhere: the tiny models keep it cheap)."""
-    return _engines(tiny_models, "bf16")
+    return _engines(tiny_models, "bf16", batching_limits)
 
 
 @pytest.fixture(scope="session")
