@@ -15,15 +15,23 @@ Invariants:
 * Returned arrays are read-only views of the fetched (or held) bytes: never copied again here.
 * Claims implement single flight: ``claim`` returns True for exactly one caller until that
   caller ``release``s or the claim's ttl passes; ``wait_for`` returns True as soon as the key
-  is present, False when the timeout passes or the claim is gone without a value.
+  is present, False when the timeout passes or the claim is gone without a value. A claim is
+  held under a token (by default the store object's ``token``); only that token releases it,
+  so one process may claim for another (the ingress claims, the encoder publishes).
+* The hot path's two calls, each one backend round trip where the backend allows it (node and
+  Redis stores do): ``lookup_or_claim`` answers per key with its header, or else claims it
+  (``WON``) or finds it claimed (``BUSY``); ``put_values(..., release=...)`` publishes and
+  drops the claims in the same call.
 * A store that cannot reach its backend raises ``StoreUnavailableError`` (retryable) within its
   configured timeout; it never hangs.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
@@ -42,6 +50,13 @@ from vitserve.cache.codec import (
 from vitserve.errors import ConfigError, RecordFormatError
 
 Buffer = Any  # bytes, memoryview or a 1-D uint8 numpy array
+
+
+class Claim(enum.Enum):
+    """``lookup_or_claim``'s answer for a key the store does not hold."""
+
+    WON = "won"  # the caller's token now holds the claim: encode, then publish and release
+    BUSY = "busy"  # someone else holds it: wait for their publish (``wait_for``)
 
 
 def buffer_nbytes(value: Buffer) -> int:
@@ -80,6 +95,8 @@ class EmbeddingStore(ABC):
         self.ttl_s = ttl_s
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
+        #: the token this object's claims are held under (see ``claim``)
+        self.token = uuid.uuid4().hex
 
     # -- counting ------------------------------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
@@ -111,14 +128,21 @@ class EmbeddingStore(ABC):
         """Encode and store each record under its key (replacing any value)."""
         self.put_values([(r.key, encode_record(r)) for r in records], ttl_s=ttl_s)
 
-    def put_values(self, items: Sequence[tuple[str, Buffer]], ttl_s: float | None = None) -> None:
-        """Store already-encoded values (the publish path encodes once for every tier)."""
+    def put_values(self, items: Sequence[tuple[str, Buffer]], ttl_s: float | None = None,
+                   release: Sequence[tuple[str, str]] = ()) -> None:  # fmt: skip
+        """Store already-encoded values (the publish path encodes once for every tier), then
+        release the claims ``release`` names as ``(key, token)``, in the same round trip where
+        the backend allows (a value refused as invalid still releases its claim)."""
         ttl = ttl_s if ttl_s is not None else self.ttl_s
         if ttl is not None and ttl <= 0:
             raise ConfigError(f"ttl_s must be positive, got {ttl}")
         if self.verify_on_put:
             items = [(k, v) for k, v in items if self._valid_for_put(k, v)]
-        self._put_values([(self.full_key(k), v) for k, v in items], ttl)
+        full = [(self.full_key(k), v) for k, v in items]
+        if release:
+            self._put_and_release(full, ttl, [(self.full_key(k), t) for k, t in release])
+        else:
+            self._put_values(full, ttl)
         self._count("puts", len(items))
         self._count("bytes_put", sum(buffer_nbytes(v) for _, v in items))
 
@@ -180,24 +204,59 @@ class EmbeddingStore(ABC):
         """The record headers of ``keys`` (dtype, shape, tokens, grid), reading no payload
         where the backend can avoid it; None where missing or invalid."""
         heads = self._get_heads([self.full_key(k) for k in keys])
-        out: list[Header | None] = []
-        for key, head in zip(keys, heads, strict=True):
-            if head is None:
+        return [self._header_of(key, head) for key, head in zip(keys, heads, strict=True)]
+
+    def _header_of(self, key: str, head: Buffer | None) -> Header | None:
+        """The checked header of ``key``'s value from its head bytes; None (a miss, counted)
+        where missing or invalid."""
+        if head is None:
+            self._count("misses")
+            return None
+        try:
+            header = read_header(head)
+            if header.key != key:
+                raise RecordFormatError("record holds another key")
+            if self.fingerprint is not None and header.fingerprint != self.fingerprint:
+                raise RecordFormatError("record was made by another model")
+        except RecordFormatError as exc:
+            self._integrity_miss(key, exc)
+            return None
+        return header
+
+    def lookup_or_claim(self, keys: Sequence[str], ttl_s: float,
+                        token: str | None = None) -> list[Header | Claim]:  # fmt: skip
+        """Per key, in one backend round trip where the backend allows: the header of the value
+        the store holds, else a claim for ``ttl_s`` on behalf of ``token`` (default this
+        object's): ``Claim.WON`` (it is the caller's now) or ``Claim.BUSY`` (someone else's).
+
+        A held value that fails the header checks is a miss (counted) and is then claimed in a
+        second call; a ``WON`` claim must end with ``put_values(..., release=...)`` or
+        ``release``, else it blocks waiters until its ttl.
+        """
+        if ttl_s <= 0:
+            raise ConfigError(f"claim ttl_s must be positive, got {ttl_s}")
+        token = token or self.token
+        full_keys = [self.full_key(k) for k in keys]
+        answers = self._lookup_or_claim(full_keys, ttl_s, token)
+        out: list[Header | Claim] = []
+        for key, fk, answer in zip(keys, full_keys, answers, strict=True):
+            if isinstance(answer, bool):
                 self._count("misses")
-                out.append(None)
+                out.append(Claim.WON if answer else Claim.BUSY)
                 continue
-            try:
-                header = read_header(head)
-                if header.key != key:
-                    raise RecordFormatError("record holds another key")
-                if self.fingerprint is not None and header.fingerprint != self.fingerprint:
-                    raise RecordFormatError("record was made by another model")
-            except RecordFormatError as exc:
-                self._integrity_miss(key, exc)
-                out.append(None)
-                continue
+            header = self._header_of(key, answer)
+            if header is None:  # an invalid value: a miss, claimed like any other
+                header = Claim.WON if self._claim(fk, ttl_s, token) else Claim.BUSY
             out.append(header)
         return out
+
+    def _lookup_or_claim(self, full_keys: list[str], ttl_s: float,
+                         token: str) -> list[Buffer | bool]:  # fmt: skip
+        """Per key its head bytes (as ``_get_heads``), else the outcome of ``_claim``. This
+        default makes one call per missing key; remote backends override it with one."""
+        heads = self._get_heads(full_keys)
+        return [head if head is not None else self._claim(fk, ttl_s, token)
+                for fk, head in zip(full_keys, heads, strict=True)]  # fmt: skip
 
     def _get_heads(self, full_keys: list[str]) -> list[Buffer | None]:
         """``_get_head`` of several keys (backends may batch it)."""
@@ -249,15 +308,17 @@ class EmbeddingStore(ABC):
         return self._delete([self.full_key(k) for k in keys])
 
     # -- single flight -------------------------------------------------------------------------
-    def claim(self, key: str, ttl_s: float) -> bool:
-        """Try to become the one encoder of ``key`` for ``ttl_s`` seconds."""
+    def claim(self, key: str, ttl_s: float, token: str | None = None) -> bool:
+        """Try to become the one encoder of ``key`` for ``ttl_s`` seconds, as ``token``
+        (default this object's)."""
         if ttl_s <= 0:
             raise ConfigError(f"claim ttl_s must be positive, got {ttl_s}")
-        return self._claim(self.full_key(key), ttl_s)
+        return self._claim(self.full_key(key), ttl_s, token or self.token)
 
-    def release(self, key: str) -> None:
-        """Give up this store object's claim on ``key`` (no-op if it holds none)."""
-        self._release(self.full_key(key))
+    def release(self, key: str, token: str | None = None) -> None:
+        """Give up the claim ``token`` (default this object's) holds on ``key`` (no-op if it
+        holds none)."""
+        self._release(self.full_key(key), token or self.token)
 
     def wait_for(self, key: str, timeout_s: float) -> bool:
         """Block until ``key`` is present (True), or until ``timeout_s`` passes or the claim
@@ -310,11 +371,22 @@ class EmbeddingStore(ABC):
     @abstractmethod
     def _delete(self, full_keys: list[str]) -> int: ...
 
-    @abstractmethod
-    def _claim(self, full_key: str, ttl_s: float) -> bool: ...
+    def _put_and_release(self, items: list[tuple[str, Buffer]], ttl_s: float | None,
+                         releases: list[tuple[str, str]]) -> None:  # fmt: skip
+        """``_put_values`` then ``_release`` of each ``(full key, token)``; backends that can
+        do both in one round trip override it. The claims are released even if the put
+        fails (the claimant cannot publish; waiters must not wait for its ttl)."""
+        try:
+            self._put_values(items, ttl_s)
+        finally:
+            for full_key, token in releases:
+                self._release(full_key, token)
 
     @abstractmethod
-    def _release(self, full_key: str) -> None: ...
+    def _claim(self, full_key: str, ttl_s: float, token: str) -> bool: ...
+
+    @abstractmethod
+    def _release(self, full_key: str, token: str) -> None: ...
 
     @abstractmethod
     def _claimed(self, full_key: str) -> bool:

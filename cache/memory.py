@@ -31,7 +31,7 @@ class MemoryStore(EmbeddingStore):
     def __init__(self, *, max_bytes: int = DEFAULT_MAX_BYTES, **kwargs) -> None:
         super().__init__(**kwargs)
         self._lru = ByteBudgetLru(max_bytes)
-        self._claims: dict[str, float] = {}  # full key -> claim deadline
+        self._claims: dict[str, tuple[float, str]] = {}  # full key -> (deadline, token)
         self._cond = threading.Condition()
 
     @property
@@ -62,24 +62,26 @@ class MemoryStore(EmbeddingStore):
         with self._cond:
             return sum(self._lru.pop(fk) for fk in full_keys)
 
-    def _claim(self, full_key: str, ttl_s: float) -> bool:
+    def _claim(self, full_key: str, ttl_s: float, token: str) -> bool:
         now = time.monotonic()
         with self._cond:
-            deadline = self._claims.get(full_key)
-            if deadline is not None and deadline > now:
+            claim = self._claims.get(full_key)
+            if claim is not None and claim[0] > now:
                 return False
-            self._claims[full_key] = now + ttl_s
+            self._claims[full_key] = (now + ttl_s, token)
             return True
 
-    def _release(self, full_key: str) -> None:
+    def _release(self, full_key: str, token: str) -> None:
         with self._cond:
-            self._claims.pop(full_key, None)
-            self._cond.notify_all()
+            claim = self._claims.get(full_key)
+            if claim is not None and claim[1] == token:
+                del self._claims[full_key]
+                self._cond.notify_all()
 
     def _claimed(self, full_key: str) -> bool:
         with self._cond:
-            deadline = self._claims.get(full_key)
-            return deadline is not None and deadline > time.monotonic()
+            claim = self._claims.get(full_key)
+            return claim is not None and claim[0] > time.monotonic()
 
     def wait_for(self, key: str, timeout_s: float) -> bool:
         """As the base contract, but woken by puts and releases instead of polling."""
@@ -91,9 +93,9 @@ class MemoryStore(EmbeddingStore):
                 if self._lru.contains(fk, now):
                     return True
                 claim = self._claims.get(fk)
-                if claim is None or claim <= now or now >= deadline:
+                if claim is None or claim[0] <= now or now >= deadline:
                     return False
-                self._cond.wait(min(deadline, claim) - now)
+                self._cond.wait(min(deadline, claim[0]) - now)
 
     def _backend_stats(self) -> dict[str, int]:
         with self._cond:

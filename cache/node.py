@@ -18,20 +18,38 @@ Invariants:
   when the call returns), and the actor ``ray.put`` s it, copying it into an object it owns.
   The second copy is the price of ownership: Ray cannot transfer an object's ownership
   (``ray.put(_owner=...)`` is gone), and only a copy made by the actor survives the writer.
+* **Checked once, when put.** The actor checks each value in full (key, format, payload
+  checksum) before it stores it and refuses a bad one (counted in ``rejected``); a stored
+  object is sealed and mapped read-only by every reader, so its bytes cannot change, and reads
+  check the header only (key, fingerprint), never the payload again. A value of a newer format
+  version is stored unchecked (newer readers want it; older ones read it as a miss).
+* **Lookups read no value.** The actor keeps each entry's header bytes (a few hundred bytes)
+  beside its ObjectRef, so ``headers_many`` and ``lookup_or_claim`` are one actor call that
+  moves headers only.
 * **Reads copy nothing.** ``get_refs`` hands out the ObjectRefs (nested in a list, so the reader
   borrows them); ``ray.get`` of them maps read-only uint8 arrays straight from the node's shared
   object store, and the codec decodes views over them. A reader's arrays stay valid after the
   entry is evicted, replaced or deleted: Ray keeps a borrowed / mapped object alive.
+* **Readers keep what they read, briefly.** A content key's value never changes, so each
+  ``NodeStore`` keeps the mapped values it read (``read_cache_bytes``, LRU) for up to
+  ``read_cache_s`` seconds (never past the entry's ttl) and serves repeated reads of them
+  without an actor call (a prefill reading an image chunk by chunk). The price, bounded by those
+  two settings: a delete or an eviction made through another ``NodeStore`` is seen by this one
+  only when its kept copy ages out (its own deletes at once), and kept values stay mapped, so
+  the node's object store holds up to ``read_cache_bytes`` per reader beyond ``max_bytes``.
+  ``read_cache_bytes=0`` turns it off.
 * **Budget, LRU, TTL** exactly as :mod:`vitserve.cache.memory`, but node-wide: the bytes held
   never exceed ``max_bytes`` after a put returns (least recently used entries go first; a value
   larger than the budget is refused and counted in ``too_large``); an expired entry is never
   returned. The budget is the actor's: whoever opens a store with another ``max_bytes`` resizes
-  it (with a warning). Keep ``max_bytes`` well below the node's object store memory, or Ray
-  spills entries to disk (still correct, no longer zero-copy).
+  it (with a warning). Keep ``max_bytes`` plus the readers' ``read_cache_bytes`` well below the
+  node's object store memory, or Ray spills entries to disk (still correct, no longer
+  zero-copy).
 * **Claims** live in the actor: full key -> (deadline, token); the token is per ``NodeStore``
   object, so only the claimant's ``release`` counts; a claim whose caller timed out is never
   granted behind its back. ``wait_for`` is one actor call that sleeps on an ``asyncio.Event``
-  per key, woken by the put / release / delete of that key.
+  per key, woken by the put / release / delete of that key. ``put`` releases the claims it is
+  given after indexing the values, in the same call.
 * **Timeouts.** Every actor call and object fetch is bounded by ``timeout_s`` (``wait_for``: its
   own timeout plus ``timeout_s``); a timeout, a dead or restarting actor, or a lost object raises
   :class:`~vitserve.errors.StoreUnavailableError` (retryable) and counts in ``errors``. After the
@@ -50,7 +68,7 @@ import os
 import socket
 import threading
 import time
-import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -58,12 +76,16 @@ from typing import Any
 import numpy as np
 
 from vitserve.cache.base import Buffer, EmbeddingStore, buffer_nbytes
+from vitserve.cache.codec import decode_record, header_bytes_needed
 from vitserve.cache.lru import ByteBudgetLru
-from vitserve.errors import ConfigError, StoreUnavailableError
+from vitserve.errors import ConfigError, RecordFormatError, StoreUnavailableError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 1 << 30
+#: what each reader keeps of the values it read (see the module docstring)
+DEFAULT_READ_CACHE_BYTES = 256 << 20
+DEFAULT_READ_CACHE_S = 5.0
 #: the Ray namespace of every store actor (independent of the caller's job namespace)
 RAY_NAMESPACE = "vitserve"
 ACTOR_NAME_PREFIX = "vitserve-node-store-"
@@ -85,6 +107,30 @@ class _Claim:
     token: str
 
 
+@dataclass(slots=True)
+class _Held:
+    """One entry: the object the actor owns, its header bytes, and when it expires."""
+
+    ref: Any
+    head: bytes
+    expires: float | None
+
+
+def _checked(full_key: str, value: np.ndarray) -> bytes | None:
+    """The value's header bytes if it is a valid record of its key (or of a newer format
+    version, which this code cannot check); None if it must be refused."""
+    key = full_key.rpartition("/")[2]
+    try:
+        decode_record(value, key=key, verify=True)
+    except RecordFormatError as exc:
+        if not exc.newer_version:
+            return None
+    try:
+        return bytes(value[: header_bytes_needed(value)])
+    except RecordFormatError:
+        return None
+
+
 class _Wake:
     """Wakes everyone waiting on one key."""
 
@@ -104,10 +150,11 @@ class NodeStoreActor:
         import ray
 
         self._ray = ray
-        self._lru = ByteBudgetLru(max_bytes)  # full key -> ObjectRef owned by this actor
+        self._lru = ByteBudgetLru(max_bytes)  # full key -> _Held (an object this actor owns)
         self._claims: dict[str, _Claim] = {}
         self._wakes: dict[str, _Wake] = {}
         self._node_id = ray.get_runtime_context().get_node_id()
+        self._rejected = 0  # values refused by the check at put
 
     # -- helpers -------------------------------------------------------------------------------
     def _notify(self, fk: str) -> None:
@@ -130,29 +177,67 @@ class NodeStoreActor:
         return {"max_bytes": self._lru.max_bytes, "previous_max_bytes": previous,
                 "node_id": self._node_id, "pid": os.getpid()}  # fmt: skip
 
-    async def put(self, items: list[tuple[str, np.ndarray]], ttl_s: float | None) -> None:
-        """Copy each value into an object this actor owns and index it (replacing any)."""
+    async def put(self, items: list[tuple[str, np.ndarray]], ttl_s: float | None,
+                  releases: list[tuple[str, str]] = ()) -> None:  # fmt: skip
+        """Check each value, copy the good ones into objects this actor owns and index them
+        (replacing any); then release the claims ``releases`` names as (full key, token)."""
         ray = self._ray
-        sizes = [int(v.nbytes) for _, v in items]
-        # Ray owns what the actor puts: this copy is what lets the value outlive its writer.
-        refs = await asyncio.to_thread(
-            lambda: [ray.put(v) if n <= self._lru.max_bytes else None
-                     for (_, v), n in zip(items, sizes, strict=True)]
-        )  # fmt: skip
-        now = time.monotonic()
-        expires = now + ttl_s if ttl_s is not None else None
-        for (fk, _), ref, size in zip(items, refs, sizes, strict=True):
-            # A value over the budget (even if it shrank meanwhile) is refused: too_large.
-            self._lru.put(fk, ref, size, expires)
-            self._notify(fk)
+        budget = self._lru.max_bytes
 
-    async def get_refs(self, full_keys: list[str]) -> list[Any]:
-        """The ObjectRefs of the keys (None where missing), nested so the caller borrows them;
-        marks them recently used."""
+        def own() -> list[tuple[Any, bytes] | None]:
+            out = []
+            for fk, value in items:
+                head = _checked(fk, value)
+                if head is None:
+                    self._rejected += 1
+                    out.append(None)
+                elif value.nbytes > budget:  # refused by the LRU below (too_large)
+                    out.append((None, head))
+                else:  # Ray owns what the actor puts: this copy outlives the writer
+                    out.append((ray.put(value), head))
+            return out
+
+        try:
+            owned = await asyncio.to_thread(own)
+            now = time.monotonic()
+            expires = now + ttl_s if ttl_s is not None else None
+            for (fk, value), held in zip(items, owned, strict=True):
+                if held is not None:
+                    self._lru.put(fk, _Held(held[0], held[1], expires), int(value.nbytes),
+                                  expires)  # fmt: skip
+                    self._notify(fk)
+        finally:
+            for fk, token in releases:
+                await self.release(fk, token)
+
+    async def get_refs(self, full_keys: list[str]) -> list[tuple[Any, float | None] | None]:
+        """Per key (ObjectRef, seconds until it expires or None), nested so the caller borrows
+        the ref; None where missing. Marks them recently used."""
         now = time.monotonic()
-        out = []
+        out: list[tuple[Any, float | None] | None] = []
         for fk in full_keys:
-            out.append(self._lru.get(fk, now))
+            held = self._lru.get(fk, now)
+            if held is None:
+                out.append(None)
+            else:
+                out.append((held.ref, None if held.expires is None else held.expires - now))
+        return out
+
+    async def heads(self, full_keys: list[str]) -> list[bytes | None]:
+        """The header bytes of each key's value (None where missing); marks them used."""
+        now = time.monotonic()
+        return [None if (h := self._lru.get(fk, now)) is None else h.head
+                for fk in full_keys]  # fmt: skip
+
+    async def lookup_or_claim(self, full_keys: list[str], ttl_s: float, token: str,
+                              give_up_at: float | None = None) -> list[bytes | bool]:  # fmt: skip
+        """Per key its header bytes (marking it used), else the outcome of ``claim``."""
+        now = time.monotonic()
+        out: list[bytes | bool] = []
+        for fk in full_keys:
+            held = self._lru.get(fk, now)
+            out.append(held.head if held is not None else
+                       await self.claim(fk, ttl_s, token, give_up_at))  # fmt: skip
         return out
 
     async def exists(self, full_keys: list[str]) -> list[bool]:
@@ -221,7 +306,7 @@ class NodeStoreActor:
                     del self._wakes[full_key]
 
     async def stats(self) -> dict[str, int]:
-        return self._lru.stats()
+        return {**self._lru.stats(), "rejected": self._rejected}
 
 
 @functools.cache
@@ -273,10 +358,13 @@ class NodeStore(EmbeddingStore):
 
     ``actor_name`` defaults to the node's actor; give a private one to get an isolated store
     (it is created on this node if it does not exist). ``timeout_s`` bounds every actor call.
+    ``read_cache_bytes`` / ``read_cache_s`` bound what this object keeps of the values it read.
     """
 
     kind = "node"
-    verify_payload = True  # values are shared by every process on the node
+    # The actor checks every value in full when it is put; stored objects are sealed and mapped
+    # read-only, so reads check headers (key, fingerprint) only.
+    verify_payload = False
 
     def __init__(
         self,
@@ -287,19 +375,28 @@ class NodeStore(EmbeddingStore):
         fingerprint: str | None = None,
         ttl_s: float | None = None,
         timeout_s: float = 10.0,
+        read_cache_bytes: int = DEFAULT_READ_CACHE_BYTES,
+        read_cache_s: float = DEFAULT_READ_CACHE_S,
     ) -> None:
         super().__init__(namespace=namespace, fingerprint=fingerprint, ttl_s=ttl_s)
         if max_bytes <= 0:
             raise ConfigError(f"max_bytes must be positive, got {max_bytes}")
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        if read_cache_bytes < 0 or read_cache_s < 0:
+            raise ConfigError("read_cache_bytes and read_cache_s may not be negative")
         self.timeout_s = float(timeout_s)
+        self.read_cache_bytes = int(read_cache_bytes)
+        self.read_cache_s = float(read_cache_s)
+        # full key -> (mapped value, monotonic time it must be dropped); LRU order
+        self._kept: OrderedDict[str, tuple[np.ndarray, float]] = OrderedDict()
+        self._kept_bytes = 0
+        self._kept_lock = threading.Lock()
         ray = _ensure_ray(f"{self.kind}({actor_name or 'default'})", self.timeout_s)
         self.node_id: str = ray.get_runtime_context().get_node_id()
         self.actor_name = actor_name or default_actor_name(self.node_id)
         self.actor_namespace = RAY_NAMESPACE
         self._requested_max_bytes = int(max_bytes)
-        self._token = uuid.uuid4().hex  # names this object's claims
         self._handle: Any = None
         self._handle_lock = threading.Lock()
 
@@ -395,6 +492,12 @@ class NodeStore(EmbeddingStore):
 
     # -- backend -------------------------------------------------------------------------------
     def _put_values(self, items: list[tuple[str, Buffer]], ttl_s: float | None) -> None:
+        self._put_and_release(items, ttl_s, [])
+
+    def _put_and_release(self, items: list[tuple[str, Buffer]], ttl_s: float | None,
+                         releases: list[tuple[str, str]]) -> None:  # fmt: skip
+        """One actor call per ``_PUT_CALL_BYTES`` of values (one in all, usually); the claims
+        are released by the last of them."""
         batches: list[list[tuple[str, np.ndarray]]] = [[]]
         size = 0
         for fk, value in items:
@@ -405,13 +508,56 @@ class NodeStore(EmbeddingStore):
             batches[-1].append((fk, np.frombuffer(value, dtype=np.uint8)))  # a view, no copy
             size += n
         handle = self._actor()
-        pending = [handle.put.remote(batch, ttl_s) for batch in batches if batch]
+        pending = [handle.put.remote(batch, ttl_s) for batch in batches[:-1]]
+        pending.append(handle.put.remote(batches[-1], ttl_s, releases))
         self._wait("put", lambda: pending, None, handle)
 
+    # -- reads: what this object read lately, then the actor -------------------------------------
+    def _kept_value(self, full_key: str, now: float) -> np.ndarray | None:
+        with self._kept_lock:
+            kept = self._kept.get(full_key)
+            if kept is None:
+                return None
+            if kept[1] <= now:
+                self._drop_kept([full_key])
+                return None
+            self._kept.move_to_end(full_key)
+            return kept[0]
+
+    def _keep(self, full_key: str, value: np.ndarray, until: float) -> None:
+        if value.nbytes > self.read_cache_bytes or until <= time.monotonic():
+            return
+        with self._kept_lock:
+            self._drop_kept([full_key])
+            while self._kept and self._kept_bytes + value.nbytes > self.read_cache_bytes:
+                self._drop_kept([next(iter(self._kept))])
+            self._kept[full_key] = (value, until)
+            self._kept_bytes += value.nbytes
+
+    def _drop_kept(self, full_keys: list[str]) -> None:
+        """Forget kept values (the caller holds ``_kept_lock``, or nobody else can)."""
+        for fk in full_keys:
+            kept = self._kept.pop(fk, None)
+            if kept is not None:
+                self._kept_bytes -= kept[0].nbytes
+
     def _get_values(self, full_keys: list[str]) -> list[Buffer | None]:
-        refs = self._call("get_refs", lambda a: a.get_refs.remote(full_keys))
-        values = iter(self._fetch([r for r in refs if r is not None]))
-        return [next(values) if r is not None else None for r in refs]
+        now = time.monotonic()
+        out: list[Buffer | None] = [self._kept_value(fk, now) for fk in full_keys]
+        asked = [i for i, v in enumerate(out) if v is None]
+        self._count("read_cache_hits", len(full_keys) - len(asked))
+        if not asked:
+            return out
+        answers = self._call("get_refs", lambda a: a.get_refs.remote([full_keys[i] for i in asked]))
+        found = [(i, a) for i, a in zip(asked, answers, strict=True) if a is not None]
+        values = self._fetch([ref for _, (ref, _) in found])
+        for (i, (_, remaining)), value in zip(found, values, strict=True):
+            out[i] = value
+            if self.read_cache_bytes and self.read_cache_s:
+                keep_s = self.read_cache_s if remaining is None else min(remaining,
+                                                                         self.read_cache_s)
+                self._keep(full_keys[i], value, now + keep_s)
+        return out
 
     def _exists(self, full_keys: list[str]) -> list[bool]:
         return self._call("exists", lambda a: a.exists.remote(full_keys))
@@ -420,28 +566,48 @@ class NodeStore(EmbeddingStore):
         return self._get_values([full_key])[0]  # the whole value, zero-copy: get_rows slices it
 
     def _get_heads(self, full_keys: list[str]) -> list[Buffer | None]:
-        return self._get_values(full_keys)  # one actor call for all (was one per key)
+        return self._call("heads", lambda a: a.heads.remote(full_keys))  # headers only
+
+    def _lookup_or_claim(self, full_keys: list[str], ttl_s: float,
+                         token: str) -> list[Buffer | bool]:  # fmt: skip
+        handle = self._actor()
+        give_up_at = self._give_up_at()
+        submit = lambda: handle.lookup_or_claim.remote(full_keys, ttl_s, token, give_up_at)  # noqa: E731
+        try:
+            return self._wait("lookup_or_claim", submit, None, handle)
+        except StoreUnavailableError:
+            self._undo_claims(handle, full_keys, token)
+            raise
 
     def _delete(self, full_keys: list[str]) -> int:
+        with self._kept_lock:
+            self._drop_kept(full_keys)
         return self._call("delete", lambda a: a.delete.remote(full_keys))
 
-    def _claim(self, full_key: str, ttl_s: float) -> bool:
+    def _give_up_at(self) -> float | None:
+        """When the actor must stop granting this caller's claims: a claim that timed out here
+        must not be granted later (it would block every waiter until its ttl). Clocks of one
+        node agree; across nodes no deadline is sent and the release below must do."""
+        return time.time() + self.timeout_s if self.actor_node_id == self.node_id else None
+
+    def _undo_claims(self, handle: Any, full_keys: list[str], token: str) -> None:
+        """Best effort, not waited for: release claims a timed-out call may have been granted."""
+        for fk in full_keys:
+            with contextlib.suppress(Exception):
+                handle.release.remote(fk, token)
+
+    def _claim(self, full_key: str, ttl_s: float, token: str) -> bool:
         handle = self._actor()
-        # A claim that timed out here must not be granted later (it would block every waiter
-        # until its ttl): the actor refuses it once we have given up (clocks of one node agree),
-        # and should it have been granted just before, our release follows it.
-        same_node = self.actor_node_id == self.node_id
-        give_up_at = time.time() + self.timeout_s if same_node else None
-        submit = lambda: handle.claim.remote(full_key, ttl_s, self._token, give_up_at)  # noqa: E731
+        give_up_at = self._give_up_at()
+        submit = lambda: handle.claim.remote(full_key, ttl_s, token, give_up_at)  # noqa: E731
         try:
             return self._wait("claim", submit, None, handle)
         except StoreUnavailableError:
-            with contextlib.suppress(Exception):
-                handle.release.remote(full_key, self._token)
+            self._undo_claims(handle, [full_key], token)
             raise
 
-    def _release(self, full_key: str) -> None:
-        self._call("release", lambda a: a.release.remote(full_key, self._token))
+    def _release(self, full_key: str, token: str) -> None:
+        self._call("release", lambda a: a.release.remote(full_key, token))
 
     def _claimed(self, full_key: str) -> bool:
         return self._call("claimed", lambda a: a.claimed.remote(full_key))
@@ -463,7 +629,7 @@ class NodeStore(EmbeddingStore):
         its entries stay."""
         if self._handle is not None:
             with contextlib.suppress(StoreUnavailableError):
-                self._call("release_all", lambda a: a.release_all.remote(self._token))
+                self._call("release_all", lambda a: a.release_all.remote(self.token))
         self._forget_actor(self._handle)
 
     def kill_actor(self) -> None:
@@ -474,3 +640,5 @@ class NodeStore(EmbeddingStore):
         handle = self._actor()
         ray.kill(handle, no_restart=True)
         self._forget_actor(handle)
+        with self._kept_lock:
+            self._drop_kept(list(self._kept))

@@ -15,9 +15,13 @@ Invariants:
 * ``get_rows`` moves only the needed bytes: ``GETRANGE`` of the first 4 KiB for the header (a
   second ``GETRANGE`` if the header is longer), then one pipeline of ``GETRANGE`` over just the
   checksum blocks that hold the rows, each checked against its block checksum.
-* Claims are ``SET claim token NX PX ttl`` with a random token per store object; ``release``
-  deletes the claim only while it still holds that token (compare-and-delete in Lua), so a
-  replica can never drop another's claim, and a crashed claimant's claim ends with its ttl.
+* Claims are ``SET claim token NX PX ttl`` under the caller's token (by default one random
+  token per store object); ``release`` deletes the claim only while it still holds that token
+  (compare-and-delete in Lua), so a replica can never drop another's claim, and a crashed
+  claimant's claim ends with its ttl.
+* The hot path is two round trips: ``lookup_or_claim`` is one Lua call (per key the first 4 KiB
+  of its value, else ``SET NX`` of its claim), and ``put_values(..., release=...)`` one
+  pipeline of the ``SET`` s and the compare-and-deletes.
 * A value that fails any check is deleted (best effort) so that it is recomputed, never served;
   one written by a newer format version is only a miss here (newer replicas still read it).
 * Bounded waits: every socket connect and read is limited by ``timeout_s``, waiting for a free
@@ -38,7 +42,6 @@ import contextlib
 import functools
 import math
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -66,6 +69,24 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
     return redis.call('DEL', KEYS[1])
 end
 return 0
+"""
+
+# KEYS: n value keys, then their n claim keys; ARGV: token, claim ttl (ms), head bytes.
+# Per key: the value's first bytes, else 1 (claimed now, for the token) or 0 (claimed already).
+_LOOKUP_OR_CLAIM_LUA = """
+local n = #KEYS / 2
+local out = {}
+for i = 1, n do
+    local head = redis.call('GETRANGE', KEYS[i], 0, tonumber(ARGV[3]) - 1)
+    if head ~= '' then
+        out[i] = head
+    elseif redis.call('SET', KEYS[n + i], ARGV[1], 'NX', 'PX', ARGV[2]) then
+        out[i] = 1
+    else
+        out[i] = 0
+    end
+end
+return out
 """
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -146,7 +167,7 @@ class RedisStore(EmbeddingStore):
             raise ConfigError(f"invalid Redis URL: {exc}") from None
         self._client = redis.Redis(connection_pool=self._pool)
         self._release_script = self._client.register_script(_RELEASE_LUA)
-        self._token = uuid.uuid4().hex
+        self._lookup_script = self._client.register_script(_LOOKUP_OR_CLAIM_LUA)
         self.prefix = prefix
         self.timeout_s = timeout_s
         kw = self._pool.connection_kwargs
@@ -269,12 +290,43 @@ class RedisStore(EmbeddingStore):
         return int(self._client.delete(*(self._vkey(fk) for fk in full_keys)))
 
     @_guarded
-    def _claim(self, full_key: str, ttl_s: float) -> bool:
-        return bool(self._client.set(self._ckey(full_key), self._token, nx=True, px=_ms(ttl_s)))
+    def _claim(self, full_key: str, ttl_s: float, token: str) -> bool:
+        return bool(self._client.set(self._ckey(full_key), token, nx=True, px=_ms(ttl_s)))
 
     @_guarded
-    def _release(self, full_key: str) -> None:
-        self._release_script(keys=[self._ckey(full_key)], args=[self._token])
+    def _release(self, full_key: str, token: str) -> None:
+        self._release_script(keys=[self._ckey(full_key)], args=[token])
+
+    @_guarded
+    def _lookup_or_claim(self, full_keys: list[str], ttl_s: float,
+                         token: str) -> list[Buffer | bool]:  # fmt: skip
+        if not full_keys:
+            return []
+        keys = [self._vkey(fk) for fk in full_keys] + [self._ckey(fk) for fk in full_keys]
+        answers = self._lookup_script(keys=keys, args=[token, _ms(ttl_s), HEAD_READ])
+        out: list[Buffer | bool] = []
+        for fk, answer in zip(full_keys, answers, strict=True):
+            if isinstance(answer, int):
+                out.append(bool(answer))
+                continue
+            try:
+                long_header = header_bytes_needed(answer) > len(answer) == HEAD_READ
+            except RecordFormatError:
+                long_header = False  # not a record: the base's header check says why
+            # a header longer than 4 KiB (rare): a second read completes it
+            out.append(self._get_head(fk) or answer if long_header else answer)
+        return out
+
+    @_guarded
+    def _put_and_release(self, items: list[tuple[str, Buffer]], ttl_s: float | None,
+                         releases: list[tuple[str, str]]) -> None:  # fmt: skip
+        px = _ms(ttl_s) if ttl_s is not None else None
+        pipe = self._client.pipeline(transaction=False)
+        for full_key, value in items:
+            pipe.set(self._vkey(full_key), _wire(value), px=px)
+        for full_key, token in releases:
+            self._release_script(keys=[self._ckey(full_key)], args=[token], client=pipe)
+        pipe.execute()
 
     @_guarded
     def _claimed(self, full_key: str) -> bool:

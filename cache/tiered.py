@@ -91,16 +91,42 @@ class TieredStore(EmbeddingStore):
         local = self.local._delete(full_keys)
         return max(local, self._shared(lambda: self.shared._delete(full_keys), 0))
 
-    def _claim(self, full_key: str, ttl_s: float) -> bool:
+    def _claim(self, full_key: str, ttl_s: float, token: str) -> bool:
         try:
-            return self.shared._claim(full_key, ttl_s)
+            return self.shared._claim(full_key, ttl_s, token)
         except StoreUnavailableError:
             self._count("shared_unavailable")
-            return self.local._claim(full_key, ttl_s)
+            return self.local._claim(full_key, ttl_s, token)
 
-    def _release(self, full_key: str) -> None:
-        self.local._release(full_key)
-        self._shared(lambda: self.shared._release(full_key), None)
+    def _release(self, full_key: str, token: str) -> None:
+        self.local._release(full_key, token)
+        self._shared(lambda: self.shared._release(full_key, token), None)
+
+    def _lookup_or_claim(self, full_keys: list[str], ttl_s: float,
+                         token: str) -> list[Buffer | bool]:  # fmt: skip
+        """The local tier's heads; the rest in one call to the shared tier (its header, or
+        its claim), falling back to claims in the local tier when it is unavailable."""
+        answers: list[Buffer | bool | None] = list(self.local._get_heads(full_keys))
+        missing = [i for i, a in enumerate(answers) if a is None]
+        if missing:
+            fks = [full_keys[i] for i in missing]
+            try:
+                shared = self.shared._lookup_or_claim(fks, ttl_s, token)
+            except StoreUnavailableError:
+                self._count("shared_unavailable")
+                shared = [self.local._claim(fk, ttl_s, token) for fk in fks]
+            for i, answer in zip(missing, shared, strict=True):
+                answers[i] = answer
+        return answers  # type: ignore[return-value]
+
+    def _put_and_release(self, items: list[tuple[str, Buffer]], ttl_s: float | None,
+                         releases: list[tuple[str, str]]) -> None:  # fmt: skip
+        try:
+            self.local._put_values(items, ttl_s)
+        finally:
+            # claims taken while the shared tier was down live here (one call for them all)
+            self.local._put_and_release([], None, releases)
+            self._shared(lambda: self.shared._put_and_release(items, ttl_s, releases), None)
 
     def _claimed(self, full_key: str) -> bool:
         if self.local._claimed(full_key):

@@ -2,7 +2,7 @@
 config take.
 
     memory://?max_bytes=1GiB&ttl_s=3600&namespace=t1
-    node://?max_bytes=4GiB&ttl_s=3600
+    node://?max_bytes=4GiB&ttl_s=3600&read_cache_bytes=256MiB&read_cache_s=5
     redis://host:6379/0?timeout_s=2&prefix=vsm&ttl_s=86400
     tiered://?l1=memory%3A%2F%2F%3Fmax_bytes%3D1GiB&l2=redis%3A%2F%2Fhost%3A6379%2F0
 
@@ -63,7 +63,8 @@ def open_store(url: str, **overrides: Any) -> EmbeddingStore:
     if scheme == "node":
         from vitserve.cache.node import NodeStore
 
-        allowed = {"max_bytes": "size", "actor_name": str, "timeout_s": float}
+        allowed = {"max_bytes": "size", "actor_name": str, "timeout_s": float,
+                   "read_cache_bytes": "size", "read_cache_s": float}
         return NodeStore(**_options(url, parts.query, allowed, overrides))
     if scheme in ("redis", "rediss"):
         from vitserve.cache.redis_store import RedisStore

@@ -166,6 +166,33 @@ def test_wait_for_times_out_cleanly_and_sees_released_claims(make_store) -> None
     assert a.claim(key, ttl_s=5)
 
 
+def test_lookup_or_claim_answers_headers_or_claims_and_publish_releases(make_store) -> None:
+    from vitserve.cache.base import Claim
+
+    ingress = make_store()
+    encoder = make_store.peer(ingress)  # another replica: another token
+    held, new, busy = make_record(rows=5, seed=31), make_record(rows=6, seed=32), new_key()
+    ingress.put_many([held])
+    assert encoder.claim(busy, ttl_s=10)
+    answers = ingress.lookup_or_claim([held.key, new.key, busy], ttl_s=10, token="req-1")
+    assert answers[0].num_tokens == 5 and answers[0].key == held.key
+    assert answers[1:] == [Claim.WON, Claim.BUSY]
+    # the claim is the token's: another token is refused, a wrong release changes nothing
+    assert ingress.lookup_or_claim([new.key], ttl_s=10, token="req-2") == [Claim.BUSY]
+    encoder.release(new.key, token="req-2")
+    assert not encoder.claim(new.key, ttl_s=10)
+    # the publisher (another store object) releases the ingress's claim with the value
+    encoder.put_values([(new.key, encode_record(new))], release=[(new.key, "req-1")])
+    [header] = ingress.lookup_or_claim([new.key], ttl_s=10)
+    assert header.num_tokens == 6
+    assert encoder.claim(new.key, ttl_s=10)  # released: claimable again (the value is there)
+    # a refused value still releases its claim: waiters are not left to the ttl
+    bad = new_key()
+    assert ingress.lookup_or_claim([bad], ttl_s=10, token="req-3") == [Claim.WON]
+    encoder.put_values([(bad, b"not a record")], release=[(bad, "req-3")])
+    assert ingress.lookup_or_claim([bad], ttl_s=10) == [Claim.WON]
+
+
 def test_namespaces_are_isolated(make_store) -> None:
     tenant_a = make_store(namespace="tenant-a-" + new_key()[:8])
     tenant_b = make_store(namespace="tenant-b-" + new_key()[:8])
