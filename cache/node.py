@@ -554,8 +554,9 @@ class NodeStore(EmbeddingStore):
         for (i, (_, remaining)), value in zip(found, values, strict=True):
             out[i] = value
             if self.read_cache_bytes and self.read_cache_s:
-                keep_s = self.read_cache_s if remaining is None else min(remaining,
-                                                                         self.read_cache_s)
+                keep_s = (
+                    self.read_cache_s if remaining is None else min(remaining, self.read_cache_s)
+                )
                 self._keep(full_keys[i], value, now + keep_s)
         return out
 

@@ -63,8 +63,13 @@ def open_store(url: str, **overrides: Any) -> EmbeddingStore:
     if scheme == "node":
         from vitserve.cache.node import NodeStore
 
-        allowed = {"max_bytes": "size", "actor_name": str, "timeout_s": float,
-                   "read_cache_bytes": "size", "read_cache_s": float}
+        allowed = {
+            "max_bytes": "size",
+            "actor_name": str,
+            "timeout_s": float,
+            "read_cache_bytes": "size",
+            "read_cache_s": float,
+        }
         return NodeStore(**_options(url, parts.query, allowed, overrides))
     if scheme in ("redis", "rediss"):
         from vitserve.cache.redis_store import RedisStore

@@ -74,7 +74,8 @@ def build_app(args: Mapping[str, Any]):
 
 
 def build_application(cfg: VitserveConfig):
-    """The bound vitserve application (ingress -> preprocess -> encoder) for ``cfg``."""
+    """The bound vitserve application for ``cfg``: ingress -> encoder, with the preprocess
+    deployment between them when ``preprocess_at`` is ``deployment``."""
     from vitserve.deployments.encoder import EncoderDeployment, PreprocessDeployment
     from vitserve.deployments.ingress import Ingress
 
@@ -83,5 +84,7 @@ def build_application(cfg: VitserveConfig):
     cfg.log_effective()
     plain = cfg.model_dump()
     encoder = EncoderDeployment.options(**_options(cfg.encoder)).bind(plain)
-    preprocess = PreprocessDeployment.options(**_options(cfg.preprocess)).bind(plain)
+    preprocess = None
+    if cfg.preprocess_at == "deployment":  # else no preprocess replicas at all
+        preprocess = PreprocessDeployment.options(**_options(cfg.preprocess)).bind(plain)
     return Ingress.options(**_options(cfg.ingress)).bind(encoder, preprocess, plain)

@@ -16,7 +16,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -42,10 +42,10 @@ class LimitsConfig(_Strict):
 
 
 class BatchingConfig(_Strict):
-    """How the encoder deployment gathers concurrent images into one ``@serve.batch`` call."""
+    """How the encoder's device queue forms forwards (see vitserve.deployments.device_queue)."""
 
     enabled: bool = True
-    # The most patches one tower forward takes (and one gathered batch holds). None: the
+    # The most patches one device step (and one tower forward) takes. None: the
     # engine's default, sized to the CPU's last-level cache on a CPU, uncapped on a GPU (see
     # vitserve.encoder.device).
     max_batch_patches: int | None = Field(None, gt=0)
@@ -88,6 +88,10 @@ class VitserveConfig(_Strict):
     budget_bytes: int | None = Field(None, gt=0)
     torch_threads: int | None = Field(None, gt=0)  # None: all cores of the node
     batching: BatchingConfig = BatchingConfig()
+    # Where images are decoded and preprocessed: in the encoder replica's CPU threads (the
+    # bytes travel, the pixels never leave the replica), in the ingress, or in the preprocess
+    # deployment (CPU replicas that scale apart from the encoders). See the README.
+    preprocess_at: Literal["encoder", "ingress", "deployment"] = "encoder"
     limits: LimitsConfig = LimitsConfig()
     single_flight: SingleFlightConfig = SingleFlightConfig()
     encoder: DeploymentConfig = DeploymentConfig(num_cpus=1.0, max_ongoing_requests=256)

@@ -1,23 +1,22 @@
 """The encoder and preprocessing deployments.
 
-``PreprocessDeployment`` (CPU replicas) decodes and preprocesses images with the model's image
-processor only (no weights) and returns a :class:`PreparedImage`: plain numpy, which Serve passes
-to the encoder through the object store by reference when the ingress hands the response
-straight to the encoder's handle (the ingress never fetches the pixels).
+``EncoderDeployment`` (one replica per GPU, or CPU) holds an :class:`EncoderEngine`. It takes
+**one call per request**: ``encode(batch, prepared)`` with all of the request's images that the
+ingress found missing (:class:`EncodeBatch`) and answers with their results in order.
 
-``EncoderDeployment`` (one replica per GPU, or CPU) holds an :class:`EncoderEngine`:
-
-* Concurrent images are gathered with ``@serve.batch`` whose ``batch_size_fn`` counts patches,
-  not images, up to ``max_batch_patches`` (the config's, else the engine's cap for its device);
-  the engine's planner splits a gathered batch into uniform-bucket forwards under the
-  activation budget; forwards run in a worker thread, one at a time, off the event loop. An
-  image over the cap skips the gathering (Serve's queue refuses an item larger than its batch)
-  and runs alone.
-* Single flight: an image already being encoded on this replica is joined (one shared future);
-  one being encoded on another replica is awaited through the store's claim (``claim`` /
-  ``wait_for``), then read from the store. Store failures never fail an encode: the image is
-  encoded (and the failure counted).
-* Each embedding is published once, in the record format, under its content key.
+* Preprocessing runs where the config's ``preprocess_at`` says: in this replica's CPU threads
+  (the images arrive as bytes), in the ingress, or in ``PreprocessDeployment`` (CPU replicas
+  that scale apart; its answer reaches this replica by reference through the object store).
+  A bad image fails alone: its item carries the error.
+* Batching is :class:`~vitserve.deployments.device_queue.DeviceQueue`, the one queue between
+  callers and the device (its docstring states the rule), so concurrent requests share forwards.
+* Single flight: the ingress's ``lookup_or_claim`` claimed each new image (``won``) or found it
+  claimed (``busy``). A won image is encoded and published with its claim released in the same
+  store call. An image already being encoded on this replica is joined (one shared future); a
+  busy one is awaited through the store (``wait_for``) and read back, and encoded here only if
+  its claimant gave up. Store failures never fail an encode (they are counted).
+* So a new image costs two store round trips on its path (the ingress's lookup-or-claim and
+  the publish), and this replica makes none before its forward.
 """
 
 from __future__ import annotations
@@ -28,24 +27,35 @@ import os
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from ray import serve
 
 from vitserve.deployments import metrics
-from vitserve.deployments.config import BatchingConfig, VitserveConfig
+from vitserve.deployments.config import VitserveConfig
+from vitserve.deployments.device_queue import DeviceQueue, Work
 from vitserve.errors import ImageError, StoreError, VitserveError
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
 
-_BATCHING = BatchingConfig()  # the decorator's defaults; each replica sets its config's
-# The most patches one gathered batch holds when the engine has no cap (GPUs).
-UNCAPPED_GATHER_PATCHES = 32768
+#: how the ingress's ``lookup_or_claim`` left each image: the claim is the ingress's (``WON``),
+#: someone else's (``BUSY``), or unknown because the store failed (``NONE``: encode, unclaimed)
+WON, BUSY, NONE = "won", "busy", "none"
 
 
-def _batch_patches(items: list[Any]) -> int:
-    return sum(p.patches for p in items)
+@dataclass(slots=True)
+class EncodeBatch:
+    """One request's images for the encoder: keys, positions in the request (for errors), each
+    image's claim state and the token the won claims are held under, and the image bytes when
+    the encoder preprocesses them (``None`` when ``prepared`` comes with the call)."""
+
+    keys: list[str]
+    indices: list[int]
+    claims: list[str]
+    token: str | None
+    images: list[bytes] | None = None
 
 
 def embedding_record(embedding: Any, fingerprint: str) -> Any:
@@ -86,27 +96,45 @@ def error_item(exc: VitserveError) -> dict[str, Any]:
     return {"error": {**exc.to_dict(), "status": exc.http_status}}
 
 
+def prepare_all(preprocessor: Any, images: list[bytes], keys: list[str],
+                indices: list[int]) -> list[Any]:  # fmt: skip
+    """Each image's PreparedImage, or its error item (a bad image fails alone)."""
+    out: list[Any] = []
+    for data, key, index in zip(images, keys, indices, strict=True):
+        start = time.perf_counter()
+        try:
+            out.append(preprocessor.prepare(data, key, index))
+        except ImageError as exc:
+            out.append(error_item(exc))
+        metrics.observe("stage_seconds", time.perf_counter() - start, stage="preprocess")
+    return out
+
+
+def make_preprocessor(cfg: VitserveConfig, adapter: Any = None) -> Any:
+    """The config's preprocessor (the model's image processor; no weights), under its limits."""
+    from vitserve.encoder.images import ImageLimits
+    from vitserve.encoder.preprocess import Preprocessor
+
+    limits = ImageLimits(max_image_bytes=cfg.limits.max_image_bytes,
+                         max_image_pixels=cfg.limits.max_image_pixels)  # fmt: skip
+    if adapter is not None:
+        return Preprocessor(adapter, limits)
+    return Preprocessor.from_pretrained(cfg.model, revision=cfg.revision, limits=limits)
+
+
 @serve.deployment
 class PreprocessDeployment:
+    """CPU replicas that decode and preprocess (``preprocess_at: deployment``)."""
+
     def __init__(self, config: dict[str, Any]) -> None:
         from vitserve.encoder.device import tune_cpu_allocator
-        from vitserve.encoder.images import ImageLimits
-        from vitserve.encoder.preprocess import Preprocessor
 
         tune_cpu_allocator()  # see WORKER_ENV in app.py
-        cfg = VitserveConfig.model_validate(config)
-        limits = ImageLimits(max_image_bytes=cfg.limits.max_image_bytes,
-                             max_image_pixels=cfg.limits.max_image_pixels)  # fmt: skip
-        self.preprocessor = Preprocessor.from_pretrained(cfg.model, revision=cfg.revision,
-                                                         limits=limits)  # fmt: skip
+        self.preprocessor = make_preprocessor(VitserveConfig.model_validate(config))
 
-    def prepare(self, data: bytes, key: str, index: int) -> Any:
-        """A PreparedImage, or an error item (a bad image fails alone, never the replica)."""
-        try:
-            with metrics.timed("stage_seconds", stage="preprocess"):
-                return self.preprocessor.prepare(data, key, index)
-        except ImageError as exc:
-            return error_item(exc)
+    def prepare(self, batch: EncodeBatch) -> list[Any]:
+        """Each image of the batch prepared, or its error item."""
+        return prepare_all(self.preprocessor, batch.images or [], batch.keys, batch.indices)
 
 
 @serve.deployment
@@ -131,26 +159,27 @@ class EncoderDeployment:
             initializer=torch.set_num_threads if threads else None,
             initargs=(threads,) if threads else (),
         )  # fmt: skip
+        # Preprocessing (preprocess_at: encoder) on the node's cores, beside the forwards.
+        self._cpu_pool = ThreadPoolExecutor(os.cpu_count() or 1,
+                                            thread_name_prefix="vitserve-preprocess")  # fmt: skip
         self.engine = EncoderEngine.from_pretrained(
             cfg.model, device=cfg.device, dtype=cfg.dtype, budget_bytes=cfg.budget_bytes,
             max_batch_patches=cfg.batching.max_batch_patches, revision=cfg.revision,
             namespace=cfg.namespace,
         )  # fmt: skip
+        self.preprocessor = make_preprocessor(cfg, self.engine.adapter)
         self.store = open_store(cfg.store, namespace=cfg.namespace,
                                 fingerprint=self.engine.fingerprint)  # fmt: skip
-        # One cap for gathering and for the engine's forwards (config, else the engine's).
-        self.max_batch_patches = self.engine.max_batch_patches or UNCAPPED_GATHER_PATCHES
-        self._encode_batch.set_max_batch_size(self.max_batch_patches)
-        self._encode_batch.set_batch_wait_timeout_s(cfg.batching.batch_wait_timeout_s)
+        # One cap for the queue's steps and the engine's forwards (config, else the engine's).
+        self.queue = DeviceQueue(self._encode_and_publish,
+                                 max_batch_patches=self.engine.max_batch_patches,
+                                 wait_s=cfg.batching.batch_wait_timeout_s,
+                                 enabled=cfg.batching.enabled)  # fmt: skip
         self._inflight: dict[str, asyncio.Future] = {}
         self._forwards: deque[dict[str, Any]] = deque(maxlen=256)  # the latest forwards
         self._seconds: Counter[str] = Counter()  # device-step time by phase
         self._background: set[asyncio.Task] = set()  # claim releases in flight
         self._store_reporter: asyncio.Task | None = None
-        # The device queue: what Serve's batches handed over and the device has not taken yet.
-        self._queued: list[tuple[Any, float, asyncio.Future]] = []
-        self._wakeup = asyncio.Event()
-        self._device_task: asyncio.Task | None = None
 
     # -- queries -----------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -160,7 +189,8 @@ class EncoderDeployment:
         return {"model": self.cfg.model, "family": e.family, "fingerprint": e.fingerprint,
                 "dtype": dtype_name(e.dtype), "device": str(e.device),
                 "namespace": e.namespace, "max_batch_patches": e.max_batch_patches,
-                "budget_bytes": e.budget_bytes}  # fmt: skip
+                "budget_bytes": e.budget_bytes,
+                "preprocess_at": self.cfg.preprocess_at}  # fmt: skip
 
     def counters(self) -> dict[str, Any]:
         c = self.engine.counters
@@ -172,29 +202,125 @@ class EncoderDeployment:
                                             c.forward_calls_by_bucket.items()}}  # fmt: skip
 
     # -- encoding ------------------------------------------------------------------------------
-    async def encode(self, prepared: Any) -> dict[str, Any]:
-        """Encode one prepared image (or pass an error item through); single flight."""
+    async def encode(self, batch: EncodeBatch, prepared: list[Any] | None = None) -> list[dict]:
+        """One request's missing images -> one result (or error item) per image, in order."""
         if self._store_reporter is None:
             self._store_reporter = asyncio.create_task(self._report_store_forever())
-        if isinstance(prepared, dict):  # the preprocessor refused the image
-            return prepared
-        key = prepared.key
-        pending = self._inflight.get(key)
-        if pending is not None:
-            metrics.inc("single_flight_joins_total", scope="local")
-            return await asyncio.shield(pending)
+        started = time.perf_counter()
+        if prepared is None:
+            if batch.images is None:
+                raise ValueError("EncodeBatch without images needs prepared images")
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                self._cpu_pool, prepare_all, self.preprocessor, batch.images, batch.keys,
+                batch.indices,
+            )  # fmt: skip
+        n = len(batch.keys)
+        results: list[Any] = [None] * n
+        joins: dict[int, asyncio.Future] = {}
+        mine: list[int] = []  # images this call encodes (it owns their in-flight futures)
+        busy: list[int] = []
+        releases: list[tuple[str, str]] = []  # won claims this call will not publish
+        for i, (key, claim, p) in enumerate(zip(batch.keys, batch.claims, prepared,
+                                                strict=True)):  # fmt: skip
+            pending = self._inflight.get(key)
+            if isinstance(p, dict):  # the preprocessor refused the image
+                results[i] = p
+                if claim == WON:
+                    releases.append((key, batch.token))
+            elif pending is not None:  # already being encoded here: join it
+                metrics.inc("single_flight_joins_total", scope="local")
+                joins[i] = pending
+                if claim == WON:  # (its claimant expired meanwhile): ours is not needed
+                    releases.append((key, batch.token))
+            elif claim == BUSY:
+                busy.append(i)
+            else:
+                mine.append(i)
+        if releases:
+            self._release_later(releases)
+        # Only images encoded here are joinable: a busy one waits on the store, and its claimant
+        # arriving here later must encode it, not join the waiter.
+        futures = {i: self._start_flight(batch.keys[i]) for i in mine}
+        futures |= {i: asyncio.get_running_loop().create_future() for i in busy}
+        tasks = []
+        if mine:
+            tasks.append(self._encode_mine(batch, prepared, mine, results, futures))
+        tasks += [self._encode_busy(batch, prepared[i], i, results, futures) for i in busy]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for i, future in futures.items():
+                # cancelled before settling: whoever joined it learns so
+                self._settle(future, error=RuntimeError("the encode this image joined stopped"))
+                if self._inflight.get(batch.keys[i]) is future:
+                    del self._inflight[batch.keys[i]]
+        for i, pending in joins.items():
+            results[i] = await asyncio.shield(pending)
+        metrics.observe("encode_latency_seconds", time.perf_counter() - started)
+        return results
+
+    def _start_flight(self, key: str) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
         self._inflight[key] = future
-        try:
-            result = await self._encode_once(prepared)
-            future.set_result(result)
-            return result
-        except BaseException as exc:
-            future.set_exception(exc)
+        return future
+
+    @staticmethod
+    def _settle(future: asyncio.Future, result: Any = None,
+                error: BaseException | None = None) -> None:  # fmt: skip
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
             future.exception()  # retrieved: waiters re-raise it, nobody else needs to
+        else:
+            future.set_result(result)
+
+    async def _encode_mine(self, batch: EncodeBatch, prepared: list[Any], mine: list[int],
+                           results: list[Any],
+                           futures: dict[int, asyncio.Future]) -> None:  # fmt: skip
+        releases = [(batch.keys[i], batch.token) if batch.claims[i] == WON else None
+                    for i in mine]  # fmt: skip
+        try:
+            done = await self.queue.submit([prepared[i] for i in mine], releases)
+        except BaseException as exc:
+            for i in mine:
+                self._settle(futures[i], error=exc)
             raise
-        finally:
-            del self._inflight[key]
+        for i, result in zip(mine, done, strict=True):
+            results[i] = result
+            self._settle(futures[i], result)
+
+    async def _encode_busy(self, batch: EncodeBatch, prepared: Any, i: int, results: list[Any],
+                           futures: dict[int, asyncio.Future]) -> None:  # fmt: skip
+        """An image another caller claimed: wait for its publish and read it back; encode it
+        here only if the claimant gave up (claiming it first, when the store answers)."""
+        key = prepared.key
+        metrics.inc("single_flight_joins_total", scope="remote")
+        try:
+            sf = self.cfg.single_flight
+            if await self._store_call("wait_for", self.store.wait_for, key, sf.wait_timeout_s,
+                                      default=False):  # fmt: skip
+                headers = await self._store_call("headers", self.store.headers_many, [key],
+                                                 default=[None])  # fmt: skip
+                if headers[0] is not None:
+                    results[i] = describe_header(headers[0])
+                    self._settle(futures[i], results[i])
+                    return
+            won = await self._store_call("claim", self.store.claim, key, sf.claim_ttl_s,
+                                         default=False)  # fmt: skip
+            release = (key, self.store.token) if won else None
+            [results[i]] = await self.queue.submit([prepared], [release])
+        except BaseException as exc:
+            self._settle(futures[i], error=exc)
+            raise
+        self._settle(futures[i], results[i])
+
+    def _release_later(self, releases: list[tuple[str, str]]) -> None:
+        """Release claims off the answer's path (one store call for them all)."""
+        task = asyncio.create_task(self._store_call("release", self.store.put_values, [],
+                                                    None, releases))  # fmt: skip
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _store_call(self, op: str, fn: Any, *args: Any, default: Any = None) -> Any:
         try:
@@ -205,118 +331,23 @@ class EncoderDeployment:
             log.warning("store %s failed: %s", op, exc)
             return default
 
-    async def _published(self, key: str) -> dict[str, Any] | None:
-        headers = await self._store_call("headers", self.store.headers_many, [key],
-                                         default=[None])  # fmt: skip
-        return describe_header(headers[0]) if headers[0] is not None else None
-
-    async def _encode_once(self, prepared: Any) -> dict[str, Any]:
-        started = time.perf_counter()
-        key = prepared.key
-        cached = await self._published(key)
-        if cached is not None:
-            metrics.inc("cache_hits_total")
-            return cached
-        metrics.inc("cache_misses_total")
-        sf = self.cfg.single_flight
-        won = await self._store_call("claim", self.store.claim, key, sf.claim_ttl_s,
-                                     default=True)  # fmt: skip
-        if not won:  # another replica is encoding it: wait for its publish
-            metrics.inc("single_flight_joins_total", scope="remote")
-            if await self._store_call("wait_for", self.store.wait_for, key, sf.wait_timeout_s,
-                                      default=False):  # fmt: skip
-                published = await self._published(key)
-                if published is not None:
-                    return published
-            # the claimant gave up, failed or timed out: encode it here
-        try:
-            if self.cfg.batching.enabled and prepared.patches <= self.max_batch_patches:
-                result = await self._encode_batch(prepared, started)
-            else:  # batching off, or an image over the cap: it runs alone either way (and
-                # Serve's batch queue refuses an item larger than its max_batch_size)
-                [result] = await self._run([prepared], [started])
-        finally:
-            if won:  # off the answer's path: the embedding is already published (or failed)
-                task = asyncio.create_task(self._store_call("release", self.store.release, key))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-        metrics.observe("encode_latency_seconds", time.perf_counter() - started)
-        return result
-
-    # max_concurrent_batches is high on purpose: Serve runs its batches one at a time only by
-    # holding each formed batch back until the previous one returns, so images that arrive
-    # during a forward would each form a batch of one and run one by one; here every formed
-    # batch reaches the device queue at once and the device loop merges them.
-    @serve.batch(max_batch_size=UNCAPPED_GATHER_PATCHES,
-                 batch_wait_timeout_s=_BATCHING.batch_wait_timeout_s, max_concurrent_batches=256,
-                 batch_size_fn=_batch_patches)  # fmt: skip
-    async def _encode_batch(self, items: list[Any], arrived: list[float]) -> list[dict[str, Any]]:
-        return await self._run(items, arrived)
-
-    async def _run(self, items: list[Any], arrived: list[float]) -> list[dict[str, Any]]:
-        """Queue images for the device and wait for their results.
-
-        Serve forms a batch as soon as its wait times out, even while the device is busy with
-        the previous one; the device loop therefore takes everything queued when it becomes
-        free (up to ``max_batch_patches``), so images that arrive during a forward share the
-        next one instead of running one by one.
-        """
-        loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in items]
-        self._queued.extend(zip(items, arrived, futures, strict=True))
-        self._wakeup.set()
-        if self._device_task is None or self._device_task.done():
-            self._device_task = asyncio.create_task(self._device_loop())
-        return list(await asyncio.gather(*futures))
-
-    def _take(self) -> list[tuple[Any, float, asyncio.Future]]:
-        """The next device step: queued images in arrival order up to the patch cap (at least
-        one; one at a time when batching is off)."""
-        if not self.cfg.batching.enabled:
-            work, self._queued = self._queued[:1], self._queued[1:]
-            return work
-        cap = self.max_batch_patches
-        take, patches = 1, min(self._queued[0][0].patches, cap)
-        while take < len(self._queued):
-            patches += min(self._queued[take][0].patches, cap)
-            if patches > cap:
-                break
-            take += 1
-        work, self._queued = self._queued[:take], self._queued[take:]
-        return work
-
-    async def _device_loop(self) -> None:
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while self._queued:
-                await self._device_step(self._take())
-
-    async def _device_step(self, work: list[tuple[Any, float, asyncio.Future]]) -> None:
-        """Run one device step and settle its futures. Whatever fails here fails this step's
-        callers with the error (never leaves them waiting) and the loop goes on."""
-        futures = [w[2] for w in work]
-        try:
-            results = await self._encode_and_publish(work)
-        except Exception as exc:
-            log.exception("encoding %d images failed", len(work))
-            for future in futures:
-                if not future.done():
-                    future.set_exception(exc)
-            return
-        for future, result in zip(futures, results, strict=True):
-            if not future.done():
-                future.set_result(result)
-
-    async def _encode_and_publish(self, work: list[tuple[Any, float, asyncio.Future]]) -> list:
-        items = [w[0] for w in work]
+    async def _encode_and_publish(self, work: list[Work]) -> list[dict[str, Any]]:
+        """One device step (the queue's ``run_step``): forward, then one publish that also
+        releases the step's claims. A failed step releases them too (off the path)."""
+        items = [w.prepared for w in work]
+        releases = [w.release for w in work if w.release is not None]
         start = time.perf_counter()
-        for _, arrived, _ in work:
-            metrics.observe("stage_seconds", start - arrived, stage="queue_wait")
-        forward = asyncio.get_running_loop().run_in_executor(
-            self._device_pool, self._forward_and_encode, items
-        )
-        results, values, plan = await forward
+        for w in work:
+            metrics.observe("stage_seconds", start - w.arrived, stage="queue_wait")
+        try:
+            results, values, plan = await asyncio.get_running_loop().run_in_executor(
+                self._device_pool, self._forward_and_encode, items
+            )
+        except Exception:
+            log.exception("encoding %d images failed", len(items))
+            if releases:
+                self._release_later(releases)
+            raise
         encoded = time.perf_counter()
         self._seconds["forward_and_encode"] += encoded - start
         metrics.observe("stage_seconds", encoded - start, stage="forward")
@@ -324,7 +355,7 @@ class EncoderDeployment:
         metrics.inc("images_encoded_total", len(items))
         try:
             with metrics.timed("store_round_trip_seconds", op="put"):
-                await asyncio.to_thread(self.store.put_values, values)
+                await asyncio.to_thread(self.store.put_values, values, None, releases)
             metrics.inc("bytes_published_total", sum(len(v) for _, v in values))
         except StoreError as exc:  # the embeddings are computed; the callers still get them
             metrics.inc("store_errors_total", op="put")

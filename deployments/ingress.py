@@ -36,15 +36,13 @@ from ray import serve
 
 from vitserve.deployments import metrics
 from vitserve.deployments.config import VitserveConfig
-from vitserve.deployments.encoder import describe_header, error_item
+from vitserve.deployments.encode_flow import EncodeFlow
 from vitserve.errors import (
-    BackpressureError,
     CacheMissError,
     ConfigError,
     ImageError,
     LimitExceededError,
     MalformedRequestError,
-    StoreError,
     StoreUnavailableError,
     VitserveError,
 )
@@ -65,25 +63,25 @@ def _error(exc: VitserveError) -> JSONResponse:
     return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status, headers=headers)
 
 
-def _backpressure(exc: Exception) -> VitserveError | None:
-    """A full encoder queue as the API's 429, or None for other errors."""
-    from ray.serve.exceptions import BackPressureError
-
-    if isinstance(exc, BackPressureError):  # args: num_queued_requests, max_queued_requests
-        return BackpressureError(queued=exc.args[0], limit=exc.args[1])
-    return None
-
-
 @serve.deployment
 @serve.ingress(api)
 class Ingress:
     def __init__(self, encoder: Any, preprocess: Any, config: dict[str, Any]) -> None:
+        """``preprocess``: the preprocess deployment's handle, or None unless the config's
+        ``preprocess_at`` is ``deployment``."""
         from vitserve.cache import open_store
 
         self.cfg = VitserveConfig.model_validate(config)
         self.encoder = encoder
-        self.preprocess = preprocess
         self.store = open_store(self.cfg.store, namespace=self.cfg.namespace)
+        preprocessor = None
+        if self.cfg.preprocess_at == "ingress":
+            from vitserve.deployments.encoder import make_preprocessor
+            from vitserve.encoder.device import tune_cpu_allocator
+
+            tune_cpu_allocator()  # see WORKER_ENV in app.py
+            preprocessor = make_preprocessor(self.cfg)
+        self.flow = EncodeFlow(self.cfg, self.store, encoder, preprocess, preprocessor)
         self._model: dict[str, Any] | None = None
 
     async def _describe(self) -> dict[str, Any]:
@@ -187,46 +185,7 @@ class Ingress:
         keys = [i if isinstance(i, str) else content_key(i, model["fingerprint"],
                                                            self.cfg.namespace)
                 for i in items]  # fmt: skip
-        try:
-            with metrics.timed("store_round_trip_seconds", op="headers"):
-                headers = await asyncio.to_thread(self.store.headers_many, keys)
-        except StoreError as exc:  # encode anyway; the encoder publishes when it can
-            metrics.inc("store_errors_total", op="headers")
-            log.warning("store lookup failed: %s", exc)
-            headers = [None] * len(keys)
-        results: list[Any] = [None] * len(items)
-        pending: dict[int, Any] = {}
-        first: dict[str, int] = {}
-        for i, (item, key, header) in enumerate(zip(items, keys, headers, strict=True)):
-            if header is not None:
-                results[i] = {**describe_header(header), "cached": True}
-                metrics.inc("cache_hits_total")
-            elif isinstance(item, str):
-                results[i] = error_item(CacheMissError([key]))
-                metrics.inc("cache_misses_total")
-            elif key in first:  # the same image twice in one request: encode it once
-                continue
-            else:
-                first[key] = i
-                prepared = self.preprocess.prepare.remote(item, key, i)
-                # Passed by reference: the pixels go from the preprocessor to the encoder
-                # through the object store without passing through this process.
-                pending[i] = self.encoder.encode.remote(prepared)
-        for i, response in pending.items():
-            try:
-                results[i] = {**await response, "cached": False}
-            except Exception as exc:
-                err = _backpressure(exc)
-                if err is None:
-                    raise
-                for j, other in pending.items():
-                    if j > i:  # not awaited yet; cancelling an awaited one re-raises its error
-                        other.cancel()
-                return _error(err)
-        for i, key in enumerate(keys):
-            if results[i] is None:  # a duplicate: the first occurrence's result
-                results[i] = {**results[first[key]]}
-        return JSONResponse({"items": results})
+        return JSONResponse({"items": await self.flow.encode(items, keys)})
 
     # -- probe and fetch -------------------------------------------------------------------------
     @api.post("/v1/probe", summary="Which keys the store holds")

@@ -3,6 +3,9 @@
 For embeddings of 1, 8 and 32 MiB (fp16 rows of 3584, as a Qwen2.5-VL-7B-sized projector emits):
 
 * in-process and node-local ``get`` vs ``numpy.copyto`` of the same bytes (memcpy bandwidth);
+  for the node-local store both a repeated read (the reader keeps what it read) and a first
+  read (``read_cache_bytes=0``: one actor round trip and a mapping every time);
+* the node-local lookup round trip (``headers_many`` / ``lookup_or_claim`` of one held key);
 * Redis ``put``/``get`` vs raw redis-py ``SET``/``GET`` of the same bytes;
 * a row-range pull of k of N rows: bytes moved vs the whole record;
 * bytes allocated per get (tracemalloc), to show where copies happen.
@@ -90,6 +93,19 @@ def bench_local(store: Any, label: str, repeat: int) -> None:
               f"{t_copy / t_get:>6.2f} {alloc:>10,} {gbps(n, t_raw):>18.2f}")  # fmt: skip
 
 
+def bench_node_lookups(store: Any, repeat: int) -> None:
+    """Lookup round trips of one held key (p50 of ``repeat`` x 20 calls)."""
+    from vitserve.cache.codec import encode_record
+
+    record = record_of(1, 99)
+    store.put_values([(record.key, encode_record(record))])
+    print("\n== node-local lookups of one held key (one actor round trip each)")
+    for name, fn in (("headers_many", lambda: store.headers_many([record.key])),
+                     ("lookup_or_claim", lambda: store.lookup_or_claim([record.key], 10)),
+                     ("exists_many", lambda: store.exists_many([record.key]))):  # fmt: skip
+        print(f"{name:>16}: p50 {timed(fn, repeat * 20) * 1e3:.3f} ms")
+
+
 def paired(a: Callable[[], Any], b: Callable[[], Any], repeat: int) -> tuple[float, float, float]:
     """Median seconds of ``a`` and of ``b`` timed alternately, and the median of the per-pair
     ratios ``a / b`` (pairs cancel most of the drift of a busy machine)."""
@@ -175,8 +191,11 @@ def main() -> None:
         from vitserve.cache.node import NodeStore
 
         ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-        bench_local(NodeStore(actor_name="vitserve-bench-node-store"), "node-local store",
-                    args.repeat)  # fmt: skip
+        name = "vitserve-bench-node-store"
+        bench_local(NodeStore(actor_name=name), "node-local store, repeated read", args.repeat)
+        bench_local(NodeStore(actor_name=name, read_cache_bytes=0),
+                    "node-local store, first read (no reader cache)", args.repeat)  # fmt: skip
+        bench_node_lookups(NodeStore(actor_name=name), args.repeat)
         ray.shutdown()
     bench_redis(args.redis, args.repeat)
 

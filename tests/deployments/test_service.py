@@ -290,6 +290,28 @@ def test_bad_images_fail_alone_and_the_replica_keeps_serving(main_app) -> None:
     assert after.status_code == 200 and "num_tokens" in after.json()["items"][0]
 
 
+@pytest.mark.parametrize("where", ["ingress", "deployment"])
+def test_every_preprocessing_placement_gives_the_same_answers(deploy, main_app, where) -> None:
+    """``preprocess_at`` moves work between processes, never changes an answer: the same
+    embeddings as the default placement (the encoder's), bad images failing alone."""
+    from vitserve.cache.codec import decode_record
+
+    app = deploy(
+        f"prep-{where}",
+        preprocess_at=where,
+        **{"encoder.num_cpus": 0.05, "preprocess.num_cpus": 0.05},
+    )  # the cluster is full
+    assert app.client.get(f"{app.url}/healthz").json()["preprocess_at"] == where
+    images = [fresh(320, 240), bad_images()["truncated-jpeg"], fresh(96, 160)]
+    ours, theirs = (a.encode(images).json()["items"] for a in (app, main_app))
+    assert ours[1]["error"]["type"] == "ImageDecodeError" and ours[1]["error"]["index"] == 1
+    for mine, ref in zip([ours[0], ours[2]], [theirs[0], theirs[2]], strict=True):
+        assert mine["cached"] is False and mine["num_tokens"] == ref["num_tokens"]
+        got, want = (decode_record(a.client.get(f"{a.url}/v1/embeddings/{i['key']}").content)
+                     for a, i in ((app, mine), (main_app, ref)))  # fmt: skip
+        np.testing.assert_array_equal(got.embedding, want.embedding)  # same shapes, same run
+
+
 def test_an_overloaded_encoder_answers_429_with_retry_after(deploy) -> None:
     """One request in flight and one queued: the next is refused at once (429), not queued
     until memory or a timeout gives out; the deployment keeps serving."""
@@ -362,7 +384,7 @@ METRICS = [
 
 
 STAGES = ("preprocess", "queue_wait", "forward", "publish")
-STORE_OPS = ("headers", "claim", "put", "release", "get")  # what encoding + fetching call
+STORE_OPS = ("lookup_or_claim", "put", "get")  # what encoding + fetching call
 
 
 def test_metrics_route_exposes_the_service_metrics_and_they_move(main_app) -> None:

@@ -1,0 +1,127 @@
+"""The encoder replica's one batching layer: a queue between its callers and its device.
+
+**The rule.** Callers (one per request; a request brings all its missing images at once) put
+their images on the queue, in arrival order. One device task runs forwards one at a time. When
+the device is free it takes the oldest queued images, as many as fit in ``max_batch_patches``
+(at least one: an image over the cap runs alone), and runs them as one device step (the
+engine's planner splits a step into uniform-bucket forwards under its activation budget).
+Images that arrive while a step runs wait for the next one, so concurrent requests share
+forwards as soon as there is a queue, and an image on an idle device never waits for company:
+``batch_wait_timeout_s`` (default 0) is the most a free device waits after the first image for
+more to arrive (it stops waiting early once the cap is full). With batching off, each step is
+one image.
+
+**Why our own queue, not ``@serve.batch``.** Measured on a 2-vCPU machine (AMX Xeon), the
+previous design (``@serve.batch`` gathering images into batches that this queue then re-merged,
+because Serve runs a new batch only when the previous returns) against this queue alone, same
+model and images: see ``loadtest/results/hot-path-cpu.md``. Serve's batching works per call
+(here: per request, with a variable number of images), has no notion of "the device is busy",
+and its ``max_batch_size`` must be set per replica from outside the decorator; one queue that
+knows when the device is free states the whole rule in one place.
+
+Invariants: every submitted image's future is settled exactly once, with its result or with the
+error of its step (a failing step fails its own images only, and the loop goes on); the queue
+holds no state outside its instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Work:
+    """One image waiting for the device: its prepared pixels, when it arrived, the claim its
+    publish releases (``(key, token)``, or None) and the future its caller awaits."""
+
+    prepared: Any
+    arrived: float
+    release: tuple[str, str] | None
+    future: asyncio.Future = field(repr=False)
+
+
+Step = Callable[[list[Work]], Awaitable[list[Any]]]
+
+
+class DeviceQueue:
+    """See the module docstring. ``run_step`` runs one device step and returns one result per
+    image (the encoder's forward + publish); ``max_batch_patches`` None means no cap (GPUs)."""
+
+    def __init__(self, run_step: Step, *, max_batch_patches: int | None, wait_s: float = 0.0,
+                 enabled: bool = True) -> None:  # fmt: skip
+        self._run_step = run_step
+        self.max_batch_patches = max_batch_patches
+        self.wait_s = wait_s
+        self.enabled = enabled
+        self._queued: list[Work] = []
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
+    async def submit(self, prepared: Sequence[Any],
+                     releases: Sequence[tuple[str, str] | None]) -> list[Any]:  # fmt: skip
+        """Queue images; their results in order (an image's step error is raised here)."""
+        loop = asyncio.get_running_loop()
+        now = time.perf_counter()
+        work = [Work(p, now, r, loop.create_future())
+                for p, r in zip(prepared, releases, strict=True)]  # fmt: skip
+        self._queued.extend(work)
+        self._wakeup.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._loop())
+        return list(await asyncio.gather(*(w.future for w in work)))
+
+    def _full(self) -> bool:
+        cap = self.max_batch_patches
+        return cap is not None and sum(w.prepared.patches for w in self._queued) >= cap
+
+    def _take(self) -> list[Work]:
+        """The next step: the oldest queued images up to the patch cap (at least one)."""
+        if not self.enabled:
+            take = 1
+        elif self.max_batch_patches is None:
+            take = len(self._queued)
+        else:
+            cap = self.max_batch_patches
+            take, patches = 1, self._queued[0].prepared.patches
+            while take < len(self._queued):
+                patches += self._queued[take].prepared.patches
+                if patches > cap:
+                    break
+                take += 1
+        work, self._queued = self._queued[:take], self._queued[take:]
+        return work
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            if self.enabled and self.wait_s > 0 and self._queued and not self._full():
+                deadline = time.perf_counter() + self.wait_s
+                while not self._full() and (left := deadline - time.perf_counter()) > 0:
+                    self._wakeup.clear()
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), left)
+                    except asyncio.TimeoutError:
+                        break
+            while self._queued:
+                await self._step(self._take())
+
+    async def _step(self, work: list[Work]) -> None:
+        """Run one step and settle its futures; whatever fails fails this step's images only."""
+        try:
+            results = await self._run_step(work)
+        except Exception as exc:
+            for w in work:
+                if not w.future.done():
+                    w.future.set_exception(exc)
+            return
+        for w, result in zip(work, results, strict=True):
+            if not w.future.done():
+                w.future.set_result(result)

