@@ -571,14 +571,7 @@ class NodeStore(EmbeddingStore):
 
     def _lookup_or_claim(self, full_keys: list[str], ttl_s: float,
                          token: str) -> list[Buffer | bool]:  # fmt: skip
-        handle = self._actor()
-        give_up_at = self._give_up_at()
-        submit = lambda: handle.lookup_or_claim.remote(full_keys, ttl_s, token, give_up_at)  # noqa: E731
-        try:
-            return self._wait("lookup_or_claim", submit, None, handle)
-        except StoreUnavailableError:
-            self._undo_claims(handle, full_keys, token)
-            raise
+        return self._claiming("lookup_or_claim", full_keys, ttl_s, token)
 
     def _delete(self, full_keys: list[str]) -> int:
         with self._kept_lock:
@@ -591,21 +584,25 @@ class NodeStore(EmbeddingStore):
         node agree; across nodes no deadline is sent and the release below must do."""
         return time.time() + self.timeout_s if self.actor_node_id == self.node_id else None
 
-    def _undo_claims(self, handle: Any, full_keys: list[str], token: str) -> None:
-        """Best effort, not waited for: release claims a timed-out call may have been granted."""
-        for fk in full_keys:
-            with contextlib.suppress(Exception):
-                handle.release.remote(fk, token)
-
-    def _claim(self, full_key: str, ttl_s: float, token: str) -> bool:
+    def _claiming(self, method: str, full_keys: list[str], ttl_s: float, token: str) -> Any:
+        """Call the actor's ``claim`` (one key) or ``lookup_or_claim`` (a list). If the call
+        fails here, the claims it may have been granted are released (best effort, not waited
+        for): the actor refuses them once we gave up, and should it have granted them just
+        before, these releases follow."""
         handle = self._actor()
         give_up_at = self._give_up_at()
-        submit = lambda: handle.claim.remote(full_key, ttl_s, token, give_up_at)  # noqa: E731
+        arg = full_keys[0] if method == "claim" else full_keys
+        submit = lambda: getattr(handle, method).remote(arg, ttl_s, token, give_up_at)  # noqa: E731
         try:
-            return self._wait("claim", submit, None, handle)
+            return self._wait(method, submit, None, handle)
         except StoreUnavailableError:
-            self._undo_claims(handle, [full_key], token)
+            for fk in full_keys:
+                with contextlib.suppress(Exception):
+                    handle.release.remote(fk, token)
             raise
+
+    def _claim(self, full_key: str, ttl_s: float, token: str) -> bool:
+        return self._claiming("claim", [full_key], ttl_s, token)
 
     def _release(self, full_key: str, token: str) -> None:
         self._call("release", lambda a: a.release.remote(full_key, token))
