@@ -2,8 +2,8 @@
 
 (a) Overhead: the same kind of image (448x448, the demo model: Qwen2-VL with a ViT-B tower)
     encoded in-process by an ``EncoderEngine`` in this process vs through HTTP (ingress ->
-    preprocess -> encoder -> node store), one at a time, alternating, each image new to the
-    service. Figure: per-round paired ratio HTTP / in-process, and its median.
+    encoder -> node store, preprocessing in the encoder), one at a time, alternating, each
+    image new to the service. Figure: per-round paired ratio HTTP / in-process, and its median.
 (b) Throughput: ``--clients`` concurrent clients each sending one-image requests of mixed
     resolutions (every image new), against two applications served side by side: bucketed
     batching on, and ``batching.enabled=false`` (one image per forward). Images/s and forwards.
