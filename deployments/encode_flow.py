@@ -3,7 +3,7 @@
 Per request, never per image:
 
 1. **One store round trip**: ``lookup_or_claim`` of every distinct key. Held keys are answered
-   from their headers (``cached: true``); each new image is claimed for this ingress's token
+   from their headers (``cached: true``); each new image is claimed for this request's token
    (or found claimed by someone else). An all-cached request ends here: no encoder call.
 2. **One encoder call** with all the request's new images (an :class:`EncodeBatch`), plus one
    preprocess call first when ``preprocess_at`` is ``deployment`` (its answer goes to the
@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import uuid
 from typing import Any
 
 from vitserve.cache.base import Claim
@@ -68,7 +69,10 @@ class EncodeFlow:
     async def encode(self, items: list[bytes | str], keys: list[str]) -> list[dict[str, Any]]:
         """``items``: image bytes, or a key the caller believes held; ``keys`` their keys."""
         distinct = list(dict.fromkeys(keys))
-        answers = await self._lookup_or_claim(distinct)
+        # One token per request: releasing this request's claims (after a failed encoder call)
+        # can never drop a later request's claim on the same key.
+        token = uuid.uuid4().hex
+        answers = await self._lookup_or_claim(distinct, token)
         answer_of = dict(zip(distinct, answers, strict=True))
         data_of = {k: i for k, i in zip(keys, items, strict=True) if isinstance(i, bytes)}
         index_of: dict[str, int] = {}
@@ -86,7 +90,7 @@ class EncodeFlow:
                 results[key] = error_item(CacheMissError([key]))
                 metrics.inc("cache_misses_total")
                 if answer is Claim.WON:
-                    unneeded.append((key, self.store.token))
+                    unneeded.append((key, token))
             else:
                 new.append(key)
                 metrics.inc("cache_misses_total")
@@ -97,17 +101,17 @@ class EncodeFlow:
             batch = EncodeBatch(
                 keys=new, indices=[index_of[k] for k in new],
                 claims=[c.value if isinstance(c, Claim) else c for c in claims],
-                token=self.store.token, images=[data_of[k] for k in new],
+                token=token, images=[data_of[k] for k in new],
             )  # fmt: skip
             for key, result in zip(new, await self._call_encoder(batch), strict=True):
                 results[key] = {**result, "cached": False} if "error" not in result else result
         return [{**results[k]} for k in keys]
 
-    async def _lookup_or_claim(self, keys: list[str]) -> list[Any]:
+    async def _lookup_or_claim(self, keys: list[str], token: str) -> list[Any]:
         ttl = self.cfg.single_flight.claim_ttl_s
         try:
             with metrics.timed("store_round_trip_seconds", op="lookup_or_claim"):
-                return await asyncio.to_thread(self.store.lookup_or_claim, keys, ttl)
+                return await asyncio.to_thread(self.store.lookup_or_claim, keys, ttl, token)
         except StoreError as exc:  # encode anyway, unclaimed; the encoder publishes if it can
             metrics.inc("store_errors_total", op="lookup_or_claim")
             log.warning("store lookup failed: %s", exc)
@@ -127,7 +131,7 @@ class EncodeFlow:
             return await self.encoder.encode.remote(dataclasses.replace(batch, images=None),
                                                     prepared)  # fmt: skip
         except Exception as exc:
-            won = [(k, self.store.token) for k, c in zip(batch.keys, batch.claims, strict=True)
+            won = [(k, batch.token) for k, c in zip(batch.keys, batch.claims, strict=True)
                    if c == WON]  # fmt: skip
             if won:  # nobody will publish them: let waiters go now, not at the claim's ttl
                 self._release_later(won)

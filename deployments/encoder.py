@@ -54,7 +54,7 @@ class EncodeBatch:
     keys: list[str]
     indices: list[int]
     claims: list[str]
-    token: str | None
+    token: str
     images: list[bytes] | None = None
 
 
@@ -160,14 +160,17 @@ class EncoderDeployment:
             initargs=(threads,) if threads else (),
         )  # fmt: skip
         # Preprocessing (preprocess_at: encoder) on the node's cores, beside the forwards.
-        self._cpu_pool = ThreadPoolExecutor(os.cpu_count() or 1,
-                                            thread_name_prefix="vitserve-preprocess")  # fmt: skip
+        self._cpu_pool: ThreadPoolExecutor | None = None
+        if cfg.preprocess_at == "encoder":
+            self._cpu_pool = ThreadPoolExecutor(
+                os.cpu_count() or 1, thread_name_prefix="vitserve-preprocess"
+            )
         self.engine = EncoderEngine.from_pretrained(
             cfg.model, device=cfg.device, dtype=cfg.dtype, budget_bytes=cfg.budget_bytes,
             max_batch_patches=cfg.batching.max_batch_patches, revision=cfg.revision,
             namespace=cfg.namespace,
         )  # fmt: skip
-        self.preprocessor = make_preprocessor(cfg, self.engine.adapter)
+        self.preprocessor = make_preprocessor(cfg, self.engine.adapter)  # no load: the engine's
         self.store = open_store(cfg.store, namespace=cfg.namespace,
                                 fingerprint=self.engine.fingerprint)  # fmt: skip
         # One cap for the queue's steps and the engine's forwards (config, else the engine's).
@@ -208,8 +211,8 @@ class EncoderDeployment:
             self._store_reporter = asyncio.create_task(self._report_store_forever())
         started = time.perf_counter()
         if prepared is None:
-            if batch.images is None:
-                raise ValueError("EncodeBatch without images needs prepared images")
+            if batch.images is None or self._cpu_pool is None:
+                raise ValueError("images arrive as bytes only with preprocess_at: encoder")
             prepared = await asyncio.get_running_loop().run_in_executor(
                 self._cpu_pool, prepare_all, self.preprocessor, batch.images, batch.keys,
                 batch.indices,
@@ -241,11 +244,10 @@ class EncoderDeployment:
         # Only images encoded here are joinable: a busy one waits on the store, and its claimant
         # arriving here later must encode it, not join the waiter.
         futures = {i: self._start_flight(batch.keys[i]) for i in mine}
-        futures |= {i: asyncio.get_running_loop().create_future() for i in busy}
         tasks = []
         if mine:
             tasks.append(self._encode_mine(batch, prepared, mine, results, futures))
-        tasks += [self._encode_busy(batch, prepared[i], i, results, futures) for i in busy]
+        tasks += [self._encode_busy(prepared[i], i, results) for i in busy]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -290,30 +292,23 @@ class EncoderDeployment:
             results[i] = result
             self._settle(futures[i], result)
 
-    async def _encode_busy(self, batch: EncodeBatch, prepared: Any, i: int, results: list[Any],
-                           futures: dict[int, asyncio.Future]) -> None:  # fmt: skip
+    async def _encode_busy(self, prepared: Any, i: int, results: list[Any]) -> None:
         """An image another caller claimed: wait for its publish and read it back; encode it
         here only if the claimant gave up (claiming it first, when the store answers)."""
         key = prepared.key
         metrics.inc("single_flight_joins_total", scope="remote")
-        try:
-            sf = self.cfg.single_flight
-            if await self._store_call("wait_for", self.store.wait_for, key, sf.wait_timeout_s,
-                                      default=False):  # fmt: skip
-                headers = await self._store_call("headers", self.store.headers_many, [key],
-                                                 default=[None])  # fmt: skip
-                if headers[0] is not None:
-                    results[i] = describe_header(headers[0])
-                    self._settle(futures[i], results[i])
-                    return
-            won = await self._store_call("claim", self.store.claim, key, sf.claim_ttl_s,
-                                         default=False)  # fmt: skip
-            release = (key, self.store.token) if won else None
-            [results[i]] = await self.queue.submit([prepared], [release])
-        except BaseException as exc:
-            self._settle(futures[i], error=exc)
-            raise
-        self._settle(futures[i], results[i])
+        sf = self.cfg.single_flight
+        if await self._store_call("wait_for", self.store.wait_for, key, sf.wait_timeout_s,
+                                  default=False):  # fmt: skip
+            headers = await self._store_call("headers", self.store.headers_many, [key],
+                                             default=[None])  # fmt: skip
+            if headers[0] is not None:
+                results[i] = describe_header(headers[0])
+                return
+        won = await self._store_call("claim", self.store.claim, key, sf.claim_ttl_s,
+                                     default=False)  # fmt: skip
+        release = (key, self.store.token) if won else None
+        [results[i]] = await self.queue.submit([prepared], [release])
 
     def _release_later(self, releases: list[tuple[str, str]]) -> None:
         """Release claims off the answer's path (one store call for them all)."""

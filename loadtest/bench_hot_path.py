@@ -94,12 +94,11 @@ def run_cases(post: Any, args: argparse.Namespace) -> dict[str, Any]:
         out[case] = {"p50_ms": p50_ms(times), "samples": len(times)}
         print(f"  {case:<40} p50 {out[case]['p50_ms']:8.1f} ms", flush=True)
     clients, per_client = args.clients, args.concurrent_requests
-    for warm in (True, False):
-        offset = 0 if warm else clients * per_client
-        bodies = [[jpegs(CONCURRENT, offset + i, 1, 448)[0]] for i in range(clients * per_client)]
+    for offset, count in ((0, clients), (clients, clients * per_client)):  # warm-up, timed
+        bodies = [[image] for image in jpegs(CONCURRENT, offset, count, 448)]
         start = time.perf_counter()
         with cf.ThreadPoolExecutor(clients) as pool:
-            list(pool.map(post, bodies[: clients if warm else None]))
+            list(pool.map(post, bodies))
         elapsed = time.perf_counter() - start
     out[CONCURRENT] = {"images_per_s": len(bodies) / elapsed, "clients": clients,
                        "images": len(bodies)}  # fmt: skip
@@ -150,16 +149,18 @@ def stage_sums(url: str, settle: bool = False) -> dict[str, tuple[float, float]]
     """(sum seconds, count) per stage / store op from /metrics; with ``settle``, read until
     two reads a second apart agree (Ray exports metrics every few seconds)."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     def read() -> dict[str, tuple[float, float]]:
         text = httpx.get(f"{url}/metrics", timeout=30).text
         sums: dict[str, list[float]] = {}
-        for name, labels, value in samples(text):
-            for metric, label in (("vitserve_stage_seconds", "stage"),
-                                  ("vitserve_store_round_trip_seconds", "op")):  # fmt: skip
-                if name in (f"{metric}_sum", f"{metric}_count") and label in labels:
-                    slot = sums.setdefault(f"{label}:{labels[label]}", [0.0, 0.0])
-                    slot[0 if name.endswith("_sum") else 1] += value
+        for family in text_string_to_metric_families(text):
+            label = {"vitserve_stage_seconds": "stage",
+                     "vitserve_store_round_trip_seconds": "op"}.get(family.name)  # fmt: skip
+            for sample in family.samples if label else ():
+                if sample.name.endswith(("_sum", "_count")) and label in sample.labels:
+                    slot = sums.setdefault(f"{label}:{sample.labels[label]}", [0.0, 0.0])
+                    slot[0 if sample.name.endswith("_sum") else 1] += sample.value
         return {k: (v[0], v[1]) for k, v in sums.items()}
 
     last = read()
@@ -170,20 +171,6 @@ def stage_sums(url: str, settle: bool = False) -> dict[str, tuple[float, float]]
             break
         last = now
     return last
-
-
-def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Prometheus text -> (name, labels, value)."""
-    import re
-
-    line_re = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")
-    label_re = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-    out = []
-    for line in text.splitlines():
-        m = line_re.match(line)
-        if m:
-            out.append((m[1], dict(label_re.findall(m[2] or "")), float(m[3])))
-    return out
 
 
 def stage_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
@@ -223,6 +210,8 @@ def inprocess_side(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def vllm_side(args: argparse.Namespace) -> dict[str, Any]:
+    import threading
+
     import httpx
 
     sys.path.insert(0, str(HERE))
@@ -236,8 +225,6 @@ def vllm_side(args: argparse.Namespace) -> dict[str, Any]:
         clients: dict[int, httpx.Client] = {}
 
         def post(images: list[bytes]) -> None:
-            import threading
-
             ident = threading.get_ident()
             client = clients.setdefault(ident, httpx.Client(timeout=300))
             post_chat(client, server.url, images)
