@@ -186,6 +186,34 @@ def test_a_reader_keeps_its_arrays_after_the_entry_is_gone(ray_cluster, actor_na
     _assert_same(got, record)
 
 
+def test_sleeping_waiters_do_not_hold_up_lookups_and_a_put_wakes_them_all(
+    ray_cluster, actor_name
+) -> None:
+    """More waiters than the actor has threads for its other calls: they sleep in their own
+    group, so lookups, claims and the put still answer at once, and the put wakes every one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vitserve.cache.node import ACTOR_THREADS, WAIT_THREADS
+
+    name = actor_name()
+    owner, waiter = NodeStore(actor_name=name), NodeStore(actor_name=name)
+    record = make_record(rows=4, width=8, seed=3)
+    assert owner.claim(record.key, ttl_s=60)
+    waiters = ACTOR_THREADS * 2
+    assert waiters <= WAIT_THREADS
+    with ThreadPoolExecutor(waiters) as pool:
+        waits = [pool.submit(waiter.wait_for, record.key, 60) for _ in range(waiters)]
+        time.sleep(1.0)  # the waits reach the actor and sleep there
+        assert not any(w.done() for w in waits)
+        start = time.monotonic()
+        assert waiter.headers_many([record.key]) == [None]
+        assert waiter.claim("another-key", ttl_s=5)
+        owner.put_values([(record.key, encode_record(record))], release=[(record.key, owner.token)])
+        assert time.monotonic() - start < 5  # not after the waits' 60 s
+        assert [w.result(timeout=10) for w in waits] == [True] * waiters
+    assert time.monotonic() - start < 10
+
+
 @pytest.fixture
 def remote_open(ray_cluster):
     """Runs NodeStore calls in another process (a Ray task, as a second replica would)."""
