@@ -53,8 +53,8 @@ Invariants:
 * **A threaded actor.** Every method is synchronous and holds one lock only while it touches
   the index; ``wait_for`` runs in its own concurrency group, so sleeping waiters never hold up
   lookups. Chosen by measurement on a 2-vCPU AMD EPYC (``loadtest/results/stores-cpu.md``): a
-  one-key lookup round trip took ~0.9-1.0 ms p50 on an async actor and ~0.7 ms on a threaded
-  one (an async actor's call goes through its event loop's thread hop).
+  one-key ``lookup_or_claim`` took 1.00-1.16 ms p50 on the async actor this replaced and
+  0.80-0.83 ms on this one (an async actor's call takes an extra hop through its event loop).
 * **Timeouts.** Every actor call and object fetch is bounded by ``timeout_s`` (``wait_for``: its
   own timeout plus ``timeout_s``); a timeout, a dead or restarting actor, or a lost object raises
   :class:`~vitserve.errors.StoreUnavailableError` (retryable) and counts in ``errors``. After the

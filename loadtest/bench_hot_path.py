@@ -78,9 +78,10 @@ def p50_ms(samples: list[float]) -> float:
 
 
 # -- one side: the same cases against either server -------------------------------------------
-def run_cases(post: Any, args: argparse.Namespace) -> dict[str, Any]:
+def run_cases(post: Any, args: argparse.Namespace, meter: StageMeter | None = None
+              ) -> dict[str, Any]:  # fmt: skip
     """Sequential cases (p50 ms) and the concurrent one (images/s); ``post(images)`` sends one
-    request and raises on failure."""
+    request and raises on failure. With a ``meter``, each case also gets its stage breakdown."""
     out: dict[str, Any] = {}
     n = args.warmup + args.requests
     for case in SEQUENTIAL:
@@ -92,6 +93,9 @@ def run_cases(post: Any, args: argparse.Namespace) -> dict[str, Any]:
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
         out[case] = {"p50_ms": p50_ms(times), "samples": len(times)}
+        if meter:
+            new_images = len(bodies) * SEQUENTIAL[case][1] if SEQUENTIAL[case][2] else 0
+            out[case]["stages"] = meter.case_done(len(bodies), new_images)
         print(f"  {case:<40} p50 {out[case]['p50_ms']:8.1f} ms", flush=True)
     clients, per_client = args.clients, args.concurrent_requests
     for offset, count in ((0, clients), (clients, clients * per_client)):  # warm-up, timed
@@ -102,6 +106,9 @@ def run_cases(post: Any, args: argparse.Namespace) -> dict[str, Any]:
         elapsed = time.perf_counter() - start
     out[CONCURRENT] = {"images_per_s": len(bodies) / elapsed, "clients": clients,
                        "images": len(bodies)}  # fmt: skip
+    if meter:
+        sent = clients + clients * per_client
+        out[CONCURRENT]["stages"] = meter.case_done(sent, sent)
     print(f"  {CONCURRENT:<40} {out[CONCURRENT]['images_per_s']:8.2f} images/s", flush=True)
     return out
 
@@ -138,16 +145,37 @@ def vitserve_side(args: argparse.Namespace) -> dict[str, Any]:
     print(f"  vitserve: {health['family']} {health['dtype']} on {health['device']}, "
           f"preprocess_at={health.get('preprocess_at', '-')}, cap {health['max_batch_patches']} "
           "patches", flush=True)  # fmt: skip
-    before = stage_sums(url)
-    out = run_cases(post, args)
-    out["stages"] = stage_delta(before, stage_sums(url, settle=True))
+    out = run_cases(post, args, StageMeter(url))
     out["health"] = health
     return out
 
 
-def stage_sums(url: str, settle: bool = False) -> dict[str, tuple[float, float]]:
-    """(sum seconds, count) per stage / store op from /metrics; with ``settle``, read until
-    two reads a second apart agree (Ray exports metrics every few seconds)."""
+class StageMeter:
+    """Each case's share of vitserve's stage histograms: /metrics is cumulative, so a case's
+    figures are the difference between the readings after it and after the case before, each
+    read once it counts the case's requests (one ``lookup_or_claim`` each) and new images (one
+    preprocess each)."""
+
+    COUNTED = ("op:lookup_or_claim", "stage:preprocess")
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.last = stage_sums(url)
+        self.counts = {k: self.last.get(k, (0.0, 0.0))[1] for k in self.COUNTED}
+
+    def case_done(self, requests: int, new_images: int) -> dict[str, dict[str, float]]:
+        self.counts["op:lookup_or_claim"] += requests
+        self.counts["stage:preprocess"] += new_images
+        now = stage_sums(self.url, until=dict(self.counts))
+        delta, self.last = stage_delta(self.last, now), now
+        return delta
+
+
+def stage_sums(url: str, until: dict[str, float] | None = None) -> dict[str, tuple[float, float]]:
+    """(sum seconds, count) per stage / store op from /metrics. With ``until`` (name -> count),
+    read until those counts are reached and a reading a few seconds later (past Ray's metrics
+    export period, 1 s in the benchmark) changes nothing: each process exports its metrics on
+    its own schedule. Gives up after a minute, saying so."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -163,14 +191,23 @@ def stage_sums(url: str, settle: bool = False) -> dict[str, tuple[float, float]]
                     slot[0 if sample.name.endswith("_sum") else 1] += sample.value
         return {k: (v[0], v[1]) for k, v in sums.items()}
 
-    last = read()
-    for _ in range(20 if settle else 0):
-        time.sleep(1.5)
-        now = read()
-        if now == last:
+    deadline = time.monotonic() + 60
+    sums = read()
+    while until:
+        reached = all(sums.get(k, (0.0, 0.0))[1] >= n for k, n in until.items())
+        if reached:
+            time.sleep(2.5)
+            later = read()
+            if later == sums:
+                break
+            sums = later
+            continue
+        if time.monotonic() > deadline:
+            print(f"  (metrics: counts short of {until}; the breakdown is partial)", flush=True)
             break
-        last = now
-    return last
+        time.sleep(1.0)
+        sums = read()
+    return sums
 
 
 def stage_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
@@ -238,7 +275,9 @@ def run_block(side: str, args: argparse.Namespace) -> dict[str, Any]:
     out_file = Path(args.workdir) / f"{side}-{time.monotonic_ns()}.json"
     cmd = [sys.executable, __file__, "--side", side, "--json", str(out_file),
            *args.passthrough]  # fmt: skip
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    # Ray exports each process's metrics once a period (10 s by default): 1 s here, so the
+    # per-case stage breakdown does not wait long for the last requests' figures.
+    env = {"RAY_metrics_report_interval_ms": "1000", **os.environ, "RAY_AUTH_MODE": "disabled"}
     subprocess.run(cmd, check=True, env=env)
     return json.loads(out_file.read_text())
 
@@ -311,18 +350,53 @@ def report(blocks: list[tuple[str, dict]], inproc: dict, args: argparse.Namespac
         misses.append(f"HTTP p50 minus in-process forward, 1 new 448px image: {overhead:.1f} ms")
     lines += ["", f"vitserve HTTP p50 minus in-process forward, one new 448px image: "
               f"**{overhead:.1f} ms** (target <= 10 ms: {met})."]  # fmt: skip
-    lines += ["", "vitserve per-stage breakdown (mean ms per observation, from /metrics, over "
-              "each block's whole run):", "", "| stage / store op | 1st block | 2nd block |",
-              "|---|---|---|"]  # fmt: skip
-    names = sorted({*a1["stages"], *(a2["stages"] if a2 else {})})
-    for name in names:
-        cells = []
-        for block in (a1, a2):
-            st = (block or {}).get("stages", {}).get(name)
-            cells.append(f"{st['mean_ms']:.2f} ms x {st['count']:.0f}" if st else "-")
-        lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
+    lines += stage_table(a1, a2, overhead + inproc[one]["forward_ms"])
     lines += ["", "Targets missed: " + ("; ".join(misses) if misses else "none")]
     return "\n".join(lines)
+
+
+SHORT = {"1 new image, 448x448": "1 new 448px", "8 new images, 448x448, one request": "8 new",
+         "1 new tiny image, 56x56 (the floor)": "1 new 56px",
+         "the same image again (cached)": "1 cached", "the same 8 images again (cached)":
+         "8 cached", CONCURRENT: "concurrent"}  # fmt: skip
+#: the stages a new image's request passes, in order (the publish includes the store's put)
+PATH = ("op:lookup_or_claim", "stage:preprocess", "stage:queue_wait", "stage:forward",
+        "stage:publish")  # fmt: skip
+
+
+def stage_table(a1: dict, a2: dict | None, one_p50_ms: float) -> list[str]:
+    """Per case, vitserve's stage and store-op means (1st / 2nd block), and for one new 448px
+    image what the stages leave of the HTTP p50: Serve's hops, HTTP and request parsing."""
+    blocks = [b for b in (a1, a2) if b]
+    cases = [*SEQUENTIAL, CONCURRENT]
+    names = sorted({n for b in blocks for c in cases for n in b[c].get("stages", {})})
+    lines = ["", "vitserve per-stage breakdown per case (mean ms per observation, warm-ups "
+             "included; 1st / 2nd block; from /metrics, where Ray exports a histogram's sum as "
+             "count x bucket midpoint, so each mean is within ~15% of the true one):", "",
+             "| stage / store op | " + " | ".join(SHORT[c] for c in cases) + " |",
+             "|---|" + "---|" * len(cases)]  # fmt: skip
+
+    def mean(block: dict, case: str, name: str) -> float | None:
+        st = block[case].get("stages", {}).get(name)
+        return st["mean_ms"] if st else None
+
+    for name in names:
+        cells = []
+        for case in cases:
+            got = [mean(b, case, name) for b in blocks]
+            cells.append(" / ".join("-" if g is None else f"{g:.1f}" for g in got))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    one = "1 new image, 448x448"
+    parts = [statistics.mean(mean(b, one, n) or 0.0 for b in blocks) for n in PATH]
+    if all(parts):
+        rest = one_p50_ms - sum(parts)
+        split = " + ".join(f"{n.partition(':')[2]} {p:.1f}"
+                           for n, p in zip(PATH, parts, strict=True))  # fmt: skip
+        lines += ["", f"One new 448px image, HTTP p50 {one_p50_ms:.1f} ms = {split}"
+                  + f" + **{rest:.1f} ms outside the stages** (the HTTP proxy, the Serve call "
+                  "ingress -> encoder and back, request parsing and hashing; means of both "
+                  "blocks against the p50, so a rough split)."]  # fmt: skip
+    return lines
 
 
 def main() -> None:
