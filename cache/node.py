@@ -295,10 +295,7 @@ class NodeStoreActor:
     def release_all(self, token: str) -> int:
         with self._lock:
             mine = [fk for fk, c in self._claims.items() if c.token == token]
-            for fk in mine:
-                del self._claims[fk]
-                self._notify(fk)
-            return len(mine)
+            return sum(self._release(fk, token) for fk in mine)
 
     def claimed(self, full_key: str) -> bool:
         with self._lock:
