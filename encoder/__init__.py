@@ -1,7 +1,7 @@
-"""vitserve.encoder: the model side (images, keys, family adapters, batching, engine).
+"""vitserve.encoder: the model side (images, family adapters, batching, engine).
 
 Imports torch, transformers, pillow and safetensors; never Ray, Redis or HTTP code. The names
-below load lazily, so that importing a light submodule (``keys``, ``planner``, ``images``) does
+below load lazily, so that importing a light submodule (``planner``, ``images``) does
 not import torch.
 """
 
@@ -15,8 +15,6 @@ _EXPORTS = {
     "Embedding": "vitserve.encoder.engine",
     "ImageLimits": "vitserve.encoder.images",
     "decode_image": "vitserve.encoder.images",
-    "content_key": "vitserve.encoder.keys",
-    "model_fingerprint": "vitserve.encoder.keys",
     "plan_batches": "vitserve.encoder.planner",
 }
 __all__ = sorted(_EXPORTS)

@@ -47,7 +47,7 @@ from vitserve.encoder.device import (
 )
 from vitserve.encoder.families import FamilyAdapter, PreparedImage
 from vitserve.encoder.images import DEFAULT_LIMITS, ImageLimits
-from vitserve.encoder.keys import content_key, model_fingerprint
+from vitserve.keys import content_key, model_fingerprint
 from vitserve.encoder.loading import LoadReport, load_vision
 from vitserve.encoder.planner import Plan, PlanItem, plan_batches
 from vitserve.encoder.preprocess import Preprocessor

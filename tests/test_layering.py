@@ -34,7 +34,7 @@ def test_encoder_never_imports_ray_redis_or_http(tiny_models) -> None:
     assert not loaded & {"ray", "redis", "httpx", "fastapi", "starlette", "aiohttp"}
 
 
-@pytest.mark.parametrize("module", ["vitserve.encoder.keys", "vitserve.encoder.planner",
+@pytest.mark.parametrize("module", ["vitserve.keys", "vitserve.encoder.planner",
                                     "vitserve.encoder.images", "vitserve"])  # fmt: skip
 def test_light_modules_do_not_import_torch(module: str) -> None:
     assert "torch" not in _modules_after_import(module)

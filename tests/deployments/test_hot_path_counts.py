@@ -159,7 +159,7 @@ class Service:
                                preprocessor)  # fmt: skip
 
     def keys(self, images: list[bytes | str]) -> list[str]:
-        from vitserve.encoder.keys import content_key
+        from vitserve.keys import content_key
 
         return [i if isinstance(i, str) else content_key(i, self.fingerprint, self.cfg.namespace)
                 for i in images]  # fmt: skip

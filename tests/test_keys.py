@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from vitserve.encoder.keys import content_key, model_fingerprint
+from vitserve.keys import content_key, model_fingerprint
 
 FP = model_fingerprint(model="m", weights="w", processor={"patch_size": 14}, dtype="fp32")
 
