@@ -1,6 +1,6 @@
 """The one protocol every embedding store implements, and what all of them share.
 
-A store maps content keys (64-hex, see ``vitserve.encoder.keys``) to values in the record
+A store maps content keys (64-hex, see ``vitserve.keys``) to values in the record
 format of :mod:`vitserve.cache.codec`, under a namespace prefix. Subclasses implement the raw
 value operations (``_put_values``, ``_get_values``, ``_get_spans``, ...); this base class does
 the encoding, the decoding and integrity checks, and the counting, so that every store treats a
@@ -34,7 +34,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 from vitserve.cache.codec import (
@@ -270,36 +270,91 @@ class EmbeddingStore(ABC):
         """Rows ``[r0, r1)`` of every tensor of ``key`` (``r1=None``: to the last row), reading
         only those rows' blocks. The record's ``num_tokens`` is the whole image's, its
         ``row_start`` is ``r0``."""
-        fk = self.full_key(key)
-        try:
-            head = self._get_head(fk)
-            if head is None:
-                self._count("misses")
-                return None
-            header = read_header(head)
-            if header.key != key:
-                raise RecordFormatError("record holds another key")
-            if r1 is None:
-                r1 = header.num_tokens
+        return self.get_rows_many([(key, r0, r1)])[0]
+
+    def get_rows_many(
+        self,
+        reads: Sequence[tuple[str, int, int | None]],
+        headers: MutableMapping[str, Header] | None = None,
+    ) -> list[EmbeddingRecord | None]:
+        """Rows ``[r0, r1)`` per ``(key, r0, r1)`` (as ``get_rows``), in batched backend reads.
+
+        A store whose head is the whole value (in-process, node-local) reads each value once,
+        in one call, and slices it by the value's own header. A remote store reads the heads
+        of the keys whose header ``headers`` does not hold (one batched read), then the
+        checksum blocks of every row range (one batched read). ``headers`` is the caller's
+        cache of record headers, filled with the headers read; a cached header that no longer
+        matches the value (the key was re-encoded since) fails its block checksums and costs
+        one fresh read of that key, never wrong rows. ``bytes_read`` counts the bytes read:
+        head bytes (the header's bytes where the head is the whole value) and the blocks.
+        """
+        cache = headers if headers is not None else {}
+        if self.head_is_whole_value:
+            keys = list(dict.fromkeys(k for k, _, _ in reads))
+            values = self._get_values([self.full_key(k) for k in keys])
+            heads = {k: (self._header_of(k, v), v) for k, v in zip(keys, values, strict=True)}
+        else:
+            heads = self._read_heads([k for k in dict.fromkeys(k for k, _, _ in reads)
+                                      if k not in cache])  # fmt: skip
+        for key, (header, _) in heads.items():
+            if header is not None:
+                cache[key] = header
+                self._count("bytes_read", header.payload_offset if self.head_is_whole_value
+                            else len(heads[key][1]))  # fmt: skip
+        out: list[EmbeddingRecord | None] = [None] * len(reads)
+        fetch: list[tuple[int, int, int, list[RowSpan]]] = []
+        for i, (key, r0, r1) in enumerate(reads):
+            header, head = heads[key] if key in heads else (cache.get(key), None)
+            if header is None:
+                continue  # a miss, counted where its head was read
+            r1 = header.num_tokens if r1 is None else r1
             if not 0 <= r0 < r1 <= header.num_tokens:
                 raise ConfigError(f"row range [{r0}, {r1}) is outside [0, {header.num_tokens})")
             spans = row_spans(header, r0, r1)
-            if self.head_is_whole_value or len(head) >= spans[-1].end:
-                # the whole value is at hand: slice it (a truncated one gives short chunks)
-                view = memoryview(head).cast("B")
-                chunks = [view[sp.start : sp.end] for sp in spans]
-            else:  # same value? the block checksums and the key check tell
-                chunks = self._get_spans(fk, spans)
+            if head is not None and len(head) >= spans[-1].end:
+                view = memoryview(head).cast("B")  # the rows are at hand: slice them
+                out[i] = self._decode_rows(key, header, [view[sp.start : sp.end] for sp in spans],
+                                           r0, r1)  # fmt: skip
+            elif head is not None and self.head_is_whole_value:
+                out[i] = self._decode_rows(key, header, [b""] * len(spans), r0, r1)  # truncated
+            else:
+                fetch.append((i, r0, r1, spans))
+        fetched = self._get_spans_many([(self.full_key(reads[i][0]), sp) for i, _, _, sp in fetch])
+        for (i, r0, r1, _), chunks in zip(fetch, fetched, strict=True):
+            key = reads[i][0]
             if chunks is None:
                 self._count("misses")
-                return None
+            elif key in heads:
+                out[i] = self._decode_rows(key, cache[key], chunks, r0, r1)
+            else:  # the header came from the caller's cache: a mismatch may mean it is stale
+                out[i] = self._decode_rows(key, cache[key], chunks, r0, r1, stale_ok=True)
+                if out[i] is None:
+                    self._count("stale_headers")
+                    cache.pop(key, None)
+                    out[i] = self.get_rows_many([(key, r0, r1)], cache)[0]
+        return out
+
+    def _read_heads(self, keys: list[str]) -> dict[str, tuple[Header | None, Buffer | None]]:
+        """Per key its checked header and head bytes, in one batched read; (None, None) for a
+        miss or an invalid value (counted)."""
+        heads = self._get_heads([self.full_key(k) for k in keys])
+        return {k: (self._header_of(k, h), h) for k, h in zip(keys, heads, strict=True)}
+
+    def _decode_rows(self, key: str, header: Header, chunks: list[Buffer], r0: int, r1: int,
+                     stale_ok: bool = False) -> EmbeddingRecord | None:  # fmt: skip
+        """The checked rows, counted; None (an integrity miss, unless ``stale_ok`` says the
+        header may be stale and the caller reads again) where a check fails."""
+        nbytes = sum(len(c) for c in chunks)
+        self._count("bytes_read", nbytes)
+        try:
             record = decode_rows(header, chunks, r0, r1, key=key, fingerprint=self.fingerprint,
                                  verify=self.verify_payload)  # fmt: skip
         except RecordFormatError as exc:
-            self._integrity_miss(key, exc)
+            if not stale_ok:
+                self._integrity_miss(key, exc)
             return None
         self._count("hits")
-        self._count("bytes_fetched", sum(len(c) for c in chunks))
+        self._count("bytes_fetched", nbytes)
         return record
 
     def delete(self, keys: str | Sequence[str]) -> int:
@@ -367,6 +422,16 @@ class EmbeddingStore(ABC):
         Only called for stores whose ``_get_head`` returns a prefix (a remote store's partial
         read) when the spans lie beyond it."""
         raise NotImplementedError(f"{type(self).__name__} returns whole values from _get_head")
+
+    def _get_spans_many(self, items: list[tuple[str, list[RowSpan]]]
+                        ) -> list[list[Buffer] | None]:  # fmt: skip
+        """``_get_spans`` of several values (backends batch it in one round trip). A store
+        whose head is the whole value answers from its values (one ``_get_values``)."""
+        if not self.head_is_whole_value:
+            return [self._get_spans(fk, spans) for fk, spans in items]
+        values = self._get_values([fk for fk, _ in items]) if items else []
+        return [None if v is None else [memoryview(v).cast("B")[sp.start : sp.end] for sp in spans]
+                for (_, spans), v in zip(items, values, strict=True)]  # fmt: skip
 
     @abstractmethod
     def _delete(self, full_keys: list[str]) -> int: ...

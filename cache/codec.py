@@ -40,7 +40,10 @@ MAGIC = b"VSEM"
 FORMAT_VERSION = 1
 PREFIX = struct.Struct("<4sHHII")
 ALIGN = 64
-BLOCK_BYTES = 256 * 1024  # target size of one row-range checksum block
+BLOCK_BYTES = 256 * 1024  # largest size of one row-range checksum block
+# ... and at most this many rows: a prefill chunk that starts or ends inside an image reads at
+# most one block too many at each end, so small rows (narrow models) must not make blocks long
+BLOCK_ROWS = 16
 SUM_BYTES = 16  # bytes per checksum (see _digest)
 MAIN = "embedding"
 _WORDS_PER_BLOCK = 512  # 4 KiB blocks of 64-bit words inside one checksum
@@ -180,7 +183,7 @@ def encode_record(record: EmbeddingRecord) -> memoryview:
     for name, a in zip(names, arrays, strict=True):
         raw = a.reshape(-1).view(np.uint8)
         row_bytes = max(1, a.shape[1] * dtype.itemsize)
-        block_rows = max(1, BLOCK_BYTES // row_bytes)
+        block_rows = max(1, min(BLOCK_ROWS, BLOCK_BYTES // row_bytes))
         step = block_rows * row_bytes
         sums = b"".join(_digest(raw[i : i + step]) for i in range(0, raw.nbytes, step))
         end = _align(offset + a.nbytes)

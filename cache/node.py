@@ -524,7 +524,11 @@ class NodeStore(EmbeddingStore):
     def _put_and_release(self, items: list[tuple[str, Buffer]], ttl_s: float | None,
                          releases: list[tuple[str, str]]) -> None:  # fmt: skip
         """One actor call per ``_PUT_CALL_BYTES`` of values (one in all, usually); the claims
-        are released by the last of them."""
+        are released by the last of them. This reader's kept copies of those keys are
+        forgotten: it reads its own writes."""
+        if items:
+            with self._kept_lock:
+                self._drop_kept([fk for fk, _ in items])
         batches: list[list[tuple[str, np.ndarray]]] = [[]]
         size = 0
         for fk, value in items:

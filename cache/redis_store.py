@@ -12,9 +12,10 @@ Invariants:
   redis-py's Python packer, which passes buffers through; hiredis still parses the replies),
   and returned as the ``bytes`` redis-py read, which the base decodes as read-only views.
 * TTLs are Redis's own (``SET .. PX``): an expired value is gone server-side, never returned.
-* ``get_rows`` moves only the needed bytes: ``GETRANGE`` of the first 4 KiB for the header (a
-  second ``GETRANGE`` if the header is longer), then one pipeline of ``GETRANGE`` over just the
-  checksum blocks that hold the rows, each checked against its block checksum.
+* ``get_rows``/``get_rows_many`` move only the needed bytes: one pipeline of ``GETRANGE`` of
+  the first 4 KiB of each value whose header the caller does not hold (a second ``GETRANGE`` if
+  a header is longer), then one pipeline of ``GETRANGE`` over just the checksum blocks that hold
+  the rows of every key, each checked against its block checksum.
 * Claims are ``SET claim token NX PX ttl`` under the caller's token (by default one random
   token per store object); ``release`` deletes the claim only while it still holds that token
   (compare-and-delete in Lua), so a replica can never drop another's claim, and a crashed
@@ -265,23 +266,31 @@ class RedisStore(EmbeddingStore):
         return heads
 
     @_guarded
-    def _get_spans(self, full_key: str, spans: list[RowSpan]) -> list[Buffer] | None:
-        key = self._vkey(full_key)
+    def _get_spans_many(self, items: list[tuple[str, list[RowSpan]]]
+                        ) -> list[list[Buffer] | None]:  # fmt: skip
+        """Every span of every value in one pipeline of GETRANGE."""
+        if not items:
+            return []
         pipe = self._client.pipeline(transaction=False)
-        for span in spans:
-            if span.end > span.start:  # GETRANGE k 0 -1 would be the whole value
-                pipe.getrange(key, span.start, span.end - 1)
+        for full_key, spans in items:
+            for span in spans:
+                if span.end > span.start:  # GETRANGE k 0 -1 would be the whole value
+                    pipe.getrange(self._vkey(full_key), span.start, span.end - 1)
         fetched = iter(pipe.execute())
-        chunks: list[Buffer] = []
-        for span in spans:
-            if span.end <= span.start:
-                chunks.append(b"")
-                continue
-            chunk = next(fetched)
-            if not chunk:
-                return None  # the value vanished (deleted, expired, evicted) since the header
-            chunks.append(chunk)  # a short chunk is a truncated value: decode_rows rejects it
-        return chunks
+        out: list[list[Buffer] | None] = []
+        for _, spans in items:
+            chunks: list[Buffer] | None = []
+            for span in spans:
+                chunk = next(fetched) if span.end > span.start else b""
+                if span.end > span.start and not chunk:
+                    chunks = None  # the value vanished (deleted, expired, evicted)
+                if chunks is not None:
+                    chunks.append(chunk)  # a short chunk is a truncated value: decode_rows says
+            out.append(chunks)
+        return out
+
+    def _get_spans(self, full_key: str, spans: list[RowSpan]) -> list[Buffer] | None:
+        return self._get_spans_many([(full_key, spans)])[0]
 
     @_guarded
     def _delete(self, full_keys: list[str]) -> int:

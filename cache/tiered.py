@@ -83,9 +83,17 @@ class TieredStore(EmbeddingStore):
             head = self._shared(lambda: self.shared._get_head(full_key), None)
         return head
 
-    def _get_spans(self, full_key: str, spans: list[RowSpan]) -> list[Buffer] | None:
-        # Called only after a partial head, which came from the shared tier.
-        return self._shared(lambda: self.shared._get_spans(full_key, spans), None)
+    def _get_spans_many(self, items: list[tuple[str, list[RowSpan]]]
+                        ) -> list[list[Buffer] | None]:  # fmt: skip
+        """The local tier's values sliced, the rest from the shared tier in one call."""
+        out = self.local._get_spans_many(items)
+        missing = [i for i, chunks in enumerate(out) if chunks is None]
+        if missing:
+            shared = self._shared(lambda: self.shared._get_spans_many([items[i] for i in missing]),
+                                  [None] * len(missing))  # fmt: skip
+            for i, chunks in zip(missing, shared, strict=True):
+                out[i] = chunks
+        return out
 
     def _delete(self, full_keys: list[str]) -> int:
         local = self.local._delete(full_keys)

@@ -55,6 +55,44 @@ def test_row_ranges(make_store, dtype: str) -> None:
         store.get_rows(record.key, 0, 1001)
 
 
+def test_row_ranges_of_several_keys_at_once(make_store) -> None:
+    """``get_rows_many``: every range right, misses as None, a cached header saves the head
+    read, and a stale cached header (the key re-encoded since) costs a re-read, never wrong
+    rows and never the value."""
+    store = make_store()
+    a, b = (make_record(rows=200, width=256, extras=1, seed=s) for s in (21, 22))
+    store.put_many([a, b])
+    absent = new_key()
+    reads = [(a.key, 5, 40), (b.key, 150, 200), (absent, 0, 1), (a.key, 100, 101)]
+    headers: dict = {}
+    got = store.get_rows_many(reads, headers)
+    _assert_same(got[0], a, slice(5, 40))
+    _assert_same(got[1], b, slice(150, 200))
+    assert got[2] is None
+    _assert_same(got[3], a, slice(100, 101))
+    assert set(headers) == {a.key, b.key}
+
+    # with the headers cached, a remote store reads only the rows' blocks (a store holding
+    # whole values reads the value's own header too, from memory)
+    before = store.stats()["bytes_read"]
+    _assert_same(store.get_rows_many([(a.key, 5, 40)], headers)[0], a, slice(5, 40))
+    [t, _] = headers[a.key].tensors
+    blocks = -(-40 // t.block_rows) * t.block_rows  # rows 0..40 widened to whole blocks
+    head = headers[a.key].payload_offset if store.head_is_whole_value else 0
+    assert store.stats()["bytes_read"] - before == head + 2 * blocks * 256 * 4  # 2 fp32 tensors
+
+    # the same key re-encoded with other values: the cached header no longer matches
+    changed = make_record(rows=200, width=256, extras=1, seed=23, key=a.key)
+    store.put_many([changed])
+    stale = store.stats()
+    _assert_same(store.get_rows_many([(a.key, 5, 40)], headers)[0], changed, slice(5, 40))
+    after = store.stats()
+    assert after["integrity_misses"] == stale["integrity_misses"]
+    if not store.head_is_whole_value:  # (the others never use a cached header)
+        assert after.get("stale_headers", 0) == stale.get("stale_headers", 0) + 1
+    assert store.exists_many([a.key]) == [True]  # not dropped as corrupt
+
+
 def test_misses(make_store) -> None:
     store = make_store()
     present = make_record()
@@ -237,7 +275,9 @@ def test_corrupt_values_are_misses_never_data(make_store, case: str) -> None:
     before = store.stats()
     store.put_values([(record.key, value)])
     assert store.get(record.key) is None
-    assert store.get_rows(record.key, 0, 10) is None
+    # the last rows: every corruption here reaches their checksum block (a row range checks only
+    # its own blocks, see test_payload_checksum_is_verified_on_every_read)
+    assert store.get_rows(record.key, 290, 300) is None
     after = store.stats()
     counted = (after["integrity_misses"] - before["integrity_misses"]) + (
         after["rejected"] - before["rejected"]

@@ -371,17 +371,17 @@ def test_corrupt_values_are_misses_and_dropped(
 def test_payload_checksum_is_verified_on_every_read(open_redis, raw: redis.Redis) -> None:
     """A flipped byte in a block outside the rows read leaves those rows valid."""
     store = open_redis()
-    record = make_record(rows=1024, width=1024, dtype="fp16", seed=6)  # 8 blocks of 128 rows
+    record = make_record(rows=1024, width=1024, dtype="fp16", seed=6)  # 64 blocks of 16 rows
     value = bytes(encode_record(record))
     store.put_values([(record.key, value)])
     header = read_header(value)
     [t] = header.tensors
     row_bytes = t.row_bytes(header.itemsize)
-    assert t.name == MAIN and t.block_rows == 128
-    pos = header.payload_offset + 900 * row_bytes  # in block 7
+    assert t.name == MAIN and t.block_rows == 16
+    pos = header.payload_offset + 900 * row_bytes  # in block 56
     raw.setrange(_vkey(store, record.key), pos, bytes([value[pos] ^ 0x80]))
-    _same(store.get_rows(record.key, 0, 100), record, slice(0, 100))  # block 0 is intact
-    assert store.get_rows(record.key, 890, 910) is None  # block 7 is not
+    _same(store.get_rows(record.key, 0, 100), record, slice(0, 100))  # blocks 0-6 are intact
+    assert store.get_rows(record.key, 890, 910) is None  # block 56 is not
     assert store.stats()["integrity_misses"] == 1
     assert store.get(record.key) is None  # dropped
 
