@@ -12,9 +12,10 @@ Per request, never per image:
 3. The encoder publishes each embedding and releases its claim in one store call.
 
 The same image twice in a request is encoded once. A full encoder queue raises
-:class:`~vitserve.errors.BackpressureError` (the API's 429) and the request's claims are
-released. A store that fails the lookup does not fail the request: its images are encoded
-unclaimed (``NONE``; single flight then holds within a replica only).
+:class:`~vitserve.errors.BackpressureError` (the API's 429), an encoder replica that died or is
+restarting :class:`~vitserve.errors.ServiceUnavailableError` (503, retryable); either way the
+request's claims are released. A store that fails the lookup does not fail the request: its
+images are encoded unclaimed (``NONE``; single flight then holds within a replica only).
 
 The class is plain Python over a store and two Serve-handle-like objects (``.method.remote()``
 returning an awaitable), so tests can drive it with counting stand-ins.
@@ -40,7 +41,12 @@ from vitserve.deployments.encoder import (
     error_item,
     prepare_all,
 )
-from vitserve.errors import BackpressureError, CacheMissError, StoreError
+from vitserve.errors import (
+    BackpressureError,
+    CacheMissError,
+    ServiceUnavailableError,
+    StoreError,
+)
 
 log = logging.getLogger("ray.serve")
 
@@ -51,6 +57,18 @@ def backpressure(exc: Exception) -> BackpressureError | None:
 
     if isinstance(exc, BackPressureError):  # args: num_queued_requests, max_queued_requests
         return BackpressureError(queued=exc.args[0], limit=exc.args[1])
+    return None
+
+
+def unavailable(exc: Exception) -> ServiceUnavailableError | None:
+    """A dead or restarting encoder replica (Ray's actor errors, Serve's unavailable
+    deployment) as a retryable 503, or None for other errors."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    if isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError,
+                        DeploymentUnavailableError)):  # fmt: skip
+        return ServiceUnavailableError("encoder", f"{type(exc).__name__}: {exc}"[:300])
     return None
 
 
@@ -135,7 +153,7 @@ class EncodeFlow:
                    if c == WON]  # fmt: skip
             if won:  # nobody will publish them: let waiters go now, not at the claim's ttl
                 self._release_later(won)
-            err = backpressure(exc)
+            err = backpressure(exc) or unavailable(exc)
             if err is not None:
                 raise err from None
             raise
@@ -152,4 +170,4 @@ class EncodeFlow:
         task.add_done_callback(self._background.discard)
 
 
-__all__ = ["BUSY", "NONE", "WON", "EncodeFlow", "backpressure"]
+__all__ = ["BUSY", "NONE", "WON", "EncodeFlow", "backpressure", "unavailable"]

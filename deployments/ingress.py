@@ -6,11 +6,15 @@ Routes:
   ``{"images": [{"data": "<base64>"} | {"key": "<hex>"}]}`` (a key-only item names an image the
   caller believes cached). Answer: ``{"items": [...]}`` in input order, each
   ``{key, num_tokens, grid, dtype, shape, extras, cached}`` or ``{error}``.
-* ``POST /v1/probe``: ``{"keys": [...]}`` -> ``{"exists": [bool, ...]}``.
+* ``POST /v1/probe``: ``{"keys": [...]}`` -> ``{"exists": [bool, ...]}``; with ``"headers":
+  true`` also ``"items"``, each held key's description (as an encode item) or null.
 * ``GET /v1/embeddings/{key}[?start=&end=]``: the record (``application/octet-stream``, the
   store's record format); with a row range, a record of just those rows, whose first row is
   row ``X-Vitserve-Row-Start`` of the image's ``X-Vitserve-Num-Tokens``.
 * ``GET /healthz``, ``GET /metrics`` (this node's ``vitserve_*`` metrics, Prometheus text).
+
+Callers inside the Ray cluster reach the same answers through the deployment's handle:
+``Ingress.call(route, payload)`` (the client SDK's handle transport).
 
 Request-level limits are checked before any work, from the request's size and each image's
 header: too many images, too many bytes, an image over ``max_image_bytes`` or
@@ -58,9 +62,22 @@ api = FastAPI(
 )
 
 
+def _retry_headers(status: int) -> dict[str, str] | None:
+    return {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+
+
 def _error(exc: VitserveError) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.retryable else None
     return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status, headers=headers)
+
+
+def _rows_record(part: Any) -> Any:
+    """A row-range read as a record of just those rows (what the row routes answer)."""
+    from vitserve.cache.codec import EmbeddingRecord
+
+    return EmbeddingRecord(key=part.key, fingerprint=part.fingerprint, dtype=part.dtype,
+                           num_tokens=len(part.embedding), grid=part.grid,
+                           tensors=part.tensors)  # fmt: skip
 
 
 @serve.deployment
@@ -95,7 +112,7 @@ class Ingress:
     async def encode(self, request: Request) -> Response:
         try:
             items = await self._read_images(request)
-            response = await self._encode(items)
+            response = JSONResponse(await self._encode_answer(items))
         except VitserveError as exc:
             response = _error(exc)
         metrics.inc("requests_total", route="encode", status=str(response.status_code))
@@ -125,6 +142,12 @@ class Ingress:
             raise MalformedRequestError(
                 f"unsupported content type {ctype!r}; use multipart/form-data or JSON", 415
             )
+        self._check_request(items)
+        return items
+
+    def _check_request(self, items: list[bytes | str]) -> None:
+        """The request-level limits: image count, total bytes, each image's bytes and pixels."""
+        limits = self.cfg.limits
         if not items:
             raise MalformedRequestError("no images in the request")
         if len(items) > limits.max_images_per_request:
@@ -134,7 +157,6 @@ class Ingress:
         if total > limits.max_request_bytes:
             raise LimitExceededError("max_request_bytes", total, limits.max_request_bytes)
         self._check_images(items)
-        return items
 
     def _json_items(self, body: bytes) -> list[bytes | str]:
         import json
@@ -178,38 +200,128 @@ class Ingress:
                         raise
                     # undecodable: that item fails alone (the preprocessor says why)
 
-    async def _encode(self, items: list[bytes | str]) -> Response:
-        from vitserve.encoder.keys import content_key
+    async def _encode_answer(self, items: list[bytes | str]) -> dict[str, Any]:
+        from vitserve.keys import content_key
 
         model = await self._describe()
         keys = [i if isinstance(i, str) else content_key(i, model["fingerprint"],
                                                            self.cfg.namespace)
                 for i in items]  # fmt: skip
-        return JSONResponse({"items": await self.flow.encode(items, keys)})
+        return {"items": await self.flow.encode(items, keys)}
 
     # -- probe and fetch -------------------------------------------------------------------------
-    @api.post("/v1/probe", summary="Which keys the store holds")
+    @api.post("/v1/probe", summary="Which keys the store holds (and, asked, their headers)")
     async def probe(self, request: Request) -> Response:
         import json
 
         try:
             doc = json.loads(await request.body())
-            keys = doc["keys"]
-            if not isinstance(keys, list) or not all(isinstance(k, str) and KEY_RE.match(k)
-                                                     for k in keys):  # fmt: skip
-                raise ValueError("keys must be a list of 64-hex keys")
-            if len(keys) > self.cfg.limits.max_keys_per_probe:
-                raise LimitExceededError("max_keys_per_probe", len(keys),
-                                   self.cfg.limits.max_keys_per_probe)  # fmt: skip
-            with metrics.timed("store_round_trip_seconds", op="exists"):
-                exists = await asyncio.to_thread(self.store.exists_many, keys)
-            response: Response = JSONResponse({"exists": exists})
-        except (ValueError, KeyError, TypeError) as exc:
-            response = _error(MalformedRequestError(f'expected {{"keys": [...]}}: {exc}'))
-        except VitserveError as exc:
-            response = _error(exc)
+        except ValueError as exc:
+            doc = None
+            response = _error(MalformedRequestError(f"invalid JSON: {exc}"))
+        if doc is not None:
+            status, body = await self._answer(self._probe(doc))
+            response = JSONResponse(body, status_code=status, headers=_retry_headers(status))
         metrics.inc("requests_total", route="probe", status=str(response.status_code))
         return response
+
+    async def _probe(self, doc: Any) -> dict[str, Any]:
+        """``{"keys": [...], "headers": false}`` -> ``{"exists": [...]}``; with ``"headers":
+        true`` also ``"items"``: each held key's description (as an encode item, ``cached:
+        true``) or null, read in the same store round trip."""
+        if not isinstance(doc, dict) or not set(doc) <= {"keys", "headers"} or "keys" not in doc:
+            raise MalformedRequestError('expected {"keys": [...], "headers": false}')
+        keys, with_headers = doc["keys"], doc.get("headers", False)
+        if not isinstance(keys, list) or not all(isinstance(k, str) and KEY_RE.match(k)
+                                                 for k in keys):  # fmt: skip
+            raise MalformedRequestError("keys must be a list of 64-hex keys")
+        if not isinstance(with_headers, bool):
+            raise MalformedRequestError("headers must be true or false")
+        if len(keys) > self.cfg.limits.max_keys_per_probe:
+            raise LimitExceededError("max_keys_per_probe", len(keys),
+                                     self.cfg.limits.max_keys_per_probe)  # fmt: skip
+        if not with_headers:
+            with metrics.timed("store_round_trip_seconds", op="exists"):
+                return {"exists": await asyncio.to_thread(self.store.exists_many, keys)}
+        await self._describe()  # the store checks each header's fingerprint
+        from vitserve.deployments.encoder import describe_header
+
+        with metrics.timed("store_round_trip_seconds", op="headers"):
+            headers = await asyncio.to_thread(self.store.headers_many, keys)
+        items = [None if h is None else {**describe_header(h), "cached": True} for h in headers]
+        return {"exists": [h is not None for h in headers], "items": items}
+
+    async def _answer(self, work: Any) -> tuple[int, dict[str, Any]]:
+        """``(status, JSON body)`` of a route's work: its answer, or its error's."""
+        try:
+            return 200, await work
+        except VitserveError as exc:
+            return exc.http_status, {"error": exc.to_dict()}
+
+    # -- callers inside the Ray cluster ------------------------------------------------------------
+    async def call(self, route: str, payload: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """The API for a caller holding this deployment's handle (the client SDK inside the
+        cluster): the same answers as the HTTP routes, as ``(status, JSON body)``, without the
+        HTTP proxy. ``route``: ``healthz`` (no payload), ``probe`` (the JSON of
+        ``/v1/probe``), ``encode`` (``{"images": [bytes | 64-hex key, ...]}``, the limits of
+        ``/v1/encode`` checked the same way), ``rows`` (``{"reads": [[key, start, end], ...]}``)."""
+        if route == "healthz":
+            return await self._answer(self._health())
+        if route == "probe":
+            return await self._answer(self._probe(payload))
+        if route == "encode":
+            return await self._answer(self._encode_payload(payload))
+        if route == "rows":
+            return await self._answer(self._rows(payload))
+        return await self._answer(self._unknown_route(route))
+
+    async def _health(self) -> dict[str, Any]:
+        """Liveness, the model (fingerprint and namespace: what a client keys images with)
+        and the request limits a client splits its uploads by."""
+        limits = self.cfg.limits
+        return {"status": "ok", **await self._describe(),
+                "limits": {"max_images_per_request": limits.max_images_per_request,
+                           "max_request_bytes": limits.max_request_bytes,
+                           "max_keys_per_probe": limits.max_keys_per_probe}}  # fmt: skip
+
+    async def _rows(self, payload: Any) -> dict[str, Any]:
+        """``{"reads": [[key, start, end], ...]}`` -> ``{"records": [record bytes | None]}``:
+        each a record of just those rows (as ``/v1/embeddings/{key}?start=&end=``), read in one
+        batched store call."""
+        from vitserve.cache.codec import encode_record
+
+        reads = payload.get("reads") if isinstance(payload, dict) else None
+        if not isinstance(reads, list) or not all(
+            isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and KEY_RE.match(r[0])
+            and all(isinstance(x, int) for x in r[1:]) for r in reads
+        ):  # fmt: skip
+            raise MalformedRequestError('expected {"reads": [[key, start, end], ...]}')
+        await self._describe()
+        try:
+            with metrics.timed("store_round_trip_seconds", op="get_rows"):
+                parts = await asyncio.to_thread(self.store.get_rows_many,
+                                                [tuple(r) for r in reads])  # fmt: skip
+        except ConfigError as exc:
+            raise MalformedRequestError(str(exc)) from None
+        records = [None if p is None else bytes(encode_record(_rows_record(p))) for p in parts]
+        metrics.inc("bytes_fetched_total", sum(len(r) for r in records if r))
+        return {"records": records}
+
+    async def _unknown_route(self, route: str) -> dict[str, Any]:
+        raise MalformedRequestError(f"unknown route {route!r}; use healthz, probe or encode", 404)
+
+    async def _encode_payload(self, payload: Any) -> dict[str, Any]:
+        images = payload.get("images") if isinstance(payload, dict) else None
+        if (
+            not isinstance(images, list)
+            or set(payload) != {"images"}
+            or not all(
+                isinstance(i, bytes) or (isinstance(i, str) and KEY_RE.match(i)) for i in images
+            )
+        ):
+            raise MalformedRequestError('expected {"images": [bytes | 64-hex key, ...]}')
+        self._check_request(images)
+        return await self._encode_answer(images)
 
     @api.get("/v1/embeddings/{key}", summary="One embedding in the record format")
     async def fetch(self, key: str, start: int | None = None, end: int | None = None) -> Response:
@@ -221,7 +333,7 @@ class Ingress:
         return response
 
     async def _fetch(self, key: str, start: int | None, end: int | None) -> Response:
-        from vitserve.cache.codec import EmbeddingRecord, encode_record
+        from vitserve.cache.codec import encode_record
 
         if not KEY_RE.match(key):
             raise MalformedRequestError("key must be 64 hex characters")
@@ -241,19 +353,16 @@ class Ingress:
                 raise MalformedRequestError(str(exc)) from None
             if part is None:
                 raise CacheMissError([key])
-            rows = EmbeddingRecord(key=key, fingerprint=part.fingerprint, dtype=part.dtype,
-                                   num_tokens=len(part.embedding), grid=part.grid,
-                                   tensors=part.tensors)  # fmt: skip
-            body = bytes(encode_record(rows))
+            body = bytes(encode_record(_rows_record(part)))
             headers = {"X-Vitserve-Row-Start": str(part.row_start),
                        "X-Vitserve-Num-Tokens": str(part.num_tokens)}  # fmt: skip
         metrics.inc("bytes_fetched_total", len(body))
         return Response(body, media_type="application/octet-stream", headers=headers)
 
     # -- operations ------------------------------------------------------------------------------
-    @api.get("/healthz", summary="Liveness and the served model")
+    @api.get("/healthz", summary="Liveness, the served model and the request limits")
     async def healthz(self) -> Response:
-        return JSONResponse({"status": "ok", **await self._describe()})
+        return JSONResponse(await self._health())
 
     @api.get("/metrics", summary="This node's vitserve metrics (Prometheus text format)")
     async def metrics_page(self) -> Response:

@@ -141,6 +141,30 @@ class MalformedRequestError(RequestError):
         self.http_status = status
 
 
+class ServiceUnavailableError(VitserveError):
+    """A part of the service cannot answer now (an encoder replica restarting, the ingress
+    unreachable); trying again later can help."""
+
+    retryable = True
+    http_status = 503
+
+    def __init__(self, component: str, reason: str) -> None:
+        super().__init__(f"{component} unavailable: {reason}")
+        self.component = component
+        self.reason = reason
+
+
+class ApiError(VitserveError):
+    """An error answer of the service that the client has no class for (another version's
+    error type, or a body that is not vitserve's error shape: a proxy's page, ...)."""
+
+    def __init__(self, status: int, type_name: str, message: str) -> None:
+        super().__init__(f"HTTP {status} {type_name}: {message}".replace("  ", " "))
+        self.http_status = status
+        self.type_name = type_name
+        self.retryable = status in (429, 503)
+
+
 class BackpressureError(VitserveError):
     """The service is at capacity (its queue is full); retry after a pause."""
 
