@@ -1,0 +1,117 @@
+"""``AsyncEncoderClient``: the asyncio client, on the same core as ``EncoderClient``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from vitserve.cache.codec import EmbeddingRecord
+from vitserve.client.chunks import chunk_bounds
+from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, retry_delay
+from vitserve.client.device import to_device
+from vitserve.client.handles import FetchedChunk, ImageHandle
+from vitserve.client.inputs import ImageInput
+from vitserve.client.metrics import ClientMetrics
+from vitserve.client.transports import AsyncHandleTransport, AsyncHttpTransport
+from vitserve.errors import ConfigError, VitserveError
+
+
+class AsyncEncoderClient:
+    """The asyncio twin of :class:`~vitserve.client.sync.EncoderClient` (same arguments, same
+    operations, awaited). Direct store reads run in worker threads."""
+
+    def __init__(self, url: str | None = None, *, handle: Any = None, store: Any = None,
+                 retry: RetryPolicy | None = None, timeout_s: float = 60.0,
+                 registry: Any = None) -> None:  # fmt: skip
+        if (url is None) == (handle is None):
+            raise ConfigError("give the service's url or its ingress handle (one of them)")
+        self.transport = (AsyncHttpTransport(url, timeout_s) if url
+                          else AsyncHandleTransport(handle))  # fmt: skip
+        self.retry = retry or RetryPolicy()
+        self.core = ClientCore(
+            store_url=store if isinstance(store, str) else None,
+            store=None if isinstance(store, str) else store,
+            metrics=ClientMetrics(registry),
+        )
+
+    async def encode(self, images: Sequence[ImageInput]) -> list[ImageHandle]:
+        return await self._run(self.core.encode(images))
+
+    async def probe(self, keys: Sequence[str]) -> list[ImageHandle | None]:
+        return await self._run(self.core.probe(keys))
+
+    async def fetch(self, handles: Sequence[ImageHandle]) -> list[EmbeddingRecord]:
+        return await self._run(self.core.fetch(handles))
+
+    async def fetch_chunk(self, handles: Sequence[ImageHandle], offsets: Sequence[int],
+                          start: int, end: int, device: Any = None) -> FetchedChunk:  # fmt: skip
+        chunk = await self._run(self.core.fetch_chunk(handles, offsets, start, end))
+        return to_device(chunk, handles, device) if device is not None else chunk
+
+    async def iter_chunks(self, handles: Sequence[ImageHandle], offsets: Sequence[int],
+                          length: int, chunk_size: int, device: Any = None,
+                          prefetch: bool = True) -> AsyncIterator[FetchedChunk]:  # fmt: skip
+        """As ``EncoderClient.iter_chunks``; the next chunk's read is a task running while the
+        caller works on the current one."""
+        bounds = chunk_bounds(length, chunk_size)
+        ahead: asyncio.Task | None = None
+        try:
+            for i, (start, end) in enumerate(bounds):
+                current = ahead or asyncio.ensure_future(
+                    self.fetch_chunk(handles, offsets, start, end, device))  # fmt: skip
+                ahead = None
+                chunk = await current
+                if prefetch and i + 1 < len(bounds):
+                    ahead = asyncio.ensure_future(
+                        self.fetch_chunk(handles, offsets, *bounds[i + 1], device))  # fmt: skip
+                yield chunk
+        finally:
+            if ahead is not None:
+                ahead.cancel()
+
+    async def describe(self) -> dict[str, Any]:
+        return await self._run(self.core.describe())
+
+    async def close(self) -> None:
+        await self.transport.close()
+        if self.core.store is not None and self.core.store_url is not None:
+            await asyncio.to_thread(self.core.store.close)
+
+    async def __aenter__(self) -> AsyncEncoderClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- performing the core's operations ------------------------------------------------------
+    async def _run(self, flow: Flow) -> Any:
+        try:
+            op = next(flow)
+            while True:
+                op = flow.send(await self._perform(op))
+        except StopIteration as done:
+            return done.value
+
+    async def _perform(self, op: Any) -> Any:
+        """The op, tried again while :func:`~vitserve.client.core.retry_delay` says so (a
+        store call runs in a worker thread)."""
+        for attempt in range(self.retry.attempts):
+            try:
+                outcome = await (
+                    self.transport.call(op)
+                    if isinstance(op, ApiCall)
+                    else asyncio.to_thread(getattr(self.core.store, op.method), *op.args)
+                )
+            except VitserveError as exc:
+                outcome = exc
+            delay = retry_delay(self.retry, attempt, outcome)
+            if delay is None:
+                break
+            await asyncio.sleep(delay)
+        if isinstance(outcome, VitserveError):
+            raise outcome
+        return outcome
+
+
+__all__ = ["AsyncEncoderClient"]

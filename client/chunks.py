@@ -1,0 +1,95 @@
+"""The chunk planner: which embedding rows a prefill chunk needs. Pure: no I/O, no store.
+
+A prompt holds each image as a run of placeholder tokens, one per embedding row: image ``i``
+occupies prompt positions ``[offset_i, offset_i + num_tokens_i)``. A prefill chunk covers
+positions ``[start, end)``. :func:`plan_chunk` answers with the pieces that chunk needs, each
+``(image, row_start, row_end, dest)``: rows ``[row_start, row_end)`` of image ``image`` land at
+chunk-relative positions ``[dest, dest + rows)``.
+
+Invariants (property-tested in ``tests/client/test_chunks.py``):
+
+* The pieces are in prompt order and their destinations do not overlap; each lies inside the
+  chunk (``0 <= dest`` and ``dest + rows <= end - start``) and inside its image
+  (``0 <= row_start < row_end <= num_tokens``).
+* Exactly the image positions inside the chunk are covered: a position ``p`` in ``[start,
+  end)`` is covered iff it is a placeholder of some image, and then by row ``p - offset`` of it.
+* Chunks that partition ``[0, L)`` read every row of every image exactly once between them.
+* An image wholly outside the chunk yields no piece; one spanning the chunk's edges yields the
+  rows inside only.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vitserve.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """Where one image's placeholder tokens sit in the prompt."""
+
+    offset: int  # prompt position of the image's first placeholder token
+    num_tokens: int  # its embedding rows (= placeholder tokens)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPiece:
+    """Rows ``[row_start, row_end)`` of image ``image``, at chunk position ``dest``."""
+
+    image: int
+    row_start: int
+    row_end: int
+    dest: int
+
+    @property
+    def rows(self) -> int:
+        return self.row_end - self.row_start
+
+
+def check_spans(spans: Sequence[ImageSpan]) -> None:
+    """ConfigError unless the spans are non-empty runs at non-negative, increasing,
+    non-overlapping offsets (the order of the images in the prompt)."""
+    prev_end = 0
+    for i, span in enumerate(spans):
+        if span.num_tokens < 1 or span.offset < 0:
+            raise ConfigError(f"image {i}: offset {span.offset}, {span.num_tokens} tokens")
+        if span.offset < prev_end:
+            raise ConfigError(
+                f"image {i} at {span.offset} overlaps or precedes the previous one (ends at "
+                f"{prev_end}); give the images in prompt order"
+            )
+        prev_end = span.end
+
+
+def plan_chunk(spans: Sequence[ImageSpan], start: int, end: int) -> list[ChunkPiece]:
+    """The pieces prefill chunk ``[start, end)`` needs (see the module's invariants)."""
+    if not 0 <= start < end:
+        raise ConfigError(f"chunk [{start}, {end}) must satisfy 0 <= start < end")
+    check_spans(spans)
+    # the first image that ends after ``start``; spans are sorted, so their ends are too
+    first = bisect.bisect_right([s.end for s in spans], start)
+    pieces = []
+    for i in range(first, len(spans)):
+        span = spans[i]
+        if span.offset >= end:
+            break
+        lo, hi = max(start, span.offset), min(end, span.end)
+        pieces.append(ChunkPiece(i, lo - span.offset, hi - span.offset, lo - start))
+    return pieces
+
+
+def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each prefill chunk of a ``length``-token prompt."""
+    if length < 1 or chunk_size < 1:
+        raise ConfigError(f"need length >= 1 and chunk_size >= 1, got {length}, {chunk_size}")
+    return [(s, min(length, s + chunk_size)) for s in range(0, length, chunk_size)]
+
+
+__all__ = ["ChunkPiece", "ImageSpan", "check_spans", "chunk_bounds", "plan_chunk"]

@@ -1,0 +1,372 @@
+"""The request/response core of both clients: every operation, with the I/O left out.
+
+Each operation (:meth:`ClientCore.encode`, ``fetch_chunk``, ``fetch``, ``probe``) is a
+generator that yields what it needs done, an :class:`ApiCall` (through the client's transport:
+HTTP to the ingress, or a Serve handle) or a :class:`StoreCall` (a method of the direct store),
+and is sent the answer back; its return value is the operation's result. ``EncoderClient``
+performs the yields with blocking I/O, ``AsyncEncoderClient`` awaits them: only the I/O differs
+(the httpx / redis-py manner), and when to retry is decided in one place (:func:`retry_delay`).
+
+Invariants:
+
+* **Hash first.** Keys are computed here exactly as the service computes them
+  (:func:`vitserve.keys.content_key` over the bytes, with the fingerprint and namespace the
+  service reports once on ``/healthz``). Only images the store lacks are uploaded; an
+  all-cached ``encode`` makes no encoder call.
+* A fetch returns the checked rows or raises: an entry gone since ``encode`` is encoded again
+  when its handle still holds the image, else :class:`~vitserve.errors.CacheMissError` names
+  every key missing (so one retry after re-encoding them recovers). Never wrong data: the
+  store checks every block's checksum, key and fingerprint.
+* Retries only for what can help (429, 503, a dropped connection, a store that is down), with
+  exponential backoff, honouring ``Retry-After``; every failure reaches the caller as a
+  :class:`~vitserve.errors.VitserveError`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import vitserve.errors as errors
+from vitserve.cache.codec import EmbeddingRecord, Header, decode_record
+from vitserve.client.chunks import ImageSpan, plan_chunk
+from vitserve.client.handles import FetchedChunk, ImageHandle
+from vitserve.client.inputs import ImageInput, image_bytes
+from vitserve.client.metrics import ClientMetrics
+from vitserve.errors import CacheMissError, ConfigError, VitserveError
+from vitserve.keys import content_key
+
+RETRY_STATUSES = frozenset({429, 503})
+HEADER_CACHE_SIZE = 4096  # record headers kept for row reads (a few KiB each at most)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiCall:
+    """A call of the service's API: ``healthz``, ``probe``, ``encode`` or ``rows``."""
+
+    route: str
+    payload: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCall:
+    """A call of a method of the direct store (blocking: the async client runs it in a
+    thread)."""
+
+    method: str
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A transport's answer: the status, the JSON body (or the record bytes of ``rows``)."""
+
+    status: int
+    body: Any
+    retry_after: float | None = None
+
+
+Op = ApiCall | StoreCall
+Flow = Generator[Op, Any, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How often and how long to retry a retryable failure (429, 503, a dropped connection,
+    a store that is down): ``attempts`` tries in all, exponential backoff with jitter from
+    ``backoff_s`` up to ``max_backoff_s``; a ``Retry-After`` is honoured up to
+    ``max_retry_after_s``."""
+
+    attempts: int = 4
+    backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+    max_retry_after_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.backoff_s < 0 or self.max_backoff_s < 0:
+            raise ConfigError(f"invalid retry policy {self}")
+
+    def delay(self, attempt: int, retry_after: float | None = None) -> float:
+        """Seconds to wait before try ``attempt + 1`` (``attempt`` counts from 0)."""
+        if retry_after is not None:
+            return min(max(retry_after, 0.0), self.max_retry_after_s)
+        backoff = min(self.max_backoff_s, self.backoff_s * 2**attempt)
+        return backoff * random.uniform(0.5, 1.0)
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """A ``Retry-After`` header in seconds (the HTTP-date form is not used by vitserve)."""
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def retry_delay(policy: RetryPolicy, attempt: int, outcome: Any) -> float | None:
+    """Seconds to wait before trying again after try ``attempt`` (from 0) ended in
+    ``outcome`` (an answer or the VitserveError raised); None: do not retry (it succeeded, it
+    cannot help, or the tries are spent; the caller then returns or raises the outcome). A
+    :class:`Reply` with a retryable status comes back as it is once the tries are spent (the
+    core then raises its error)."""
+    if attempt >= policy.attempts - 1:
+        return None
+    if isinstance(outcome, VitserveError):
+        return policy.delay(attempt) if outcome.retryable else None
+    if isinstance(outcome, Reply) and outcome.status in RETRY_STATUSES:
+        return policy.delay(attempt, outcome.retry_after)
+    return None
+
+
+def error_from(reply: Reply) -> VitserveError:
+    """The VitserveError an error answer describes (``{"error": {"type", "message", ...}}``):
+    the class it names with its fields, else :class:`~vitserve.errors.ApiError`."""
+    doc = reply.body.get("error") if isinstance(reply.body, dict) else None
+    if not isinstance(doc, dict):
+        return errors.ApiError(reply.status, "", f"unexpected answer: {str(reply.body)[:200]}")
+    cls = getattr(errors, str(doc.get("type")), None)
+    message = str(doc.get("message", ""))
+    if not (isinstance(cls, type) and issubclass(cls, VitserveError)):
+        return errors.ApiError(reply.status, str(doc.get("type")), message)
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    for name, value in doc.items():
+        if name not in ("type", "message"):
+            setattr(exc, name, value)
+    return exc
+
+
+def check(reply: Reply) -> Any:
+    """The body of a successful answer; the error it describes otherwise."""
+    if reply.status != 200:
+        raise error_from(reply)
+    return reply.body
+
+
+def handle_of_header(header: Header, cached: bool, source: bytes | None = None) -> ImageHandle:
+    return ImageHandle(key=header.key, num_tokens=header.num_tokens, grid=header.grid,
+                       dtype=header.dtype, shape=(header.num_tokens, header.tensors[0].width),
+                       cached=cached, extras=tuple(t.name for t in header.tensors[1:]),
+                       source=source)  # fmt: skip
+
+
+@dataclass
+class ClientCore:
+    """The state both clients share: the service's model description (learned once), the
+    direct store (opened once that is known), the header cache of row reads, the metrics."""
+
+    store_url: str | None = None
+    store: Any = None  # an EmbeddingStore, opened from store_url after healthz
+    metrics: ClientMetrics = field(default_factory=ClientMetrics)
+    model: dict[str, Any] | None = None
+    headers: OrderedDict[str, Header] = field(default_factory=OrderedDict)
+
+    # -- the service's model -------------------------------------------------------------------
+    def describe(self) -> Flow:
+        """The service's ``/healthz`` answer (model, fingerprint, namespace, limits), asked
+        once; opens the direct store under that fingerprint and namespace."""
+        if self.model is None:
+            model = check((yield ApiCall("healthz")))
+            self._open_store(model)
+            self.model = model
+        return self.model
+
+    def _open_store(self, model: dict[str, Any]) -> None:
+        namespace, fingerprint = model.get("namespace") or "", model["fingerprint"]
+        if self.store is None and self.store_url is not None:
+            from vitserve.cache.urls import open_store
+
+            self.store = open_store(self.store_url, namespace=namespace, fingerprint=fingerprint)
+        elif self.store is not None:
+            if self.store.namespace != namespace:
+                raise ConfigError(f"the store's namespace {self.store.namespace!r} is not the "
+                                  f"service's {namespace!r}")  # fmt: skip
+            self.store.fingerprint = fingerprint
+
+    def keys_of(self, datas: Sequence[bytes]) -> list[str]:
+        """The content keys of image bytes, as the service computes them (after describe)."""
+        assert self.model is not None
+        fp, ns = self.model["fingerprint"], self.model.get("namespace") or ""
+        return [content_key(d, fp, ns) for d in datas]
+
+    # -- encode --------------------------------------------------------------------------------
+    def encode(self, images: Sequence[ImageInput]) -> Flow:
+        """One :class:`ImageHandle` per image, in order: keys computed here, one probe, then
+        uploads of only the images the store lacks (none when all are held)."""
+        if not images:
+            raise ConfigError("encode needs at least one image")
+        datas = [image_bytes(image, i) for i, image in enumerate(images)]
+        yield from self.describe()
+        keys = self.keys_of(datas)
+        data_of = dict(zip(keys, datas, strict=True))
+        distinct = list(data_of)
+        held = yield from self.probe(distinct)
+        handles = {k: h for k, h in zip(distinct, held, strict=True) if h is not None}
+        missing = [k for k in distinct if k not in handles]
+        self.metrics.inc("probes", len(distinct))
+        self.metrics.inc("hits", len(handles))
+        self.metrics.inc("bytes_skipped", sum(len(data_of[k]) for k in handles))
+        first_index = {k: keys.index(k) for k in missing}
+        handles.update((yield from self._upload(missing, data_of, first_index)))
+        return [
+            handles[k] if handles[k].source is not None else _with_source(handles[k], d)
+            for k, d in zip(keys, datas, strict=True)
+        ]
+
+    def probe(self, keys: Sequence[str]) -> Flow:
+        """Per key, the handle of the embedding the store holds (``cached``), else None: one
+        direct store read (its headers), or ``/v1/probe`` batches without a store."""
+        if not keys:
+            return []
+        model = yield from self.describe()
+        if self.store is not None:
+            found = yield StoreCall("headers_many", (list(keys),))
+            return [None if h is None else handle_of_header(h, cached=True) for h in found]
+        out: list[ImageHandle | None] = []
+        step = int(model.get("limits", {}).get("max_keys_per_probe", 1024))
+        for i in range(0, len(keys), step):
+            body = check((yield ApiCall("probe", {"keys": list(keys[i : i + step]),
+                                                  "headers": True})))  # fmt: skip
+            out += [None if item is None else ImageHandle.from_item(item) for item in body["items"]]
+        return out
+
+    def _upload(self, keys: list[str], data_of: dict[str, bytes],
+                index_of: dict[str, int]) -> Flow:  # fmt: skip
+        """Encode the images of ``keys`` in requests within the service's limits; their
+        handles by key. A refused image raises its error, with the caller's index."""
+        limits = (self.model or {}).get("limits", {})
+        max_images = int(limits.get("max_images_per_request", 64))
+        max_bytes = int(limits.get("max_request_bytes", 2**62))
+        out: dict[str, ImageHandle] = {}
+        for batch in _batches(keys, data_of, max_images, max_bytes):
+            body = check((yield ApiCall("encode", {"images": [data_of[k] for k in batch]})))
+            self.metrics.inc("uploads", len(batch))
+            self.metrics.inc("bytes_uploaded", sum(len(data_of[k]) for k in batch))
+            for key, item in zip(batch, body["items"], strict=True):
+                if "error" in item:
+                    raise _item_error(item["error"], index_of[key])
+                out[key] = ImageHandle.from_item(item, source=data_of[key])
+        return out
+
+    # -- fetch ---------------------------------------------------------------------------------
+    def fetch_chunk(self, handles: Sequence[ImageHandle], offsets: Sequence[int],
+                    start: int, end: int) -> Flow:  # fmt: skip
+        """The rows prefill chunk ``[start, end)`` needs (see :mod:`vitserve.client.chunks`),
+        in one batched store read (two when a header is not cached yet)."""
+        if len(handles) != len(offsets):
+            raise ConfigError(f"{len(handles)} handles but {len(offsets)} offsets")
+        spans = [ImageSpan(o, h.num_tokens) for h, o in zip(handles, offsets, strict=True)]
+        pieces = plan_chunk(spans, start, end)
+        started = time.perf_counter()
+        reads = [(handles[p.image].key, p.row_start, p.row_end) for p in pieces]
+        records = yield from self.read_rows(reads, [handles[p.image] for p in pieces])
+        self.metrics.fetched(time.perf_counter() - started, sum(p.rows for p in pieces),
+                             sum(r.nbytes for r in records))  # fmt: skip
+        return FetchedChunk(start, end, pieces, [r.embedding for r in records],
+                            [r.extras for r in records])  # fmt: skip
+
+    def fetch(self, handles: Sequence[ImageHandle]) -> Flow:
+        """Each image's whole record (embedding and extras), in order."""
+        started = time.perf_counter()
+        reads = [(h.key, 0, h.num_tokens) for h in handles]
+        records = yield from self.read_rows(reads, list(handles))
+        self.metrics.fetched(time.perf_counter() - started, sum(h.num_tokens for h in handles),
+                             sum(r.nbytes for r in records))  # fmt: skip
+        return records
+
+    def read_rows(self, reads: list[tuple[str, int, int]],
+                  handles: list[ImageHandle]) -> Flow:  # fmt: skip
+        """The checked rows of each read; entries gone are encoded again from their handles'
+        images (one upload for all) and read again, else CacheMissError names them all."""
+        if not reads:
+            return []
+        records = yield from self._read(reads)
+        gone = {reads[i][0]: handles[i] for i, r in enumerate(records) if r is None}
+        if gone:
+            lost = [k for k, h in gone.items() if h.source is None]
+            if lost:
+                raise CacheMissError(lost)
+            data_of = {k: h.source for k, h in gone.items()}
+            yield from self._upload(list(gone), data_of, dict.fromkeys(gone, -1))  # type: ignore[arg-type]
+            self.metrics.inc("reencoded", len(gone))
+            again = [i for i, r in enumerate(records) if r is None]
+            for i, record in zip(again, (yield from self._read([reads[i] for i in again])),
+                                 strict=True):  # fmt: skip
+                records[i] = record
+            still = [reads[i][0] for i, r in enumerate(records) if r is None]
+            if still:
+                raise CacheMissError(list(dict.fromkeys(still)))
+        return records
+
+    def _read(self, reads: list[tuple[str, int, int]]) -> Flow:
+        """One batched read of the rows: the direct store's ``get_rows_many`` (with the header
+        cache), or the ``rows`` API route."""
+        yield from self.describe()
+        if self.store is not None:
+            records = yield StoreCall("get_rows_many", (reads, self.headers))
+            while len(self.headers) > HEADER_CACHE_SIZE:
+                self.headers.popitem(last=False)
+            return records
+        replies = yield ApiCall("rows", reads)
+        out: list[EmbeddingRecord | None] = []
+        for (key, r0, _), reply in zip(reads, replies, strict=True):
+            if reply.status == 404:
+                out.append(None)
+                continue
+            record = decode_record(check(reply), key=key, fingerprint=self.model["fingerprint"])
+            out.append(_shifted(record, r0))
+        return out
+
+
+def _shifted(record: EmbeddingRecord, row_start: int) -> EmbeddingRecord:
+    """A row-range answer of the HTTP API (a record of just those rows) as a partial record."""
+    from dataclasses import replace
+
+    return replace(record, row_start=row_start)
+
+
+def _with_source(handle: ImageHandle, source: bytes) -> ImageHandle:
+    from dataclasses import replace
+
+    return replace(handle, source=source)
+
+
+def _item_error(doc: dict[str, Any], index: int) -> VitserveError:
+    exc = error_from(Reply(int(doc.get("status", 422)), {"error": doc}))
+    if hasattr(exc, "index") and index >= 0:
+        exc.index = index  # the caller's position, not the upload request's
+        exc.args = (f"image {index}: {getattr(exc, 'reason', exc)}",)
+    return exc
+
+
+def _batches(keys: list[str], data_of: dict[str, bytes], max_images: int,
+             max_bytes: int) -> list[list[str]]:  # fmt: skip
+    """Keys in upload requests of at most ``max_images`` images and ``max_bytes`` bytes (an
+    image over the byte limit alone goes alone: the service says why it refuses it)."""
+    out: list[list[str]] = []
+    size = 0
+    for key in keys:
+        n = len(data_of[key])
+        if not out or len(out[-1]) >= max_images or size + n > max_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(key)
+        size += n
+    return out
+
+
+__all__ = [
+    "ApiCall",
+    "ClientCore",
+    "Flow",
+    "Reply",
+    "RetryPolicy",
+    "StoreCall",
+    "check",
+    "error_from",
+    "retry_after_seconds",
+    "retry_delay",
+]

@@ -1,0 +1,69 @@
+"""What the client hands back: an :class:`ImageHandle` per encoded image, a
+:class:`FetchedChunk` per prefill chunk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vitserve.client.chunks import ChunkPiece
+
+
+@dataclass(frozen=True, slots=True)
+class ImageHandle:
+    """One image's embedding in the store: what a prefill needs to place and fetch it.
+
+    ``shape`` is ``(num_tokens, hidden)`` of the embedding the LLM consumes; ``extras`` names the
+    further per-row tensors (Qwen3-VL: ``deepstack_0``...); ``grid`` is Qwen's ``(t, h, w)``
+    patch grid (else None); ``cached`` says the service held it before this call. The image's
+    bytes ride along (not compared, not shown) so an entry evicted before its fetch can be
+    encoded again without the caller.
+    """
+
+    key: str
+    num_tokens: int
+    grid: tuple[int, int, int] | None
+    dtype: str
+    shape: tuple[int, int]
+    cached: bool
+    extras: tuple[str, ...] = ()
+    source: bytes | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_item(cls, item: dict[str, Any], source: bytes | None = None) -> ImageHandle:
+        """From an item of the API's encode or probe answer."""
+        grid = item.get("grid")
+        return cls(key=item["key"], num_tokens=int(item["num_tokens"]),
+                   grid=tuple(grid) if grid else None, dtype=item["dtype"],
+                   shape=(int(item["shape"][0]), int(item["shape"][1])),
+                   cached=bool(item.get("cached", False)),
+                   extras=tuple(item.get("extras") or ()), source=source)  # fmt: skip
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of the embedding (extras come on top)."""
+        return self.shape[1] * {"fp32": 4, "fp16": 2, "bf16": 2}[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class FetchedChunk:
+    """The image rows one prefill chunk ``[start, end)`` needs, piece by piece.
+
+    ``embeddings[i]`` (and ``extras[i]``) hold the rows of ``pieces[i]``, to be placed at chunk
+    positions ``[pieces[i].dest, pieces[i].dest + pieces[i].rows)``. Without a device they are
+    read-only numpy arrays that view the fetched bytes (bf16 as raw ``uint16`` words); with one,
+    torch tensors on it (bf16 as ``torch.bfloat16``), moved non-blocking.
+    """
+
+    start: int
+    end: int
+    pieces: list[ChunkPiece]
+    embeddings: list[Any]
+    extras: list[dict[str, Any]]
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.pieces)
+
+
+__all__ = ["FetchedChunk", "ImageHandle"]

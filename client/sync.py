@@ -1,0 +1,128 @@
+"""``EncoderClient``: the blocking client (the operations live in :mod:`vitserve.client.core`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from vitserve.cache.codec import EmbeddingRecord
+from vitserve.client.chunks import chunk_bounds
+from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, retry_delay
+from vitserve.client.device import to_device
+from vitserve.client.handles import FetchedChunk, ImageHandle
+from vitserve.client.inputs import ImageInput
+from vitserve.client.metrics import ClientMetrics
+from vitserve.client.transports import HandleTransport, HttpTransport
+from vitserve.errors import ConfigError, VitserveError
+
+
+class EncoderClient:
+    """Encode images through a vitserve service and fetch their embeddings per prefill chunk.
+
+    ``url`` reaches the ingress over HTTP; inside the Ray cluster pass ``handle`` (the ingress
+    deployment's ``DeploymentHandle``) instead. ``store`` (a store URL such as
+    ``redis://host:6379/0``, or an open ``EmbeddingStore``) makes probes and fetches read the
+    store directly, without a hop through the ingress; it is opened under the namespace and
+    fingerprint the service reports. ``registry``: a prometheus_client registry for the SDK's
+    metrics.
+    """
+
+    def __init__(self, url: str | None = None, *, handle: Any = None, store: Any = None,
+                 retry: RetryPolicy | None = None, timeout_s: float = 60.0,
+                 registry: Any = None) -> None:  # fmt: skip
+        if (url is None) == (handle is None):
+            raise ConfigError("give the service's url or its ingress handle (one of them)")
+        self.transport = HttpTransport(url, timeout_s) if url else HandleTransport(handle)
+        self.retry = retry or RetryPolicy()
+        self.core = ClientCore(
+            store_url=store if isinstance(store, str) else None,
+            store=None if isinstance(store, str) else store,
+            metrics=ClientMetrics(registry),
+        )
+
+    # -- the operations ------------------------------------------------------------------------
+    def encode(self, images: Sequence[ImageInput]) -> list[ImageHandle]:
+        """One handle per image (bytes, paths or PIL images), in order; uploads only the images
+        the store lacks."""
+        return self._run(self.core.encode(images))
+
+    def probe(self, keys: Sequence[str]) -> list[ImageHandle | None]:
+        """The handle of each key the store holds, else None."""
+        return self._run(self.core.probe(keys))
+
+    def fetch(self, handles: Sequence[ImageHandle]) -> list[EmbeddingRecord]:
+        """Each image's whole record (``.embedding``, ``.extras``, ``.grid``), in order."""
+        return self._run(self.core.fetch(handles))
+
+    def fetch_chunk(self, handles: Sequence[ImageHandle], offsets: Sequence[int], start: int,
+                    end: int, device: Any = None) -> FetchedChunk:  # fmt: skip
+        """The rows prefill chunk ``[start, end)`` needs; image ``i``'s placeholders start at
+        prompt position ``offsets[i]``. Numpy views of the fetched bytes, or torch tensors
+        moved (non-blocking) to ``device`` when one is given."""
+        chunk = self._run(self.core.fetch_chunk(handles, offsets, start, end))
+        return to_device(chunk, handles, device) if device is not None else chunk
+
+    def iter_chunks(self, handles: Sequence[ImageHandle], offsets: Sequence[int],
+                    length: int, chunk_size: int, device: Any = None,
+                    prefetch: bool = True) -> Iterator[FetchedChunk]:  # fmt: skip
+        """``fetch_chunk`` of each chunk of a ``length``-token prompt in turn; with
+        ``prefetch``, the next chunk's rows are read (in a worker thread) while the caller
+        computes the current one."""
+        bounds = chunk_bounds(length, chunk_size)
+        if not prefetch:
+            for start, end in bounds:
+                yield self.fetch_chunk(handles, offsets, start, end, device)
+            return
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitserve-prefetch") as pool:
+            ahead: Future | None = pool.submit(self.fetch_chunk, handles, offsets, *bounds[0],
+                                               device)  # fmt: skip
+            for i in range(len(bounds)):
+                current = ahead.result()  # type: ignore[union-attr]
+                ahead = (pool.submit(self.fetch_chunk, handles, offsets, *bounds[i + 1], device)
+                         if i + 1 < len(bounds) else None)  # fmt: skip
+                yield current
+
+    def describe(self) -> dict[str, Any]:
+        """The service's model, fingerprint, namespace and limits (asked once)."""
+        return self._run(self.core.describe())
+
+    def close(self) -> None:
+        self.transport.close()
+        if self.core.store is not None and self.core.store_url is not None:
+            self.core.store.close()
+
+    def __enter__(self) -> EncoderClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- performing the core's operations ------------------------------------------------------
+    def _run(self, flow: Flow) -> Any:
+        try:
+            op = next(flow)
+            while True:
+                op = flow.send(self._perform(op))
+        except StopIteration as done:
+            return done.value
+
+    def _perform(self, op: Any) -> Any:
+        """The op, tried again while :func:`~vitserve.client.core.retry_delay` says so."""
+        for attempt in range(self.retry.attempts):
+            try:
+                outcome = (self.transport.call(op) if isinstance(op, ApiCall)
+                           else getattr(self.core.store, op.method)(*op.args))  # fmt: skip
+            except VitserveError as exc:
+                outcome = exc
+            delay = retry_delay(self.retry, attempt, outcome)
+            if delay is None:
+                break
+            time.sleep(delay)
+        if isinstance(outcome, VitserveError):
+            raise outcome
+        return outcome
+
+
+__all__ = ["EncoderClient"]

@@ -1,0 +1,154 @@
+"""How the clients reach the service: HTTP to the ingress, or the ingress's Serve handle.
+
+Each transport turns an :class:`~vitserve.client.core.ApiCall` into a
+:class:`~vitserve.client.core.Reply` (a list of them for ``rows``). Transport failures become
+:class:`~vitserve.errors.ServiceUnavailableError` (retryable: a refused or dropped connection,
+a timeout) so the caller catches one root; error answers are returned as replies for the core
+to read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from vitserve.client.core import ApiCall, Reply, retry_after_seconds
+from vitserve.errors import ConfigError, ServiceUnavailableError
+
+# httpx's errors that a retry can help: the connection failed, dropped or timed out
+_RETRYABLE = (httpx.TransportError,)
+
+
+def _unavailable(exc: Exception, where: str) -> ServiceUnavailableError:
+    return ServiceUnavailableError(where, f"{type(exc).__name__}: {exc}")
+
+
+def _reply(response: httpx.Response) -> Reply:
+    ctype = response.headers.get("content-type", "")
+    body: Any = response.content
+    if ctype.startswith("application/json"):
+        try:
+            body = response.json()
+        except ValueError:
+            body = {"error": {"type": "ApiError", "message": response.text[:200]}}
+    elif response.status_code != 200:
+        body = {"unexpected": response.text[:200]}
+    return Reply(
+        response.status_code, body, retry_after_seconds(response.headers.get("retry-after"))
+    )
+
+
+def _request(call: ApiCall) -> dict[str, Any]:
+    """The httpx request arguments of a call (not ``rows``)."""
+    if call.route == "healthz":
+        return {"method": "GET", "url": "/healthz"}
+    if call.route == "probe":
+        return {"method": "POST", "url": "/v1/probe", "json": call.payload}
+    if call.route == "encode":
+        files = [("images", (f"{i}", data, "application/octet-stream"))
+                 for i, data in enumerate(call.payload["images"])]  # fmt: skip
+        return {"method": "POST", "url": "/v1/encode", "files": files}
+    raise ConfigError(f"unknown API route {call.route!r}")
+
+
+def _rows_request(read: tuple[str, int, int]) -> dict[str, Any]:
+    key, r0, r1 = read
+    return {"method": "GET", "url": f"/v1/embeddings/{key}", "params": {"start": r0, "end": r1}}
+
+
+class HttpTransport:
+    """Blocking HTTP to the ingress at ``url`` (one pooled httpx.Client)."""
+
+    def __init__(self, url: str, timeout_s: float = 60.0, client: httpx.Client | None = None):
+        self.where = f"ingress {url}"
+        self.client = client or httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
+
+    def call(self, call: ApiCall) -> Reply | list[Reply]:
+        try:
+            if call.route == "rows":
+                return [_reply(self.client.request(**_rows_request(r))) for r in call.payload]
+            return _reply(self.client.request(**_request(call)))
+        except _RETRYABLE as exc:
+            raise _unavailable(exc, self.where) from exc
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class AsyncHttpTransport:
+    """HTTP to the ingress with httpx.AsyncClient; the row reads of a chunk go concurrently."""
+
+    def __init__(self, url: str, timeout_s: float = 60.0,
+                 client: httpx.AsyncClient | None = None) -> None:  # fmt: skip
+        self.where = f"ingress {url}"
+        self.client = client or httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout_s)
+
+    async def call(self, call: ApiCall) -> Reply | list[Reply]:
+        try:
+            if call.route == "rows":
+                answers = await asyncio.gather(
+                    *(self.client.request(**_rows_request(r)) for r in call.payload)
+                )
+                return [_reply(a) for a in answers]
+            return _reply(await self.client.request(**_request(call)))
+        except _RETRYABLE as exc:
+            raise _unavailable(exc, self.where) from exc
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def _handle_reply(answer: tuple[int, Any]) -> Reply | list[Reply]:
+    status, body = answer
+    if status == 200 and isinstance(body, dict) and "records" in body:
+        return [Reply(404, None) if r is None else Reply(200, r) for r in body["records"]]
+    return Reply(status, body, 1.0 if status in (429, 503) else None)
+
+
+def _handle_errors() -> tuple[type[BaseException], ...]:
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    return (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError)
+
+
+def _handle_payload(call: ApiCall) -> Any:
+    return {"reads": [list(r) for r in call.payload]} if call.route == "rows" else call.payload
+
+
+class HandleTransport:
+    """The ingress's Serve ``DeploymentHandle``, for callers inside the Ray cluster: no HTTP
+    proxy; ``Ingress.call`` answers as the HTTP routes do."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.where = f"ingress handle {getattr(handle, 'deployment_name', '?')}"
+
+    def call(self, call: ApiCall) -> Reply | list[Reply]:
+        try:
+            return _handle_reply(
+                self.handle.call.remote(call.route, _handle_payload(call)).result()
+            )
+        except _handle_errors() as exc:
+            raise _unavailable(exc, self.where) from exc
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncHandleTransport(HandleTransport):
+    """The handle transport for the async client (awaits the handle's responses)."""
+
+    async def call(self, call: ApiCall) -> Reply | list[Reply]:  # type: ignore[override]
+        try:
+            return _handle_reply(await self.handle.call.remote(call.route, _handle_payload(call)))
+        except _handle_errors() as exc:
+            raise _unavailable(exc, self.where) from exc
+
+    async def close(self) -> None:  # type: ignore[override]
+        pass
+
+
+__all__ = ["AsyncHandleTransport", "AsyncHttpTransport", "HandleTransport", "HttpTransport"]

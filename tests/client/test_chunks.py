@@ -1,0 +1,78 @@
+"""The chunk planner, by hand-picked cases and by property (hypothesis)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vitserve.client.chunks import ChunkPiece, ImageSpan, chunk_bounds, plan_chunk
+from vitserve.errors import ConfigError
+
+# text 0-4, image 0 at 5-14, text 15-19, image 1 at 20-22, image 2 at 23-30
+SPANS = [ImageSpan(5, 10), ImageSpan(20, 3), ImageSpan(23, 8)]
+
+
+def test_a_chunk_inside_an_image_takes_only_its_rows() -> None:
+    assert plan_chunk(SPANS, 7, 12) == [ChunkPiece(0, 2, 7, 0)]
+
+
+def test_a_chunk_starting_and_ending_inside_image_spans() -> None:
+    assert plan_chunk(SPANS, 12, 25) == [
+        ChunkPiece(0, 7, 10, 0),  # the tail of image 0
+        ChunkPiece(1, 0, 3, 8),  # all of image 1
+        ChunkPiece(2, 0, 2, 11),  # the head of image 2
+    ]
+
+
+def test_text_only_chunks_need_nothing() -> None:
+    assert plan_chunk(SPANS, 0, 5) == []
+    assert plan_chunk(SPANS, 15, 20) == []
+    assert plan_chunk(SPANS, 31, 40) == []
+    assert plan_chunk([], 0, 10) == []
+
+
+@pytest.mark.parametrize(
+    "spans, start, end",
+    [(SPANS, 5, 5), (SPANS, -1, 3), ([ImageSpan(0, 0)], 0, 1),
+     ([ImageSpan(5, 10), ImageSpan(10, 2)], 0, 20), ([ImageSpan(9, 1), ImageSpan(2, 1)], 0, 20)],
+)  # fmt: skip
+def test_bad_arguments_are_refused(spans, start: int, end: int) -> None:
+    with pytest.raises(ConfigError):
+        plan_chunk(spans, start, end)
+
+
+@st.composite
+def prompts(draw) -> tuple[list[ImageSpan], int]:
+    """Images in prompt order with text (possibly none) between them, and the prompt length."""
+    spans, pos = [], draw(st.integers(0, 5))
+    for _ in range(draw(st.integers(0, 6))):
+        tokens = draw(st.integers(1, 40))
+        spans.append(ImageSpan(pos, tokens))
+        pos += tokens + draw(st.integers(0, 5))
+    return spans, max(pos, 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt=prompts(), chunk_size=st.integers(1, 50))
+def test_chunks_partitioning_the_prompt_read_every_row_once(prompt, chunk_size: int) -> None:
+    spans, length = prompt
+    seen: dict[tuple[int, int], int] = {}
+    for start, end in chunk_bounds(length, chunk_size):
+        pieces = plan_chunk(spans, start, end)
+        covered = set()
+        for piece in pieces:
+            span = spans[piece.image]
+            assert 0 <= piece.row_start < piece.row_end <= span.num_tokens
+            assert piece.dest >= 0 and piece.dest + piece.rows <= end - start
+            for r in range(piece.row_start, piece.row_end):
+                pos = start + piece.dest + (r - piece.row_start)
+                assert pos == span.offset + r  # row r lands on its own placeholder
+                assert pos not in covered
+                covered.add(pos)
+                seen[piece.image, r] = seen.get((piece.image, r), 0) + 1
+        # exactly the placeholders inside the chunk are covered
+        placeholders = {p for s in spans for p in range(s.offset, s.end) if start <= p < end}
+        assert covered == placeholders
+        assert [p.dest for p in pieces] == sorted(p.dest for p in pieces)
+    assert seen == {(i, r): 1 for i, s in enumerate(spans) for r in range(s.num_tokens)}
