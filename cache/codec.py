@@ -86,6 +86,28 @@ def _digest(data: Any) -> bytes:
     return struct.pack("<QQ", s1, s2)
 
 
+def block_digests(data: Any, step: int) -> bytes:
+    """``_digest`` of each ``step``-byte block of ``data`` (the last may be shorter),
+    concatenated: the row-range checksums. Whole blocks of whole 4 KiB word blocks are
+    summed in one vectorised pass (a per-block call costs ~10 us of numpy overhead, which
+    dominated reading a chunk of many small blocks); any other block goes through ``_digest``.
+    """
+    buf = memoryview(data).cast("B")
+    full = len(buf) // step
+    words_per_block = step // 8
+    if step % (8 * _WORDS_PER_BLOCK) or not full:
+        return b"".join(_digest(buf[i : i + step]) for i in range(0, len(buf), step))
+    subs = words_per_block // _WORDS_PER_BLOCK
+    words = np.frombuffer(buf, dtype="<u8", count=full * words_per_block)
+    sums = words.reshape(full, subs, _WORDS_PER_BLOCK).sum(axis=2, dtype=np.uint64)
+    # as _digest: (sum of s_b) xor length, sum of (b+1)*s_b; its trailing empty tail adds 0
+    s1 = sums.sum(axis=1, dtype=np.uint64) ^ np.uint64(step)
+    s2 = (sums * np.arange(1, subs + 1, dtype=np.uint64)).sum(axis=1, dtype=np.uint64)
+    out = np.stack([s1, s2], axis=1).astype("<u8").tobytes()
+    rest = buf[full * step :]
+    return out + (_digest(rest) if len(rest) else b"")
+
+
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -185,7 +207,7 @@ def encode_record(record: EmbeddingRecord) -> memoryview:
         row_bytes = max(1, a.shape[1] * dtype.itemsize)
         block_rows = max(1, min(BLOCK_ROWS, BLOCK_BYTES // row_bytes))
         step = block_rows * row_bytes
-        sums = b"".join(_digest(raw[i : i + step]) for i in range(0, raw.nbytes, step))
+        sums = block_digests(raw, step)
         end = _align(offset + a.nbytes)
         entries.append({"name": name, "shape": list(a.shape), "offset": offset,
                         "block_rows": block_rows, "sums": sums})  # fmt: skip
@@ -377,13 +399,10 @@ def decode_rows(
             raise RecordFormatError(f"truncated rows of tensor {t.name!r}")
         row_bytes = t.row_bytes(header.itemsize)
         if verify:
-            step = t.block_rows * row_bytes
-            view = memoryview(chunk)
-            for i, pos in enumerate(range(0, len(chunk), step)):
-                block = span.first_row // t.block_rows + i
-                expected = t.sums[block * SUM_BYTES : (block + 1) * SUM_BYTES]
-                if _digest(view[pos : pos + step]) != expected:
-                    raise RecordFormatError(f"checksum mismatch in rows of tensor {t.name!r}")
+            got = block_digests(chunk, t.block_rows * row_bytes)
+            first = span.first_row // t.block_rows * SUM_BYTES
+            if got != t.sums[first : first + len(got)]:
+                raise RecordFormatError(f"checksum mismatch in rows of tensor {t.name!r}")
         skip = (r0 - span.first_row) * row_bytes
         tensors[t.name] = _view(chunk, dtype, skip, r1 - r0, t.width)
     return _record(header, tensors, r0)

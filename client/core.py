@@ -209,7 +209,9 @@ class ClientCore:
         self.metrics.inc("probes", len(distinct))
         self.metrics.inc("hits", len(handles))
         self.metrics.inc("bytes_skipped", sum(len(data_of[k]) for k in handles))
-        first_index = {k: keys.index(k) for k in missing}
+        first_index: dict[str, int] = {}
+        for i, k in enumerate(keys):
+            first_index.setdefault(k, i)
         handles.update((yield from self._upload(missing, data_of, first_index)))
         return [
             handles[k] if handles[k].source is not None else _with_source(handles[k], d)
@@ -224,6 +226,7 @@ class ClientCore:
         model = yield from self.describe()
         if self.store is not None:
             found = yield StoreCall("headers_many", (list(keys),))
+            self.headers.update((h.key, h) for h in found if h is not None)  # for row reads
             return [None if h is None else handle_of_header(h, cached=True) for h in found]
         out: list[ImageHandle | None] = []
         step = int(model.get("limits", {}).get("max_keys_per_probe", 1024))

@@ -47,11 +47,11 @@ from vitserve.encoder.device import (
 )
 from vitserve.encoder.families import FamilyAdapter, PreparedImage
 from vitserve.encoder.images import DEFAULT_LIMITS, ImageLimits
-from vitserve.keys import content_key, model_fingerprint
 from vitserve.encoder.loading import LoadReport, load_vision
 from vitserve.encoder.planner import Plan, PlanItem, plan_batches
 from vitserve.encoder.preprocess import Preprocessor
 from vitserve.errors import ConfigError, ImageError
+from vitserve.keys import content_key, model_fingerprint
 
 # What batching may change an embedding by, per dtype, in ulps of its largest magnitude.
 BATCH_TOLERANCE_ULPS = {"fp32": 4.0, "bf16": 2.0}

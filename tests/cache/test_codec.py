@@ -10,6 +10,8 @@ import pytest
 from vitserve.cache.codec import (
     PREFIX,
     EmbeddingRecord,
+    _digest,
+    block_digests,
     decode_record,
     decode_rows,
     encode_record,
@@ -114,3 +116,16 @@ def test_zero_token_record() -> None:
 def _fields(r: EmbeddingRecord) -> dict:
     return {f: getattr(r, f) for f in ("key", "fingerprint", "dtype", "num_tokens", "grid",
                                        "tensors")}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "n, step",
+    [(8192 * 16, 8192), (8192 * 16 + 100, 8192), (1000, 96), (7 * 16384 * 5 + 13, 7 * 16384),
+     (4096, 8192), (0, 4096)],
+)  # fmt: skip
+def test_block_digests_are_each_blocks_digest(n: int, step: int) -> None:
+    """The vectorised pass gives, block for block, what _digest gives (the sums stored by
+    older writers still check)."""
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    want = b"".join(_digest(memoryview(data)[i : i + step]) for i in range(0, n, step))
+    assert block_digests(data, step) == want

@@ -19,8 +19,8 @@ import torch
 from PIL import Image
 
 from vitserve.encoder.engine import BATCH_TOLERANCE_ULPS, ulps_apart
-from vitserve.keys import content_key
 from vitserve.encoder.testimages import bad_images, crafted_png, make_image
+from vitserve.keys import content_key
 
 pytestmark = pytest.mark.cpu_profile  # CI runs it again as on each CPU profile
 
