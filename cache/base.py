@@ -314,20 +314,20 @@ class EmbeddingStore(ABC):
             if head is not None and len(head) >= spans[-1].end:
                 view = memoryview(head).cast("B")  # the rows are at hand: slice them
                 out[i] = self._decode_rows(key, header, [view[sp.start : sp.end] for sp in spans],
-                                           r0, r1)  # fmt: skip
+                                           r0, r1, spans=spans)  # fmt: skip
             elif head is not None and self.head_is_whole_value:
                 out[i] = self._decode_rows(key, header, [b""] * len(spans), r0, r1)  # truncated
             else:
                 fetch.append((i, r0, r1, spans))
         fetched = self._get_spans_many([(self.full_key(reads[i][0]), sp) for i, _, _, sp in fetch])
-        for (i, r0, r1, _), chunks in zip(fetch, fetched, strict=True):
+        for (i, r0, r1, spans), chunks in zip(fetch, fetched, strict=True):
             key = reads[i][0]
             if chunks is None:
                 self._count("misses")
             elif key in heads:
-                out[i] = self._decode_rows(key, cache[key], chunks, r0, r1)
+                out[i] = self._decode_rows(key, cache[key], chunks, r0, r1, spans=spans)
             else:  # the header came from the caller's cache: a mismatch may mean it is stale
-                out[i] = self._decode_rows(key, cache[key], chunks, r0, r1, stale_ok=True)
+                out[i] = self._decode_rows(key, cache[key], chunks, r0, r1, True, spans)
                 if out[i] is None:
                     self._count("stale_headers")
                     cache.pop(key, None)
@@ -341,14 +341,15 @@ class EmbeddingStore(ABC):
         return {k: (self._header_of(k, h), h) for k, h in zip(keys, heads, strict=True)}
 
     def _decode_rows(self, key: str, header: Header, chunks: list[Buffer], r0: int, r1: int,
-                     stale_ok: bool = False) -> EmbeddingRecord | None:  # fmt: skip
+                     stale_ok: bool = False,
+                     spans: list[RowSpan] | None = None) -> EmbeddingRecord | None:  # fmt: skip
         """The checked rows, counted; None (an integrity miss, unless ``stale_ok`` says the
         header may be stale and the caller reads again) where a check fails."""
         nbytes = sum(len(c) for c in chunks)
         self._count("bytes_read", nbytes)
         try:
             record = decode_rows(header, chunks, r0, r1, key=key, fingerprint=self.fingerprint,
-                                 verify=self.verify_payload)  # fmt: skip
+                                 verify=self.verify_payload, spans=spans)  # fmt: skip
         except RecordFormatError as exc:
             if not stale_ok:
                 self._integrity_miss(key, exc)

@@ -12,6 +12,7 @@ from vitserve.cache.codec import (
     EmbeddingRecord,
     _digest,
     block_digests,
+    blocks_match,
     decode_record,
     decode_rows,
     encode_record,
@@ -129,3 +130,9 @@ def test_block_digests_are_each_blocks_digest(n: int, step: int) -> None:
     data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
     want = b"".join(_digest(memoryview(data)[i : i + step]) for i in range(0, n, step))
     assert block_digests(data, step) == want
+    assert blocks_match(data, step, want)
+    if n:
+        flipped = bytearray(data)
+        flipped[n // 2] ^= 1
+        assert not blocks_match(bytes(flipped), step, want)
+        assert not blocks_match(data, step, want[:-1] + bytes([want[-1] ^ 1]))
