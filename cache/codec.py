@@ -431,3 +431,35 @@ def decode_rows(
         skip = (r0 - span.first_row) * row_bytes
         tensors[t.name] = _view(chunk, dtype, skip, r1 - r0, t.width)
     return _record(header, tensors, r0)
+
+
+_BUNDLE = struct.Struct("<4sI")  # magic, record count; then a u64 length per record (0: none)
+BUNDLE_MAGIC = b"VSRB"
+
+
+def pack_records(records: Sequence[Any]) -> bytes:
+    """Several records (or None for a miss) as one body: the row routes' answer for a batch of
+    reads. Layout: ``b"VSRB"``, u32 count, a u64 length per record (0 for None), the records
+    back to back."""
+    lengths = [0 if r is None else len(r) for r in records]
+    head = _BUNDLE.pack(BUNDLE_MAGIC, len(records)) + struct.pack(f"<{len(records)}Q", *lengths)
+    return b"".join([head, *(bytes(r) for r in records if r is not None)])
+
+
+def unpack_records(body: Any) -> list[memoryview | None]:
+    """The records of :func:`pack_records`' body, as views of it (no copy); RecordFormatError
+    if the body is not such a bundle."""
+    view = memoryview(body).cast("B")
+    if len(view) < _BUNDLE.size:
+        raise RecordFormatError("record bundle shorter than its prefix")
+    magic, count = _BUNDLE.unpack_from(view, 0)
+    pos = _BUNDLE.size + 8 * count
+    if magic != BUNDLE_MAGIC or len(view) < pos:
+        raise RecordFormatError("not a record bundle")
+    out: list[memoryview | None] = []
+    for n in struct.unpack_from(f"<{count}Q", view, _BUNDLE.size):
+        out.append(view[pos : pos + n] if n else None)
+        pos += n
+    if pos != len(view):
+        raise RecordFormatError(f"record bundle is {len(view)} bytes; its lengths say {pos}")
+    return out

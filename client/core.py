@@ -306,14 +306,18 @@ class ClientCore:
 
     def _read(self, reads: list[tuple[str, int, int]]) -> Flow:
         """One batched read of the rows: the direct store's ``get_rows_many`` (with the header
-        cache), or the ``rows`` API route."""
+        cache), or the ``rows`` API route (``POST /v1/rows``: one store read for them all)."""
         yield from self.describe()
         if self.store is not None:
             records = yield StoreCall("get_rows_many", (reads, self.headers))
             while len(self.headers) > HEADER_CACHE_SIZE:
                 self.headers.popitem(last=False)
             return records
-        replies = yield ApiCall("rows", reads)
+        step = int(self.model.get("limits", {}).get("max_keys_per_probe", 1024))
+        replies: list[Reply] = []
+        for i in range(0, len(reads), step):  # one call per batch the service accepts
+            answer = yield ApiCall("rows", reads[i : i + step])
+            replies += answer if isinstance(answer, list) else [check(answer)]  # (check raises)
         out: list[EmbeddingRecord | None] = []
         for (key, r0, _), reply in zip(reads, replies, strict=True):
             if reply.status == 404:

@@ -9,7 +9,6 @@ to read.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import httpx
@@ -53,9 +52,18 @@ def _request(call: ApiCall) -> dict[str, Any]:
     raise ConfigError(f"unknown API route {call.route!r}")
 
 
-def _rows_request(read: tuple[str, int, int]) -> dict[str, Any]:
-    key, r0, r1 = read
-    return {"method": "GET", "url": f"/v1/embeddings/{key}", "params": {"start": r0, "end": r1}}
+def _rows_request(call: ApiCall) -> dict[str, Any]:
+    return {"method": "POST", "url": "/v1/rows", "json": {"reads": [list(r) for r in call.payload]}}
+
+
+def _rows_replies(response: httpx.Response) -> Reply | list[Reply]:
+    """``/v1/rows``' bundle as one reply per read (404: missing), or its error reply."""
+    from vitserve.cache.codec import unpack_records
+
+    if response.status_code != 200:
+        return _reply(response)
+    return [Reply(404, None) if r is None else Reply(200, r)
+            for r in unpack_records(response.content)]  # fmt: skip
 
 
 class HttpTransport:
@@ -68,7 +76,7 @@ class HttpTransport:
     def call(self, call: ApiCall) -> Reply | list[Reply]:
         try:
             if call.route == "rows":
-                return [_reply(self.client.request(**_rows_request(r))) for r in call.payload]
+                return _rows_replies(self.client.request(**_rows_request(call)))
             return _reply(self.client.request(**_request(call)))
         except _RETRYABLE as exc:
             raise _unavailable(exc, self.where) from exc
@@ -78,7 +86,7 @@ class HttpTransport:
 
 
 class AsyncHttpTransport:
-    """HTTP to the ingress with httpx.AsyncClient; the row reads of a chunk go concurrently."""
+    """HTTP to the ingress with httpx.AsyncClient."""
 
     def __init__(self, url: str, timeout_s: float = 60.0,
                  client: httpx.AsyncClient | None = None) -> None:  # fmt: skip
@@ -88,10 +96,7 @@ class AsyncHttpTransport:
     async def call(self, call: ApiCall) -> Reply | list[Reply]:
         try:
             if call.route == "rows":
-                answers = await asyncio.gather(
-                    *(self.client.request(**_rows_request(r)) for r in call.payload)
-                )
-                return [_reply(a) for a in answers]
+                return _rows_replies(await self.client.request(**_rows_request(call)))
             return _reply(await self.client.request(**_request(call)))
         except _RETRYABLE as exc:
             raise _unavailable(exc, self.where) from exc

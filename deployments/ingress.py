@@ -11,6 +11,9 @@ Routes:
 * ``GET /v1/embeddings/{key}[?start=&end=]``: the record (``application/octet-stream``, the
   store's record format); with a row range, a record of just those rows, whose first row is
   row ``X-Vitserve-Row-Start`` of the image's ``X-Vitserve-Num-Tokens``.
+* ``POST /v1/rows``: ``{"reads": [[key, start, end], ...]}`` -> the row records of every
+  read in one body (``application/x-vitserve-records``, see ``cache.codec.pack_records``; a
+  missing key has length 0), read in one batched store call.
 * ``GET /healthz``, ``GET /metrics`` (this node's ``vitserve_*`` metrics, Prometheus text).
 
 Callers inside the Ray cluster reach the same answers through the deployment's handle:
@@ -296,6 +299,9 @@ class Ingress:
             and all(isinstance(x, int) for x in r[1:]) for r in reads
         ):  # fmt: skip
             raise MalformedRequestError('expected {"reads": [[key, start, end], ...]}')
+        if len(reads) > self.cfg.limits.max_keys_per_probe:
+            raise LimitExceededError("max_keys_per_probe", len(reads),
+                                     self.cfg.limits.max_keys_per_probe)  # fmt: skip
         await self._describe()
         try:
             with metrics.timed("store_round_trip_seconds", op="get_rows"):
@@ -322,6 +328,27 @@ class Ingress:
             raise MalformedRequestError('expected {"images": [bytes | 64-hex key, ...]}')
         self._check_request(images)
         return await self._encode_answer(images)
+
+    @api.post("/v1/rows", summary="Row ranges of several embeddings in one answer")
+    async def rows(self, request: Request) -> Response:
+        import json
+
+        from vitserve.cache.codec import pack_records
+
+        try:
+            payload = json.loads(await request.body())
+        except ValueError as exc:
+            payload = None
+            response = _error(MalformedRequestError(f"invalid JSON: {exc}"))
+        if payload is not None:
+            status, body = await self._answer(self._rows(payload))
+            response = (Response(pack_records(body["records"]),
+                                 media_type="application/x-vitserve-records")
+                        if status == 200 else
+                        JSONResponse(body, status_code=status,
+                                     headers=_retry_headers(status)))  # fmt: skip
+        metrics.inc("requests_total", route="rows", status=str(response.status_code))
+        return response
 
     @api.get("/v1/embeddings/{key}", summary="One embedding in the record format")
     async def fetch(self, key: str, start: int | None = None, end: int | None = None) -> Response:

@@ -166,7 +166,8 @@ def lru_redis_url() -> Iterator[str]:
 # -- service fixtures ----------------------------------------------------------------------------
 # One Serve instance (HTTP on a free port) in the session's Ray cluster.
 #
-# Each test module deploys the applications it needs with ``deploy(name, **overrides)``: the real
+# Each test module deploys the applications it needs with ``deploy(name, **overrides)`` (and
+# removes those no other module uses with ``deploy.remove(name)``): the real
 # vitserve application (ingress -> preprocess -> encoder) over the tiny Qwen2-VL model in fp32,
 # under route prefix ``/<name>`` and store namespace ``t-<name>``. Applications stay up for the
 # session (a Serve deployment takes seconds to start) and are deleted at its end.
@@ -274,6 +275,13 @@ def deploy(serve_url: str, tiny_models: dict[str, Path],
         apps[name] = App(name, f"{serve_url}/{name}", cfg)
         return apps[name]
 
+    def _remove(name: str) -> None:
+        """Delete an application now: its CPU share is free for the tests after it (the
+        session's cluster has 2 CPUs; replicas that do not fit wait for one, forever)."""
+        if apps.pop(name, None) is not None:
+            serve.delete(name)
+
+    _deploy.remove = _remove  # type: ignore[attr-defined]
     yield _deploy
     for name in apps:
         serve.delete(name)

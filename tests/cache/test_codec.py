@@ -17,8 +17,10 @@ from vitserve.cache.codec import (
     decode_rows,
     encode_record,
     header_bytes_needed,
+    pack_records,
     read_header,
     row_spans,
+    unpack_records,
 )
 from vitserve.cache.testing import make_record
 from vitserve.errors import RecordFormatError
@@ -136,3 +138,15 @@ def test_block_digests_are_each_blocks_digest(n: int, step: int) -> None:
         flipped[n // 2] ^= 1
         assert not blocks_match(bytes(flipped), step, want)
         assert not blocks_match(data, step, want[:-1] + bytes([want[-1] ^ 1]))
+
+
+def test_record_bundles_round_trip_as_views_and_refuse_garbage() -> None:
+    records = [encode_record(make_record(rows=r, seed=r)) for r in (3, 5)]
+    body = pack_records([records[0], None, records[1]])
+    got = unpack_records(body)
+    assert got[1] is None
+    assert bytes(got[0]) == bytes(records[0]) and bytes(got[2]) == bytes(records[1])
+    assert got[0].obj is body  # a view of the body, not a copy
+    for bad in (b"", b"VSRB", body[:-1], body + b"x", b"XXXX" + body[4:]):
+        with pytest.raises(RecordFormatError):
+            unpack_records(bad)
