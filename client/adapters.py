@@ -1,0 +1,432 @@
+"""Hand embeddings computed by vitserve to an LLM server, in the form it already accepts.
+
+Every adapter takes ``images``: one embedding per image, **in prompt order**, each an object
+with ``.embedding`` (``[num_tokens, hidden]`` numpy array or torch tensor), ``.extras`` (name ->
+array with the same rows; Qwen3-VL's ``deepstack_0``, ``deepstack_1``, ...), ``.grid`` (Qwen's
+``(t, h, w)`` patch grid, else ``None``) and ``.dtype`` (``"fp32"``, ``"fp16"`` or ``"bf16"``,
+where bf16 arrays hold raw ``uint16`` words), e.g. :class:`vitserve.cache.codec.EmbeddingRecord`.
+
+* :func:`transformers_inputs` returns the keyword arguments of a transformers
+  ``*ForConditionalGeneration`` forward (through :func:`transformers_forward`) that stand in for
+  ``pixel_values``: ``inputs_embeds`` (the model's text embeddings with the image rows scattered
+  at the placeholder positions), ``attention_mask``, and per family: Qwen's M-RoPE
+  ``position_ids`` ``[3, 1, L]``; Gemma 3's ``token_type_ids`` (1 on image tokens: its
+  bidirectional attention within each image); Qwen3-VL's ``visual_pos_masks`` and
+  ``deepstack_visual_embeds`` (one ``[total rows, hidden]`` tensor per deepstack level). LLaVA
+  needs nothing more.
+* :func:`transformers_forward` calls the model on those inputs. Qwen3-VL's top-level forward
+  cannot take the deepstack arguments (it passes its own ``visual_pos_masks=None`` to the
+  language model, so a second one is a ``TypeError``), so for Qwen3-VL it runs
+  ``model.model.language_model`` and ``model.lm_head``; every other family gets ``model(**inputs)``.
+* :func:`mrope_positions` computes Qwen's 3-D positions of a whole prompt from its token ids and
+  image grids alone (numpy), so a chunked prefill can slice them.
+* :func:`vllm_inputs` returns vLLM's ``multi_modal_data`` for embedding inputs.
+
+Invariants:
+
+* Image rows fill the placeholder tokens in prompt order: image 0's rows first. The number of
+  placeholder tokens must equal the total rows of all images, else :class:`ConfigError` naming
+  both counts. For the Qwen families each image's rows must also match its grid
+  (``t * h * w / merge**2``) and its placeholders must be contiguous.
+* dtype: rows are cast to the model's dtype (``inputs_embeds`` takes the embedding table's
+  dtype and device); bf16 words become ``torch.bfloat16`` by a view, never a copy, and each row
+  is copied once, into ``inputs_embeds`` (deepstack rows once, into their level's tensor).
+* One prompt per call (batch size 1). torch and transformers are imported inside functions only:
+  importing this module loads neither.
+
+Decoding and chunked prefill (checked on the tiny models, transformers 5.23):
+
+* Decode steps go through the full model with ``position_ids`` given: for the Qwen families the
+  token at index ``L + k`` has position ``position_ids.max() + 1 + k`` in all three rows (do not
+  rely on the model's cached ``rope_deltas``: this path never sets it). ``generate()`` extends
+  given positions by the last token's + 1, which is the same only if the prompt ends with text.
+* Prefill chunk ``[s, e)``: ``inputs_embeds[:, s:e]``, ``position_ids[..., s:e]``,
+  ``attention_mask[:, :e]``, the cache; Qwen3-VL ``visual_pos_masks[:, s:e]`` and each level's
+  rows of the placeholders inside the chunk; Gemma 3 ``token_type_ids[:, :e]`` (from the start,
+  not the chunk's slice) and no chunk edge inside an image (its tokens attend to each other
+  both ways). Chunked logits differed from one-shot ones by ~2e-7 (other matmul shapes).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from vitserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = (*QWEN_FAMILIES, "llava", "gemma3")
+DEEPSTACK_PREFIX = "deepstack_"
+_DEEPSTACK_KEYS = ("visual_pos_masks", "deepstack_visual_embeds")
+
+
+class ImageEmbedding(Protocol):
+    """What the adapters read of one image's embedding (an ``EmbeddingRecord`` has it all)."""
+
+    @property
+    def embedding(self) -> Any: ...
+
+    @property
+    def extras(self) -> Mapping[str, Any]: ...
+
+    @property
+    def grid(self) -> tuple[int, int, int] | None: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+
+# -- M-RoPE positions (pure numpy) ---------------------------------------------------------------
+def mrope_positions(
+    input_ids: Any,
+    grids: Sequence[Sequence[int]],
+    *,
+    image_token_id: int,
+    spatial_merge_size: int,
+) -> tuple[np.ndarray, int]:
+    """Qwen's multimodal rotary positions of one whole prompt: ``(positions [3, L], rope_delta)``.
+
+    Rows are (temporal, height, width). A text token's three positions are equal: one more
+    than the previous text token's, or ``p + max(h, w) / merge`` right after an image that
+    starts at ``p``. Image ``k`` (the next ``t * h * w / merge**2`` ``image_token_id``
+    placeholders, which must be contiguous, in row-major (t, h, w) order) gets
+    ``(p + ti, p + hi, p + wi)`` over its merged grid. ``rope_delta = positions.max() + 1 - L``:
+    the token at index ``i >= L`` (decoding) has position ``i + rope_delta`` in all three rows.
+    Raises ConfigError if the placeholders do not match the grids.
+    """
+    ids = _ids_1d(input_ids)
+    spans = _image_spans(ids, [_merged_grid(g, spatial_merge_size) for g in grids],
+                         image_token_id)  # fmt: skip
+    positions = np.empty((3, ids.size), dtype=np.int64)
+    pos = cursor = 0
+    for (start, end), (t, h, w) in spans:
+        positions[:, cursor:start] = pos + np.arange(start - cursor)
+        pos += start - cursor
+        ti, hi, wi = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        positions[:, start:end] = pos + np.stack([ti.ravel(), hi.ravel(), wi.ravel()])
+        pos += max(h, w)
+        cursor = end
+    positions[:, cursor:] = pos + np.arange(ids.size - cursor)
+    delta = int(positions.max()) + 1 - ids.size if ids.size else 0
+    return positions, delta
+
+
+def _merged_grid(grid: Sequence[int], merge: int) -> tuple[int, int, int]:
+    t, h, w = (int(x) for x in grid)
+    if t < 1 or h < 1 or w < 1 or h % merge or w % merge:
+        raise ConfigError(f"grid {tuple(grid)} is not a (t, h, w) grid divisible by merge {merge}")
+    return t, h // merge, w // merge
+
+
+def _image_spans(
+    ids: np.ndarray, grids: Sequence[tuple[int, int, int]], image_token_id: int
+) -> list[tuple[tuple[int, int], tuple[int, int, int]]]:
+    """Each image's ``[start, end)`` in ``ids``, with its merged grid, in prompt order."""
+    where = np.flatnonzero(ids == image_token_id)
+    _check_count(where.size, sum(t * h * w for t, h, w in grids))
+    spans, row = [], 0
+    for k, grid in enumerate(grids):
+        n = grid[0] * grid[1] * grid[2]
+        start, last = int(where[row]), int(where[row + n - 1])
+        if last - start != n - 1:
+            raise ConfigError(f"the {n} placeholder tokens of image {k} are not contiguous")
+        spans.append(((start, last + 1), grid))
+        row += n
+    return spans
+
+
+def _check_count(placeholders: int, rows: int) -> None:
+    if placeholders != rows:
+        raise ConfigError(
+            f"the prompt has {placeholders} image placeholder tokens but the images have "
+            f"{rows} embedding rows in total; expand each image's placeholder to its rows"
+        )
+
+
+def _ids_1d(input_ids: Any, name: str = "input_ids") -> np.ndarray:
+    ids = np.asarray(input_ids.cpu() if hasattr(input_ids, "cpu") else input_ids)
+    if ids.ndim == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.ndim != 1:
+        raise ConfigError(f"{name} must be of one prompt ([L] or [1, L]), got shape {ids.shape}")
+    return ids.astype(np.int64, copy=False)
+
+
+# -- tensors -------------------------------------------------------------------------------------
+def _tensor(array: Any, tag: str) -> torch.Tensor:
+    """A torch view of a record's array (bf16 words viewed as bfloat16); no copy."""
+    import torch
+
+    if not isinstance(array, torch.Tensor):
+        with warnings.catch_warnings():
+            # Decoded records are read-only views; the adapters only read them (copies are
+            # made into new tensors).
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            array = torch.from_numpy(np.asarray(array))
+    if tag != "bf16" or array.dtype == torch.bfloat16:
+        return array
+    if array.dtype not in (torch.uint16, torch.int16):
+        raise ConfigError(f"a bf16 record must hold 16-bit words, got {array.dtype}")
+    return array.view(torch.bfloat16)
+
+
+def _rows(images: Sequence[ImageEmbedding], name: str | None) -> list[torch.Tensor]:
+    """Each image's ``embedding`` (``name=None``) or extra ``name``, as torch tensors."""
+    out = []
+    for k, image in enumerate(images):
+        array = image.embedding if name is None else image.extras.get(name)
+        if array is None:
+            raise ConfigError(f"image {k} has no {name!r} tensor")
+        out.append(_tensor(array, image.dtype))
+    return out
+
+
+def _deepstack_names(images: Sequence[ImageEmbedding]) -> list[str]:
+    """The deepstack extras of the images (the same for all), in level order."""
+    per_image = [sorted((n for n in i.extras if n.startswith(DEEPSTACK_PREFIX)),
+                        key=lambda n: int(n[len(DEEPSTACK_PREFIX):])) for i in images]  # fmt: skip
+    if any(names != per_image[0] for names in per_image):
+        raise ConfigError("the images do not all carry the same deepstack extras")
+    return per_image[0] if per_image else []
+
+
+def _family(config: Any) -> str:
+    family = str(getattr(config, "model_type", ""))
+    if family not in FAMILIES:
+        raise ConfigError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
+    return family
+
+
+def _grids(images: Sequence[ImageEmbedding], merge: int) -> list[tuple[int, int, int]]:
+    grids = []
+    for k, image in enumerate(images):
+        if image.grid is None:
+            raise ConfigError(f"image {k} has no grid; the Qwen families need each image's grid")
+        t, h, w = (int(x) for x in image.grid)
+        rows = int(image.embedding.shape[0])
+        if rows * merge * merge != t * h * w:
+            raise ConfigError(f"image {k} has {rows} rows but its grid {(t, h, w)} makes "
+                              f"{t * h * w // (merge * merge)} tokens")  # fmt: skip
+        grids.append((t, h, w))
+    return grids
+
+
+# -- transformers --------------------------------------------------------------------------------
+def transformers_inputs(
+    model: Any,
+    input_ids: Any,
+    images: Sequence[ImageEmbedding],
+    *,
+    attention_mask: Any = None,
+) -> dict[str, Any]:
+    """The forward keyword arguments that replace ``pixel_values`` for one prompt.
+
+    ``model`` is the transformers ``*ForConditionalGeneration`` model (its embedding table
+    gives the text rows, its config the family and token ids); ``input_ids`` the prompt
+    (``[L]`` or ``[1, L]``) with each image's placeholder already expanded to one token per
+    embedding row; ``images`` the embeddings in prompt order; ``attention_mask`` an optional
+    ``[L]``/``[1, L]`` 0/1 mask (default all ones; for the Qwen families positions are counted
+    over the tokens it keeps, as transformers does). Returns ``inputs_embeds`` ``[1, L, hidden]``,
+    ``attention_mask`` ``[1, L]`` and the family's extras (see the module docstring); call the
+    model with :func:`transformers_forward`. Raises ConfigError for an unknown family, a
+    placeholder count that is not the images' total rows, or a Qwen image without a grid.
+    """
+    import torch
+
+    config = model.config
+    family = _family(config)
+    ids = _ids_1d(input_ids)
+    image_token = int(config.image_token_id)
+    is_image = ids == image_token
+    rows = _rows(images, None)
+    _check_count(int(is_image.sum()), sum(r.shape[0] for r in rows))
+    mask = np.ones_like(ids) if attention_mask is None else _ids_1d(attention_mask, "mask")
+    if mask.shape != ids.shape:
+        raise ConfigError(f"attention_mask has {mask.size} tokens, input_ids {ids.size}")
+
+    table = model.get_input_embeddings()
+    device = table.weight.device
+    with torch.no_grad():
+        # Placeholder ids are overwritten below; 0 keeps an out-of-vocabulary image id legal.
+        text_ids = torch.from_numpy(np.where(is_image, 0, ids)).to(device)
+        embeds = table(text_ids[None])
+        _scatter(embeds[0], np.flatnonzero(is_image), rows)
+    out: dict[str, Any] = {
+        "inputs_embeds": embeds,
+        "attention_mask": torch.from_numpy(mask[None].copy()).to(device),
+    }
+    if family in QWEN_FAMILIES:
+        out["position_ids"] = _qwen_positions(config, ids, mask, images).to(device)
+    if family == "qwen3_vl":
+        out |= _deepstack_inputs(config, images, is_image, embeds)
+    if family == "gemma3":
+        out["token_type_ids"] = torch.from_numpy(is_image[None].astype(np.int64)).to(device)
+    return out
+
+
+def _scatter(dest: torch.Tensor, where: np.ndarray, parts: Sequence[torch.Tensor]) -> None:
+    """Copy ``parts``' rows, in order, to rows ``where`` of ``dest``, converting to its dtype
+    and device on the way (each row copied once; an image's contiguous run as one slice)."""
+    import torch
+
+    row = 0
+    for part in parts:
+        idx = where[row : row + part.shape[0]]
+        if idx.size and idx[-1] - idx[0] == idx.size - 1:
+            dest[int(idx[0]) : int(idx[-1]) + 1].copy_(part)
+        elif idx.size:
+            dest[torch.from_numpy(idx).to(dest.device)] = part.to(dest.device, dest.dtype)
+        row += part.shape[0]
+
+
+def _stack(parts: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """``parts`` stacked by rows, in ``like``'s dtype and device (each row copied once)."""
+    out = like.new_empty((sum(p.shape[0] for p in parts), like.shape[-1]))
+    _scatter(out, np.arange(out.shape[0]), parts)
+    return out
+
+
+def _qwen_positions(
+    config: Any, ids: np.ndarray, mask: np.ndarray, images: Sequence[ImageEmbedding]
+) -> torch.Tensor:
+    import torch
+
+    merge = int(config.vision_config.spatial_merge_size)
+    grids = _grids(images, merge)
+    keep = mask.astype(bool)
+    positions = np.zeros((3, ids.size), dtype=np.int64)  # masked-out tokens: 0, as transformers
+    positions[:, keep], _ = mrope_positions(
+        ids[keep], grids, image_token_id=int(config.image_token_id), spatial_merge_size=merge
+    )
+    return torch.from_numpy(positions[:, None, :])
+
+
+def _deepstack_inputs(
+    config: Any, images: Sequence[ImageEmbedding], is_image: np.ndarray, like: torch.Tensor
+) -> dict[str, Any]:
+    import torch
+
+    names = _deepstack_names(images)
+    levels = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or [])
+    if images and len(names) != levels:
+        raise ConfigError(f"Qwen3-VL model has {levels} deepstack levels; the images carry "
+                          f"{len(names)} ({', '.join(names) or 'none'})")  # fmt: skip
+    with torch.no_grad():
+        feats = [_stack(_rows(images, name), like) for name in names]
+    return {
+        "visual_pos_masks": torch.from_numpy(is_image[None].copy()).to(like.device),
+        "deepstack_visual_embeds": feats or None,
+    }
+
+
+def transformers_forward(model: Any, inputs: Mapping[str, Any], **kwargs: Any) -> Any:
+    """Run ``model`` on :func:`transformers_inputs` (plus e.g. ``past_key_values``,
+    ``use_cache``, ``logits_to_keep``); returns an output with ``.logits`` and
+    ``.past_key_values``.
+
+    Every family but Qwen3-VL: ``model(**inputs, **kwargs)``. Qwen3-VL with deepstack features:
+    ``model.model.language_model(...)`` then ``model.lm_head`` (the top-level forward cannot
+    pass ``visual_pos_masks`` / ``deepstack_visual_embeds`` through), the same arithmetic as the
+    full model.
+    """
+    if inputs.get("deepstack_visual_embeds") is None:
+        plain = {k: v for k, v in inputs.items() if k not in _DEEPSTACK_KEYS}
+        return model(**plain, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    keep = int(kwargs.pop("logits_to_keep", 0))
+    out = model.model.language_model(**inputs, **kwargs)
+    hidden = out.last_hidden_state[:, -keep:] if keep else out.last_hidden_state
+    return CausalLMOutputWithPast(
+        logits=model.lm_head(hidden),
+        past_key_values=out.past_key_values,
+        hidden_states=out.hidden_states,
+        attentions=out.attentions,
+    )
+
+
+# -- vLLM ----------------------------------------------------------------------------------------
+def vllm_inputs(images: Sequence[ImageEmbedding], *, family: str | None = None) -> dict[str, Any]:
+    """vLLM's ``multi_modal_data`` for ``images`` given as embeddings (pass it with the prompt).
+
+    The form of vLLM's "Embedding Inputs" (``docs/features/multimodal_inputs.md``; the model code
+    ``Qwen2VLImageEmbeddingInputs`` and Qwen3-VL's ``_compute_deepstack_embeds``), read in
+    vLLM's 2025-2026 sources, not run against a server here. The server must be started with
+    ``enable_mm_embeds=True`` (``vllm serve --enable-mm-embeds``), else it refuses embedding
+    inputs. The prompt keeps one unexpanded placeholder per image (Qwen
+    ``<|vision_start|><|image_pad|><|vision_end|>``, LLaVA ``<image>``); vLLM expands it.
+
+    * Qwen2-VL, Qwen2.5-VL, Qwen3-VL (``family`` one of them, or ``None`` with grids on every
+      image): ``{"image": {"image_embeds": [sum rows, width], "image_grid_thw": int64 [n, 3]}}``,
+      the images' rows concatenated in prompt order; vLLM splits them by the grids. For Qwen3-VL
+      vLLM's ``image_embeds`` carries the deepstack features too, concatenated along the hidden
+      dim after the main embedding (``width = hidden * (1 + levels)``, level 0 first): vLLM
+      splits ``[hidden, hidden * levels]`` off each row.
+    * LLaVA (``family="llava"``): ``{"image": [n, rows, hidden]}`` (every image has the same
+      rows).
+    * Gemma 3: ConfigError; vLLM's Gemma 3 takes pixel inputs only.
+
+    Tensors keep the records' dtype (bf16 words as ``torch.bfloat16``).
+    """
+    import torch
+
+    images = list(images)
+    if family is None:
+        if not images or any(i.grid is None for i in images):
+            raise ConfigError("pass family=: only Qwen images (with grids) are recognised alone")
+        family = "qwen3_vl" if _deepstack_names(images) else "qwen2_vl"
+    if family not in FAMILIES:
+        raise ConfigError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
+    if family == "gemma3":
+        raise ConfigError("vLLM takes no image embeddings for Gemma 3 (pixel inputs only)")
+    if not images:
+        raise ConfigError("vllm_inputs needs at least one image")
+    if family == "llava":
+        rows = {int(i.embedding.shape[0]) for i in images}
+        if len(rows) != 1:
+            raise ConfigError(f"LLaVA images must all have the same rows, got {sorted(rows)}")
+        return {"image": torch.stack(_rows(images, None))}
+    names = _deepstack_names(images) if family == "qwen3_vl" else []
+    if family == "qwen3_vl" and not names:
+        raise ConfigError("Qwen3-VL embeddings need their deepstack extras for vLLM")
+    grid = torch.tensor([_grid_of(i, k) for k, i in enumerate(images)], dtype=torch.int64)
+    columns = [_rows(images, None), *(_rows(images, n) for n in names)]
+    return {"image": {"image_embeds": _side_by_side(columns), "image_grid_thw": grid}}
+
+
+def _side_by_side(columns: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """``[sum rows, width * len(columns)]``: image ``k``'s rows of every column side by side,
+    images stacked in order (one copy of each block)."""
+    first = columns[0]
+    width = first[0].shape[1]
+    out = first[0].new_empty((sum(r.shape[0] for r in first), width * len(columns)))
+    row = 0
+    for k, block in enumerate(first):
+        for c, column in enumerate(columns):
+            out[row : row + block.shape[0], c * width : (c + 1) * width] = column[k]
+        row += block.shape[0]
+    return out
+
+
+def _grid_of(image: ImageEmbedding, k: int) -> tuple[int, int, int]:
+    if image.grid is None:
+        raise ConfigError(f"image {k} has no grid; vLLM's Qwen embedding inputs need one")
+    t, h, w = (int(x) for x in image.grid)
+    return t, h, w
+
+
+__all__ = [
+    "FAMILIES",
+    "QWEN_FAMILIES",
+    "ImageEmbedding",
+    "mrope_positions",
+    "transformers_forward",
+    "transformers_inputs",
+    "vllm_inputs",
+]
