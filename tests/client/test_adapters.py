@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vitserve.cache.codec import EmbeddingRecord, decode_record
+from vitserve.cache.codec import EmbeddingRecord
 from vitserve.cache.testing import make_record
 from vitserve.client.adapters import (
     FAMILIES,
@@ -60,21 +60,18 @@ def _images() -> list[bytes]:
 
 
 def _fetch(app: Any) -> list[EmbeddingRecord]:
-    """Encode the test images on ``app``, then fetch their records by key."""
-    response = app.encode(_images())
-    assert response.status_code == 200, response.text
-    records = []
-    for item in response.json()["items"]:
-        fetched = app.client.get(f"{app.url}/v1/embeddings/{item['key']}")
-        assert fetched.status_code == 200, fetched.text
-        records.append(decode_record(fetched.content))
-    return records
+    """The test images' records, through the SDK from ``app``: encoded (hash first), then
+    fetched whole."""
+    from vitserve.client import EncoderClient
+
+    with EncoderClient(app.url) as client:
+        return client.fetch(client.encode(_images()))
 
 
 @pytest.fixture(scope="module")
 def served(deploy, tiny_models) -> Iterator[dict[str, list[EmbeddingRecord]]]:
-    """family -> the two images' records, encoded and fetched over HTTP from a vitserve
-    application serving that family's tiny model (fp32).
+    """family -> the two images' records, encoded and fetched through the client SDK from a
+    vitserve application serving that family's tiny model (fp32).
 
     The five applications start at once (each takes seconds, mostly its replicas' start-up).
     transformers resolves classes lazily, and that is not thread safe, so each model's config
