@@ -215,17 +215,26 @@ class Ingress:
     # -- probe and fetch -------------------------------------------------------------------------
     @api.post("/v1/probe", summary="Which keys the store holds (and, asked, their headers)")
     async def probe(self, request: Request) -> Response:
+        return await self._json_route(request, "probe", self._probe)
+
+    async def _json_route(self, request: Request, route: str, work: Any,
+                          answer: Any = None) -> Response:  # fmt: skip
+        """A route whose request is JSON: ``work(doc)``'s answer (as JSON, or as
+        ``answer(body)`` makes it), or its error (``Retry-After`` where a retry can help);
+        counted in ``requests_total``."""
         import json
 
         try:
             doc = json.loads(await request.body())
         except ValueError as exc:
-            doc = None
             response = _error(MalformedRequestError(f"invalid JSON: {exc}"))
-        if doc is not None:
-            status, body = await self._answer(self._probe(doc))
-            response = JSONResponse(body, status_code=status, headers=_retry_headers(status))
-        metrics.inc("requests_total", route="probe", status=str(response.status_code))
+        else:
+            status, body = await self._answer(work(doc))
+            if status == 200 and answer is not None:
+                response = answer(body)
+            else:
+                response = JSONResponse(body, status_code=status, headers=_retry_headers(status))
+        metrics.inc("requests_total", route=route, status=str(response.status_code))
         return response
 
     async def _probe(self, doc: Any) -> dict[str, Any]:
@@ -331,24 +340,13 @@ class Ingress:
 
     @api.post("/v1/rows", summary="Row ranges of several embeddings in one answer")
     async def rows(self, request: Request) -> Response:
-        import json
-
         from vitserve.cache.codec import pack_records
 
-        try:
-            payload = json.loads(await request.body())
-        except ValueError as exc:
-            payload = None
-            response = _error(MalformedRequestError(f"invalid JSON: {exc}"))
-        if payload is not None:
-            status, body = await self._answer(self._rows(payload))
-            response = (Response(pack_records(body["records"]),
-                                 media_type="application/x-vitserve-records")
-                        if status == 200 else
-                        JSONResponse(body, status_code=status,
-                                     headers=_retry_headers(status)))  # fmt: skip
-        metrics.inc("requests_total", route="rows", status=str(response.status_code))
-        return response
+        def bundle(body: dict[str, Any]) -> Response:
+            return Response(pack_records(body["records"]),
+                            media_type="application/x-vitserve-records")  # fmt: skip
+
+        return await self._json_route(request, "rows", self._rows, bundle)
 
     @api.get("/v1/embeddings/{key}", summary="One embedding in the record format")
     async def fetch(self, key: str, start: int | None = None, end: int | None = None) -> Response:
