@@ -2,7 +2,7 @@
 
 A store maps content keys (64-hex, see ``vitserve.keys``) to values in the record
 format of :mod:`vitserve.cache.codec`, under a namespace prefix. Subclasses implement the raw
-value operations (``_put_values``, ``_get_values``, ``_get_spans``, ...); this base class does
+value operations (``_put_values``, ``_get_values``, ``_get_spans_many``, ...); this base class does
 the encoding, the decoding and integrity checks, and the counting, so that every store treats a
 bad value the same way: **a value that fails any check is a miss, counted in
 ``stats()["integrity_misses"]``, and is never returned.**
@@ -415,21 +415,16 @@ class EmbeddingStore(ABC):
     @abstractmethod
     def _get_head(self, full_key: str) -> Buffer | None:
         """The whole value, or (``head_is_whole_value = False``) at least its prefix and header
-        bytes; ``get_rows`` slices a whole value and calls ``_get_spans`` only after a prefix."""
-
-    def _get_spans(self, full_key: str, spans: list[RowSpan]) -> list[Buffer] | None:
-        """The bytes ``[span.start, span.end)`` of a value, per span; None if it vanished.
-
-        Only called for stores whose ``_get_head`` returns a prefix (a remote store's partial
-        read) when the spans lie beyond it."""
-        raise NotImplementedError(f"{type(self).__name__} returns whole values from _get_head")
+        bytes; row reads slice a whole value and call ``_get_spans_many`` only after a prefix."""
 
     def _get_spans_many(self, items: list[tuple[str, list[RowSpan]]]
                         ) -> list[list[Buffer] | None]:  # fmt: skip
-        """``_get_spans`` of several values (backends batch it in one round trip). A store
-        whose head is the whole value answers from its values (one ``_get_values``)."""
+        """Per ``(full key, spans)``, the bytes ``[span.start, span.end)`` of its value, per
+        span; None if the value vanished. Called by ``get_rows_many`` for spans beyond a head;
+        a remote store reads them all in one round trip. This default serves a store whose head
+        is the whole value, from its values (one ``_get_values``)."""
         if not self.head_is_whole_value:
-            return [self._get_spans(fk, spans) for fk, spans in items]
+            raise NotImplementedError(f"{type(self).__name__} reads prefixes: read the spans")
         values = self._get_values([fk for fk, _ in items]) if items else []
         return [None if v is None else [memoryview(v).cast("B")[sp.start : sp.end] for sp in spans]
                 for (_, spans), v in zip(items, values, strict=True)]  # fmt: skip

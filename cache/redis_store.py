@@ -289,9 +289,6 @@ class RedisStore(EmbeddingStore):
             out.append(chunks)
         return out
 
-    def _get_spans(self, full_key: str, spans: list[RowSpan]) -> list[Buffer] | None:
-        return self._get_spans_many([(full_key, spans)])[0]
-
     @_guarded
     def _delete(self, full_keys: list[str]) -> int:
         if not full_keys:
