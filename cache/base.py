@@ -311,12 +311,11 @@ class EmbeddingStore(ABC):
             if not 0 <= r0 < r1 <= header.num_tokens:
                 raise ConfigError(f"row range [{r0}, {r1}) is outside [0, {header.num_tokens})")
             spans = row_spans(header, r0, r1)
-            if head is not None and len(head) >= spans[-1].end:
-                view = memoryview(head).cast("B")  # the rows are at hand: slice them
+            if head is not None and (self.head_is_whole_value or len(head) >= spans[-1].end):
+                # the rows are at hand: slice them (a truncated value gives short chunks)
+                view = memoryview(head).cast("B")
                 out[i] = self._decode_rows(key, header, [view[sp.start : sp.end] for sp in spans],
                                            r0, r1, spans=spans)  # fmt: skip
-            elif head is not None and self.head_is_whole_value:
-                out[i] = self._decode_rows(key, header, [b""] * len(spans), r0, r1)  # truncated
             else:
                 fetch.append((i, r0, r1, spans))
         fetched = self._get_spans_many([(self.full_key(reads[i][0]), sp) for i, _, _, sp in fetch])
@@ -327,7 +326,8 @@ class EmbeddingStore(ABC):
             elif key in heads:
                 out[i] = self._decode_rows(key, cache[key], chunks, r0, r1, spans=spans)
             else:  # the header came from the caller's cache: a mismatch may mean it is stale
-                out[i] = self._decode_rows(key, cache[key], chunks, r0, r1, True, spans)
+                out[i] = self._decode_rows(key, cache[key], chunks, r0, r1, stale_ok=True,
+                                           spans=spans)  # fmt: skip
                 if out[i] is None:
                     self._count("stale_headers")
                     cache.pop(key, None)

@@ -28,7 +28,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import vitserve.errors as errors
@@ -164,6 +164,20 @@ class ClientCore:
     model: dict[str, Any] | None = None
     headers: OrderedDict[str, Header] = field(default_factory=OrderedDict)
 
+    @classmethod
+    def for_client(cls, url: str | None, handle: Any, store: Any, registry: Any) -> ClientCore:
+        """The core of a client of the service at ``url`` or behind ``handle`` (exactly one),
+        reading ``store`` (a store URL, an open store, or None) directly."""
+        if (url is None) == (handle is None):
+            raise ConfigError("give the service's url or its ingress handle (one of them)")
+        by_url = isinstance(store, str)
+        return cls(store_url=store if by_url else None, store=None if by_url else store,
+                   metrics=ClientMetrics(registry))  # fmt: skip
+
+    def _limit(self, name: str, default: int) -> int:
+        """A request limit the service reported on ``/healthz`` (after describe)."""
+        return int((self.model or {}).get("limits", {}).get(name, default))
+
     # -- the service's model -------------------------------------------------------------------
     def describe(self) -> Flow:
         """The service's ``/healthz`` answer (model, fingerprint, namespace, limits), asked
@@ -214,7 +228,7 @@ class ClientCore:
             first_index.setdefault(k, i)
         handles.update((yield from self._upload(missing, data_of, first_index)))
         return [
-            handles[k] if handles[k].source is not None else _with_source(handles[k], d)
+            handles[k] if handles[k].source is not None else replace(handles[k], source=d)
             for k, d in zip(keys, datas, strict=True)
         ]
 
@@ -223,13 +237,13 @@ class ClientCore:
         direct store read (its headers), or ``/v1/probe`` batches without a store."""
         if not keys:
             return []
-        model = yield from self.describe()
+        yield from self.describe()
         if self.store is not None:
             found = yield StoreCall("headers_many", (list(keys),))
             self.headers.update((h.key, h) for h in found if h is not None)  # for row reads
             return [None if h is None else handle_of_header(h, cached=True) for h in found]
         out: list[ImageHandle | None] = []
-        step = int(model.get("limits", {}).get("max_keys_per_probe", 1024))
+        step = self._limit("max_keys_per_probe", 1024)
         for i in range(0, len(keys), step):
             body = check((yield ApiCall("probe", {"keys": list(keys[i : i + step]),
                                                   "headers": True})))  # fmt: skip
@@ -240,9 +254,8 @@ class ClientCore:
                 index_of: dict[str, int]) -> Flow:  # fmt: skip
         """Encode the images of ``keys`` in requests within the service's limits; their
         handles by key. A refused image raises its error, with the caller's index."""
-        limits = (self.model or {}).get("limits", {})
-        max_images = int(limits.get("max_images_per_request", 64))
-        max_bytes = int(limits.get("max_request_bytes", 2**62))
+        max_images = self._limit("max_images_per_request", 64)
+        max_bytes = self._limit("max_request_bytes", 2**62)
         out: dict[str, ImageHandle] = {}
         for batch in _batches(keys, data_of, max_images, max_bytes):
             body = check((yield ApiCall("encode", {"images": [data_of[k] for k in batch]})))
@@ -263,29 +276,24 @@ class ClientCore:
             raise ConfigError(f"{len(handles)} handles but {len(offsets)} offsets")
         spans = [ImageSpan(o, h.num_tokens) for h, o in zip(handles, offsets, strict=True)]
         pieces = plan_chunk(spans, start, end)
-        started = time.perf_counter()
         reads = [(handles[p.image].key, p.row_start, p.row_end) for p in pieces]
         records = yield from self.read_rows(reads, [handles[p.image] for p in pieces])
-        self.metrics.fetched(time.perf_counter() - started, sum(p.rows for p in pieces),
-                             sum(r.nbytes for r in records))  # fmt: skip
         return FetchedChunk(start, end, pieces, [r.embedding for r in records],
                             [r.extras for r in records])  # fmt: skip
 
     def fetch(self, handles: Sequence[ImageHandle]) -> Flow:
         """Each image's whole record (embedding and extras), in order."""
-        started = time.perf_counter()
-        reads = [(h.key, 0, h.num_tokens) for h in handles]
-        records = yield from self.read_rows(reads, list(handles))
-        self.metrics.fetched(time.perf_counter() - started, sum(h.num_tokens for h in handles),
-                             sum(r.nbytes for r in records))  # fmt: skip
-        return records
+        return (yield from self.read_rows([(h.key, 0, h.num_tokens) for h in handles],
+                                          list(handles)))  # fmt: skip
 
     def read_rows(self, reads: list[tuple[str, int, int]],
                   handles: list[ImageHandle]) -> Flow:  # fmt: skip
         """The checked rows of each read; entries gone are encoded again from their handles'
-        images (one upload for all) and read again, else CacheMissError names them all."""
+        images (one upload for all) and read again, else CacheMissError names them all.
+        Counted in the fetch metrics (rows, bytes, latency)."""
         if not reads:
             return []
+        started = time.perf_counter()
         records = yield from self._read(reads)
         gone = {reads[i][0]: handles[i] for i, r in enumerate(records) if r is None}
         if gone:
@@ -302,6 +310,8 @@ class ClientCore:
             still = [reads[i][0] for i, r in enumerate(records) if r is None]
             if still:
                 raise CacheMissError(list(dict.fromkeys(still)))
+        self.metrics.fetched(time.perf_counter() - started, sum(r1 - r0 for _, r0, r1 in reads),
+                             sum(r.nbytes for r in records))  # fmt: skip
         return records
 
     def _read(self, reads: list[tuple[str, int, int]]) -> Flow:
@@ -313,7 +323,7 @@ class ClientCore:
             while len(self.headers) > HEADER_CACHE_SIZE:
                 self.headers.popitem(last=False)
             return records
-        step = int(self.model.get("limits", {}).get("max_keys_per_probe", 1024))
+        step = self._limit("max_keys_per_probe", 1024)
         replies: list[Reply] = []
         for i in range(0, len(reads), step):  # one call per batch the service accepts
             answer = yield ApiCall("rows", reads[i : i + step])
@@ -324,21 +334,8 @@ class ClientCore:
                 out.append(None)
                 continue
             record = decode_record(check(reply), key=key, fingerprint=self.model["fingerprint"])
-            out.append(_shifted(record, r0))
+            out.append(replace(record, row_start=r0))  # the rows' record as a partial one
         return out
-
-
-def _shifted(record: EmbeddingRecord, row_start: int) -> EmbeddingRecord:
-    """A row-range answer of the HTTP API (a record of just those rows) as a partial record."""
-    from dataclasses import replace
-
-    return replace(record, row_start=row_start)
-
-
-def _with_source(handle: ImageHandle, source: bytes) -> ImageHandle:
-    from dataclasses import replace
-
-    return replace(handle, source=source)
 
 
 def _item_error(doc: dict[str, Any], index: int) -> VitserveError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vitserve.cache.codec import DTYPES
 from vitserve.client.chunks import ChunkPiece
 
 
@@ -42,7 +43,7 @@ class ImageHandle:
     @property
     def row_bytes(self) -> int:
         """Bytes of one row of the embedding (extras come on top)."""
-        return self.shape[1] * {"fp32": 4, "fp16": 2, "bf16": 2}[self.dtype]
+        return self.shape[1] * DTYPES[self.dtype].itemsize
 
 
 @dataclass(frozen=True, slots=True)

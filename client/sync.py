@@ -13,9 +13,8 @@ from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, retry_d
 from vitserve.client.device import to_device
 from vitserve.client.handles import FetchedChunk, ImageHandle
 from vitserve.client.inputs import ImageInput
-from vitserve.client.metrics import ClientMetrics
 from vitserve.client.transports import HandleTransport, HttpTransport
-from vitserve.errors import ConfigError, VitserveError
+from vitserve.errors import VitserveError
 
 
 class EncoderClient:
@@ -32,15 +31,9 @@ class EncoderClient:
     def __init__(self, url: str | None = None, *, handle: Any = None, store: Any = None,
                  retry: RetryPolicy | None = None, timeout_s: float = 60.0,
                  registry: Any = None) -> None:  # fmt: skip
-        if (url is None) == (handle is None):
-            raise ConfigError("give the service's url or its ingress handle (one of them)")
+        self.core = ClientCore.for_client(url, handle, store, registry)
         self.transport = HttpTransport(url, timeout_s) if url else HandleTransport(handle)
         self.retry = retry or RetryPolicy()
-        self.core = ClientCore(
-            store_url=store if isinstance(store, str) else None,
-            store=None if isinstance(store, str) else store,
-            metrics=ClientMetrics(registry),
-        )
 
     # -- the operations ------------------------------------------------------------------------
     def encode(self, images: Sequence[ImageInput]) -> list[ImageHandle]:

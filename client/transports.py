@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from vitserve.client.core import ApiCall, Reply, retry_after_seconds
-from vitserve.errors import ConfigError, ServiceUnavailableError
+from vitserve.errors import ConfigError, ServiceUnavailableError, actor_unavailable_errors
 
 # httpx's errors that a retry can help: the connection failed, dropped or timed out
 _RETRYABLE = (httpx.TransportError,)
@@ -109,14 +109,7 @@ def _handle_reply(answer: tuple[int, Any]) -> Reply | list[Reply]:
     status, body = answer
     if status == 200 and isinstance(body, dict) and "records" in body:
         return [Reply(404, None) if r is None else Reply(200, r) for r in body["records"]]
-    return Reply(status, body, 1.0 if status in (429, 503) else None)
-
-
-def _handle_errors() -> tuple[type[BaseException], ...]:
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-    from ray.serve.exceptions import DeploymentUnavailableError
-
-    return (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError)
+    return Reply(status, body)  # no Retry-After on a handle: the retry policy's backoff
 
 
 def _handle_payload(call: ApiCall) -> Any:
@@ -136,7 +129,7 @@ class HandleTransport:
             return _handle_reply(
                 self.handle.call.remote(call.route, _handle_payload(call)).result()
             )
-        except _handle_errors() as exc:
+        except actor_unavailable_errors() as exc:
             raise _unavailable(exc, self.where) from exc
 
     def close(self) -> None:
@@ -149,7 +142,7 @@ class AsyncHandleTransport(HandleTransport):
     async def call(self, call: ApiCall) -> Reply | list[Reply]:  # type: ignore[override]
         try:
             return _handle_reply(await self.handle.call.remote(call.route, _handle_payload(call)))
-        except _handle_errors() as exc:
+        except actor_unavailable_errors() as exc:
             raise _unavailable(exc, self.where) from exc
 
     async def close(self) -> None:  # type: ignore[override]

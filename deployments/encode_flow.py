@@ -46,6 +46,7 @@ from vitserve.errors import (
     CacheMissError,
     ServiceUnavailableError,
     StoreError,
+    actor_unavailable_errors,
 )
 
 log = logging.getLogger("ray.serve")
@@ -63,11 +64,7 @@ def backpressure(exc: Exception) -> BackpressureError | None:
 def unavailable(exc: Exception) -> ServiceUnavailableError | None:
     """A dead or restarting encoder replica (Ray's actor errors, Serve's unavailable
     deployment) as a retryable 503, or None for other errors."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-    from ray.serve.exceptions import DeploymentUnavailableError
-
-    if isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError,
-                        DeploymentUnavailableError)):  # fmt: skip
+    if isinstance(exc, actor_unavailable_errors()):
         return ServiceUnavailableError("encoder", f"{type(exc).__name__}: {exc}"[:300])
     return None
 

@@ -66,12 +66,13 @@ api = FastAPI(
 
 
 def _retry_headers(status: int) -> dict[str, str] | None:
+    """``Retry-After`` on the answers a retry can help (429: at capacity, 503: unavailable)."""
     return {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
 
 
 def _error(exc: VitserveError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.retryable else None
-    return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status, headers=headers)
+    return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status,
+                        headers=_retry_headers(exc.http_status))  # fmt: skip
 
 
 def _rows_record(part: Any) -> Any:
@@ -277,15 +278,13 @@ class Ingress:
         HTTP proxy. ``route``: ``healthz`` (no payload), ``probe`` (the JSON of
         ``/v1/probe``), ``encode`` (``{"images": [bytes | 64-hex key, ...]}``, the limits of
         ``/v1/encode`` checked the same way), ``rows`` (``{"reads": [[key, start, end], ...]}``)."""
-        if route == "healthz":
-            return await self._answer(self._health())
-        if route == "probe":
-            return await self._answer(self._probe(payload))
-        if route == "encode":
-            return await self._answer(self._encode_payload(payload))
-        if route == "rows":
-            return await self._answer(self._rows(payload))
-        return await self._answer(self._unknown_route(route))
+        routes = {"healthz": lambda: self._health(), "probe": lambda: self._probe(payload),
+                  "encode": lambda: self._encode_payload(payload),
+                  "rows": lambda: self._rows(payload)}  # fmt: skip
+        if route not in routes:
+            unknown = MalformedRequestError(f"unknown route {route!r}; use {sorted(routes)}", 404)
+            return unknown.http_status, {"error": unknown.to_dict()}
+        return await self._answer(routes[route]())
 
     async def _health(self) -> dict[str, Any]:
         """Liveness, the model (fingerprint and namespace: what a client keys images with)
@@ -321,9 +320,6 @@ class Ingress:
         records = [None if p is None else bytes(encode_record(_rows_record(p))) for p in parts]
         metrics.inc("bytes_fetched_total", sum(len(r) for r in records if r))
         return {"records": records}
-
-    async def _unknown_route(self, route: str) -> dict[str, Any]:
-        raise MalformedRequestError(f"unknown route {route!r}; use healthz, probe or encode", 404)
 
     async def _encode_payload(self, payload: Any) -> dict[str, Any]:
         images = payload.get("images") if isinstance(payload, dict) else None

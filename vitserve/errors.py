@@ -165,6 +165,16 @@ class ApiError(VitserveError):
         self.retryable = status in (429, 503)
 
 
+def actor_unavailable_errors() -> tuple[type[BaseException], ...]:
+    """Ray's errors for a replica that died, restarts or cannot be reached (importing Ray only
+    when called): what both the ingress and the client's handle transport turn into a
+    retryable :class:`ServiceUnavailableError`."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    return (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError)
+
+
 class BackpressureError(VitserveError):
     """The service is at capacity (its queue is full); retry after a pause."""
 
