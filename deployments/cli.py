@@ -15,7 +15,7 @@ def _make_model(args: argparse.Namespace) -> None:
     from vitserve.encoder.testmodels import make_model
 
     out = make_model(args.family, args.preset, args.out, seed=args.seed)
-    print(f"wrote a random-weight {args.family} ({args.preset}) model to {out}")
+    print(f"wrote random {args.family} ({args.preset}) model, tokenizer and chat template to {out}")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -5,6 +5,12 @@ language model) of one of the supported families with random weights and saves i
 ``save_pretrained`` as sharded safetensors plus its image-processor config, so that it loads
 through exactly the path a published checkpoint takes. No network is needed.
 
+Each model folder also holds an offline tokenizer (:func:`make_tokenizer`): a small byte-level
+BPE trained on a built-in English corpus, padded to the model's vocabulary with the family's
+special tokens at the ids its config names, and a chat template in the family's published
+format, so a text prompt runs through ``AutoTokenizer`` and ``apply_chat_template`` into the
+model with no model hub. The generation config stops on the family's end-of-turn token.
+
 Presets (the language model stays small in all of them; only the vision side scales):
 
 * ``tiny``: well under a million parameters, for tests (milliseconds per image on a CPU). Its
@@ -20,19 +26,31 @@ Presets (the language model stays small in all of them; only the vision side sca
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vitserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3")
 PRESETS = ("tiny", "small", "large")
 
 # Special-token ids placed inside the small test vocabulary.
 VOCAB_SIZE = 2048
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
 IMAGE_TOKEN_ID = 2000
 VIDEO_TOKEN_ID = 2001
 VISION_START_ID = 2002
 VISION_END_ID = 2003
+START_OF_TURN_ID = 2004  # Gemma 3's turn markers
+END_OF_TURN_ID = 2005
+
+# Part of the cache folder names: bumped whenever make_model's output changes, so that
+# cached_model rebuilds folders an older version wrote (v2: the tokenizer and chat template).
+CACHE_VERSION = "v2"
 
 # The test models cap Qwen's pixels so that 720p/1080p inputs are scaled down to a size a CPU
 # encodes in seconds; ``large`` keeps the published limit (1,003,520 pixels).
@@ -77,9 +95,9 @@ def _text_config(preset: str, **extra: Any) -> dict[str, Any]:
         "num_key_value_heads": max(1, heads // 2),
         "head_dim": _HEAD_DIM,
         "max_position_embeddings": 4096,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
         **sizes,
         **extra,
     }
@@ -216,6 +234,198 @@ def _processor(family: str, preset: str, config: Any) -> Any:
     return tf.Gemma3ImageProcessorPil(size={"height": side, "width": side})
 
 
+# The tokenizers' special tokens, id -> token, as the published checkpoints spell them. Every
+# other id up to VOCAB_SIZE is a BPE piece or a filler special token (``<unused{id}>``).
+_SPECIAL_TOKENS: dict[str, dict[int, str]] = {
+    "qwen": {
+        PAD_ID: "<|endoftext|>",
+        BOS_ID: "<|im_start|>",
+        EOS_ID: "<|im_end|>",
+        IMAGE_TOKEN_ID: "<|image_pad|>",
+        VIDEO_TOKEN_ID: "<|video_pad|>",
+        VISION_START_ID: "<|vision_start|>",
+        VISION_END_ID: "<|vision_end|>",
+    },
+    "llava": {PAD_ID: "<pad>", BOS_ID: "<s>", EOS_ID: "</s>", IMAGE_TOKEN_ID: "<image>"},
+    "gemma3": {
+        PAD_ID: "<pad>",
+        BOS_ID: "<bos>",
+        EOS_ID: "<eos>",
+        IMAGE_TOKEN_ID: "<image_soft_token>",
+        VISION_START_ID: "<start_of_image>",
+        VISION_END_ID: "<end_of_image>",
+        START_OF_TURN_ID: "<start_of_turn>",
+        END_OF_TURN_ID: "<end_of_turn>",
+    },
+}
+# The token that ends a turn (generation stops on it and on EOS_ID).
+_END_OF_TURN = {"qwen": EOS_ID, "llava": EOS_ID, "gemma3": END_OF_TURN_ID}
+# Named multimodal tokens (``tokenizer.image_token`` and ``tokenizer.image_token_id``, ...),
+# which the transformers processors look up.
+_NAMED_TOKENS = {
+    "qwen": {
+        "image_token": IMAGE_TOKEN_ID,
+        "video_token": VIDEO_TOKEN_ID,
+        "vision_start_token": VISION_START_ID,
+        "vision_end_token": VISION_END_ID,
+    },
+    "llava": {"image_token": IMAGE_TOKEN_ID},
+    "gemma3": {
+        "image_token": IMAGE_TOKEN_ID,
+        "boi_token": VISION_START_ID,
+        "eoi_token": VISION_END_ID,
+    },
+}
+
+# The English the BPE merges are trained on (any text round-trips through the byte-level
+# alphabet; this only makes common words a few tokens long).
+_CORPUS = (
+    "You are a helpful assistant.",
+    "Describe this image in detail.",
+    "What is in the picture?",
+    "What is the difference between these two images?",
+    "How many people are in this photo?",
+    "Read the text on the sign and translate it into French.",
+    "The quick brown fox jumps over the lazy dog.",
+    "A cat is sitting on a red mat next to the window.",
+    "Two dogs are playing with a ball in the park.",
+    "The photo shows a city street at night with cars and lights.",
+    "There is a small boat on the lake under a blue sky.",
+    "A woman is riding a bicycle along the beach.",
+    "The chart shows sales growing every year from 2019 to 2024.",
+    "This is a screenshot of a web page with a search box.",
+    "The man in the green jacket is holding an umbrella.",
+    "Please answer the question in one short sentence.",
+    "Yes, there are three apples and one orange on the table.",
+    "No, I cannot see any animals in this image.",
+    "The image is a diagram of the water cycle.",
+    "Compare the colors of the first and the second picture.",
+    "Write a short caption for each of the images.",
+    "The building on the left is taller than the one on the right.",
+    "It looks like a sunny day in the mountains.",
+    "The document contains a table with names, dates and numbers.",
+    "Hello world! Thank you, that was very helpful.",
+    "Can you tell me what time it is on the clock?",
+    "The vision encoder turns every image into a sequence of tokens.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.",
+    "user assistant system model USER ASSISTANT",
+    "Let me think about it step by step, then give the final answer.",
+)
+
+
+# What one image part of a message renders to: exactly one image marker each.
+_IMAGE_PART = {
+    "qwen": "<|vision_start|><|image_pad|><|vision_end|>",
+    "llava": "<image>\n",
+    "gemma3": "<start_of_image>",
+}
+
+
+def _chat_template(style: str) -> str:
+    """The Jinja chat template of a family, after its published one (without default system
+    messages, tools or videos). ``content`` is a string or a list of ``{"type": "text",
+    "text": ...}`` and ``{"type": "image"}`` / ``{"type": "image_url", ...}`` parts."""
+    # Gemma 3 trims text, as its published template does.
+    trim = " | trim" if style == "gemma3" else ""
+    render = (
+        "{% macro render(content) %}"
+        "{% if content is string %}{{ content@TRIM@ }}"
+        "{% else %}{% for part in content %}"
+        "{% if part['type'] in ('image', 'image_url') %}@IMAGE@"
+        "{% elif part['type'] == 'text' %}{{ part['text']@TRIM@ }}"
+        "{% else %}{{ raise_exception('unsupported content part type: ' ~ part['type']) }}"
+        "{% endif %}{% endfor %}{% endif %}"
+        "{% endmacro %}"
+    )
+    render = render.replace("@IMAGE@", _IMAGE_PART[style]).replace("@TRIM@", trim)
+    if style == "qwen":
+        return (
+            render + "{% for message in messages %}"
+            "<|im_start|>{{ message['role'] }}\n{{ render(message['content']) }}<|im_end|>\n"
+            "{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        )
+    if style == "llava":
+        return (
+            render + "<s>{% for message in messages %}"
+            "{% if message['role'] == 'system' %}{{ render(message['content']) }} "
+            "{% elif message['role'] == 'user' %}USER: {{ render(message['content']) }} "
+            "{% elif message['role'] == 'assistant' %}"
+            "ASSISTANT: {{ render(message['content']) }}</s>"
+            "{% else %}{{ raise_exception('unsupported role: ' ~ message['role']) }}"
+            "{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+        )
+    # Gemma 3: a system message opens the first user turn; the assistant's role is "model".
+    return (
+        render + "<bos>{% for message in messages %}"
+        "{% if message['role'] != 'system' %}"
+        "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+        "{% if loop.index0 == 1 and messages[0]['role'] == 'system' %}"
+        "{{ render(messages[0]['content']) }}\n\n{% endif %}"
+        "{{ render(message['content']) }}<end_of_turn>\n"
+        "{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    )
+
+
+def _style(family: str) -> str:
+    return "qwen" if family.startswith("qwen") else family
+
+
+def make_tokenizer(family: str, config: Any) -> PreTrainedTokenizerFast:
+    """The offline ``PreTrainedTokenizerFast`` (with chat template) of a ``family`` test model.
+
+    Invariants: exactly ``VOCAB_SIZE`` ids, each of which decodes; pad/bos/eos at ids 0/1/2,
+    the image token at ``IMAGE_TOKEN_ID`` and the family's other special tokens at the ids its
+    config names (see ``_SPECIAL_TOKENS``); unused ids are ``<unused{id}>`` special tokens. All
+    special tokens are split out of text. The chat template renders each image part as exactly
+    one image marker (Qwen ``<|image_pad|>`` between vision start/end, LLaVA ``<image>``, Gemma 3
+    ``<start_of_image>``) and adds BOS itself where the family has one in its prompts; encoding
+    adds no special tokens. The BPE part is deterministic (same files on every run).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.trainers import BpeTrainer
+    from transformers import PreTrainedTokenizerFast
+
+    style = _style(family)
+    specials = _SPECIAL_TOKENS[style]
+    text_specials = [specials[i] for i in (PAD_ID, BOS_ID, EOS_ID)]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    # An explicit post-processor that adds nothing: without one transformers installs its own.
+    bpe.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False)
+    trainer = BpeTrainer(
+        vocab_size=IMAGE_TOKEN_ID,  # the merges stay below the multimodal ids
+        special_tokens=text_specials,  # ids 0, 1, 2, in this order
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_CORPUS, trainer)
+    first = bpe.get_vocab_size()
+    bpe.add_special_tokens(
+        [
+            AddedToken(specials.get(i, f"<unused{i}>"), special=True, normalized=False)
+            for i in range(first, VOCAB_SIZE)
+        ]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        pad_token=specials[PAD_ID],
+        bos_token=specials[BOS_ID],
+        eos_token=specials[EOS_ID],
+        extra_special_tokens={k: specials[i] for k, i in _NAMED_TOKENS[style].items()},
+        model_max_length=config.get_text_config().max_position_embeddings,
+        clean_up_tokenization_spaces=False,
+        chat_template=_chat_template(style),
+    )
+    wrong = {i: t for i, t in specials.items() if tokenizer.convert_tokens_to_ids(t) != i}
+    if len(tokenizer) != VOCAB_SIZE or wrong:
+        raise AssertionError(f"tokenizer of {len(tokenizer)} ids; special tokens off: {wrong}")
+    return tokenizer
+
+
 def full_model_class(family: str) -> Any:
     """The transformers ``*ForConditionalGeneration`` class of a family."""
     import transformers as tf
@@ -251,8 +461,10 @@ def make_model(
     """Build a random-weight ``family`` VLM of ``preset`` size and save it to ``out``.
 
     Weights are saved as several safetensors shards with an index (``max_shard_size`` defaults
-    to a size that splits even the tiny model), the config and the image-processor config.
-    Deterministic for a given ``seed``. Returns ``out``.
+    to a size that splits even the tiny model), the config, the generation config (stopping on
+    EOS and the family's end-of-turn token), the image-processor config and the tokenizer with
+    its chat template (:func:`make_tokenizer`). Deterministic for a given ``seed``. Returns
+    ``out``.
     """
     import torch
 
@@ -270,11 +482,16 @@ def make_model(
                 # mm_input_projection_weight); all-zero image features would make every
                 # equality test vacuous.
                 param.normal_(0.0, 0.02)
+    end_of_turn = _END_OF_TURN[_style(family)]
+    model.generation_config.eos_token_id = sorted({EOS_ID, end_of_turn})
+    model.generation_config.bos_token_id = BOS_ID
+    model.generation_config.pad_token_id = PAD_ID
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     shard = max_shard_size or {"tiny": "400KB", "small": "200MB", "large": "2GB"}[preset]
     model.save_pretrained(out, max_shard_size=shard, safe_serialization=True)
     _processor(family, preset, config).save_pretrained(out)
+    make_tokenizer(family, config).save_pretrained(out)
     return out
 
 
@@ -290,7 +507,7 @@ def cache_dir() -> Path:
 
 
 def _cache_path(family: str, preset: str, seed: int) -> Path:
-    return cache_dir() / "models" / f"{family}-{preset}-seed{seed}"
+    return cache_dir() / "models" / f"{family}-{preset}-seed{seed}-{CACHE_VERSION}"
 
 
 def is_cached(family: str, preset: str, *, seed: int = 0) -> bool:
