@@ -16,6 +16,10 @@ each adapter lists the alternatives, and exactly one must match.
 While reading, the loader hashes each vision tensor's bytes (blake3); ``weight_digest`` combines
 those hashes with the tensors' module names, dtypes and shapes in name order. It pins exactly the
 weights that determine the embeddings, whatever the checkpoint's naming layout or sharding.
+
+The checkpoint plumbing (:class:`CheckpointSource`, :func:`read_weight_map`, :func:`read_header`,
+:func:`read_tensor`, :func:`read_tensors`, :func:`checkpoint_bytes`) is shared with the
+language-model-only loader, :mod:`vitserve.encoder.language_model`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import json
 import re
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +58,9 @@ class LoadReport:
     shards_read: tuple[str, ...]
     shards_total: int
     seconds: float
+    # The checkpoint names of the tensors read, in name order (filled by the language-model
+    # loader; the vision loader leaves it empty).
+    tensor_names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +74,7 @@ class LoadedVision:
     report: LoadReport
 
 
-class _Source:
+class CheckpointSource:
     """Where checkpoint files come from: a local folder, or an HF repo through its cache."""
 
     def __init__(self, model: str, revision: str | None) -> None:
@@ -116,7 +123,7 @@ class _Source:
         return local
 
 
-def _read_header(path: Path) -> tuple[dict[str, Any], int]:
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
     """A safetensors file's header and the offset where its data starts."""
     with path.open("rb") as f:
         raw = f.read(8)
@@ -150,10 +157,14 @@ def _match(
     return plan
 
 
-def _read_tensor(f: Any, base: int, info: Mapping[str, Any]) -> tuple[Any, str]:
+def read_tensor(
+    f: Any, base: int, info: Mapping[str, Any], *, digest: bool = True
+) -> tuple[Any, str | None]:
     """Read one tensor with a positioned read straight into its torch buffer (no extra copy).
 
-    Returns the tensor and the blake3 hex digest of its bytes.
+    ``f`` is the shard opened for binary reading, ``base`` where its data starts
+    (:func:`read_header`), ``info`` the tensor's header entry. Returns the tensor and the blake3
+    hex digest of its bytes (``None`` when ``digest`` is false).
     """
     import torch
 
@@ -170,10 +181,75 @@ def _read_tensor(f: Any, base: int, info: Mapping[str, Any]) -> tuple[Any, str]:
         if not n:
             raise ModelLoadError(f.name, "truncated safetensors file")
         done += n
-    return tensor, blake3.blake3(buf).hexdigest()
+    return tensor, blake3.blake3(buf).hexdigest() if digest else None
 
 
-def _read_configs(source: _Source) -> tuple[Any, Any, type[FamilyAdapter]]:
+def read_weight_map(source: CheckpointSource) -> tuple[dict[str, str], int | None]:
+    """The checkpoint's {tensor name: shard file} (from the index, or the single file's header)
+    and the index's ``total_size`` (``None`` where there is none)."""
+    if source.exists(INDEX_FILE):
+        index = json.loads(source.fetch(INDEX_FILE).read_text())
+        total_size = index.get("metadata", {}).get("total_size")
+        return index["weight_map"], total_size
+    if source.exists(SINGLE_FILE):
+        header, _ = read_header(source.fetch(SINGLE_FILE))
+        return dict.fromkeys(header, SINGLE_FILE), None
+    raise ModelLoadError(source.model, f"no {INDEX_FILE} or {SINGLE_FILE}")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorsRead:
+    """What :func:`read_tensors` read."""
+
+    tensors: dict[str, Any]  # checkpoint name -> tensor (as stored, or as ``convert`` made it)
+    digests: dict[str, str]  # checkpoint name -> "dtype|shape|blake3 of its bytes" (if asked)
+    bytes_read: int  # header bytes of the shards opened plus the tensors' bytes
+    shards: tuple[str, ...]  # the shards opened, sorted
+
+
+def read_tensors(
+    source: CheckpointSource,
+    weight_map: Mapping[str, str],
+    names: Iterable[str],
+    *,
+    digest: bool = True,
+    convert: Callable[[str, Any], Any] | None = None,
+) -> TensorsRead:
+    """Read the tensors ``names`` (checkpoint names) and nothing else: only the shards that hold
+    them are opened (for an HF id, downloaded), each tensor with one positioned read, in file
+    order. ``convert(name, tensor)``, if given, is applied to each tensor as soon as it is read
+    (cast it, move it to the device), so at most one tensor at a time waits on the host."""
+    by_shard: dict[str, list[str]] = {}
+    for name in names:
+        by_shard.setdefault(weight_map[name], []).append(name)
+    tensors: dict[str, Any] = {}
+    digests: dict[str, str] = {}
+    bytes_read = 0
+    for shard in sorted(by_shard):
+        path = source.fetch(shard)
+        header, base = read_header(path)
+        bytes_read += base
+        wanted = sorted(by_shard[shard], key=lambda n: header[n]["data_offsets"][0])
+        with path.open("rb", buffering=0) as f:
+            for name in wanted:
+                info = header.get(name)
+                if info is None:
+                    raise ModelLoadError(source.model, f"{name} is in the index but not in {shard}")
+                tensor, data_digest = read_tensor(f, base, info, digest=digest)
+                tensors[name] = tensor if convert is None else convert(name, tensor)
+                if digest:
+                    digests[name] = f"{info['dtype']}|{info['shape']}|{data_digest}"
+                bytes_read += info["data_offsets"][1] - info["data_offsets"][0]
+    return TensorsRead(tensors, digests, bytes_read, tuple(sorted(by_shard)))
+
+
+def checkpoint_bytes(source: CheckpointSource, total_size: int | None) -> int:
+    """The checkpoint's size: the index's ``total_size`` (tensor bytes of every shard, so no
+    shard is opened just to size it), else the single file's size."""
+    return int(total_size) if total_size else source.fetch(SINGLE_FILE).stat().st_size
+
+
+def _read_configs(source: CheckpointSource) -> tuple[Any, Any, type[FamilyAdapter]]:
     """The model config, the image processor and the family adapter class of ``source``."""
     from transformers import AutoConfig, AutoImageProcessor
 
@@ -194,7 +270,7 @@ def load_preprocessor(model: str, *, revision: str | None = None) -> FamilyAdapt
     for CPU workers that turn images into pixel arrays for the encoder."""
     import torch
 
-    config, processor, adapter_cls = _read_configs(_Source(model, revision))
+    config, processor, adapter_cls = _read_configs(CheckpointSource(model, revision))
     return adapter_cls(config, processor, {}, device=torch.device("cpu"), dtype=torch.float32)
 
 
@@ -210,45 +286,18 @@ def load_vision(
     from transformers.initialization import no_init_weights
 
     started = time.perf_counter()
-    source = _Source(model, revision)
+    source = CheckpointSource(model, revision)
     config, processor, adapter_cls = _read_configs(source)
 
-    total_size = None
-    if source.exists(INDEX_FILE):
-        index = json.loads(source.fetch(INDEX_FILE).read_text())
-        weight_map: dict[str, str] = index["weight_map"]
-        total_size = index.get("metadata", {}).get("total_size")
-    elif source.exists(SINGLE_FILE):
-        header, _ = _read_header(source.fetch(SINGLE_FILE))
-        weight_map = dict.fromkeys(header, SINGLE_FILE)
-    else:
-        raise ModelLoadError(model, f"no {INDEX_FILE} or {SINGLE_FILE}")
+    weight_map, total_size = read_weight_map(source)
     plan = _match(adapter_cls.weight_prefixes, sorted(weight_map), model)
-
-    by_shard: dict[str, list[str]] = {}
-    for hits in plan.values():
-        for name in hits:
-            by_shard.setdefault(weight_map[name], []).append(name)
 
     targets = {
         name: f"{module}.{key}" for module, hits in plan.items() for name, key in hits.items()
     }
-    tensors: dict[str, Any] = {}
-    tensor_digests: dict[str, str] = {}
-    bytes_read = 0
-    for shard in sorted(by_shard):
-        path = source.fetch(shard)
-        header, base = _read_header(path)
-        bytes_read += base
-        wanted = sorted(by_shard[shard], key=lambda n: header[n]["data_offsets"][0])
-        with path.open("rb", buffering=0) as f:
-            for name in wanted:
-                info = header.get(name)
-                if info is None:
-                    raise ModelLoadError(model, f"{name} is in the index but not in {shard}")
-                tensors[name], data_digest = _read_tensor(f, base, info)
-                tensor_digests[targets[name]] = f"{info['dtype']}|{info['shape']}|{data_digest}"
-                bytes_read += info["data_offsets"][1] - info["data_offsets"][0]
+    read = read_tensors(source, weight_map, targets)
+    tensors = read.tensors
+    tensor_digests = {targets[name]: d for name, d in read.digests.items()}
 
     with no_init_weights(), torch.device("cpu"):
         modules = adapter_cls.build_modules(config)
@@ -268,13 +317,11 @@ def load_vision(
         module.to(device=device)
 
     shard_names = set(weight_map.values())
-    # Sized from the index (tensor bytes of every shard), so no shard is opened just to size it.
-    checkpoint_bytes = int(total_size) if total_size else source.fetch(SINGLE_FILE).stat().st_size
     report = LoadReport(
         tensors_read=sum(len(h) for h in plan.values()),
-        bytes_read=bytes_read,
-        checkpoint_bytes=checkpoint_bytes,
-        shards_read=tuple(sorted(by_shard)),
+        bytes_read=read.bytes_read,
+        checkpoint_bytes=checkpoint_bytes(source, total_size),
+        shards_read=read.shards,
         shards_total=len(shard_names),
         seconds=time.perf_counter() - started,
     )
