@@ -51,10 +51,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from vitserve.client.chunks import ImageSpan, chunk_bounds
 from vitserve.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -351,6 +353,176 @@ def transformers_forward(model: Any, inputs: Mapping[str, Any], **kwargs: Any) -
     )
 
 
+# -- chunked prefill ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PromptLayout:
+    """One prompt as a chunked prefill sees it, known before any embedding row is fetched
+    (from the token ids and each image's ``num_tokens``, ``grid``, ``dtype`` and extras alone).
+
+    ``spans[k]`` is image ``k``'s run of placeholders (one per embedding row); ``positions``
+    Qwen's M-RoPE positions of the whole prompt (``[3, L]``, else None), sliced per chunk;
+    ``deepstack`` Qwen3-VL's extras in level order. ``keep_images_whole``: Gemma 3, whose image
+    tokens attend to each other both ways, so no chunk edge may fall inside an image.
+    """
+
+    family: str
+    input_ids: np.ndarray
+    spans: tuple[ImageSpan, ...]
+    dtypes: tuple[str, ...]
+    positions: np.ndarray | None
+    deepstack: tuple[str, ...]
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.size)
+
+    @property
+    def offsets(self) -> list[int]:
+        return [s.offset for s in self.spans]
+
+    @property
+    def keep_images_whole(self) -> bool:
+        return self.family == "gemma3"
+
+    @property
+    def is_image(self) -> np.ndarray:
+        mask = np.zeros(self.length, dtype=bool)
+        for span in self.spans:
+            mask[span.offset : span.end] = True
+        return mask
+
+    def chunk_bounds(self, chunk_size: int) -> list[tuple[int, int]]:
+        """The prefill chunks (see :func:`vitserve.client.chunks.chunk_bounds`)."""
+        return chunk_bounds(self.length, chunk_size,
+                            self.spans if self.keep_images_whole else ())  # fmt: skip
+
+    def decode_position(self, k: int) -> int:
+        """The position of generated token ``k`` (prompt index ``L + k``): for Qwen one past
+        the prompt's largest M-RoPE position, plus ``k``, in all three rows."""
+        if self.positions is None or not self.length:
+            return self.length + k
+        return int(self.positions.max()) + 1 + k
+
+
+def prompt_layout(config: Any, input_ids: Any, images: Sequence[Any]) -> PromptLayout:
+    """The :class:`PromptLayout` of one prompt. ``config`` is the model's config; ``images``
+    (e.g. the client's ``ImageHandle``s) in prompt order, each with ``num_tokens``, ``grid``
+    (Qwen), ``dtype`` and ``extras`` (names). Raises ConfigError unless each image's
+    placeholders are one contiguous run of exactly its ``num_tokens`` (and, for Qwen, match
+    its grid)."""
+    family = _family(config)
+    ids = _ids_1d(input_ids)
+    image_token = int(config.image_token_id)
+    where = np.flatnonzero(ids == image_token)
+    counts = [int(i.num_tokens) for i in images]
+    _check_count(where.size, sum(counts))
+    spans, row = [], 0
+    for k, n in enumerate(counts):
+        start = int(where[row]) if n else 0
+        if n < 1 or int(where[row + n - 1]) - start != n - 1:
+            raise ConfigError(f"the {n} placeholder tokens of image {k} are not contiguous")
+        spans.append(ImageSpan(start, n))
+        row += n
+    positions, deepstack = None, ()
+    if family in QWEN_FAMILIES:
+        merge = int(config.vision_config.spatial_merge_size)
+        grids = _grids([_Shape(i) for i in images], merge)
+        positions, _ = mrope_positions(ids, grids, image_token_id=image_token,
+                                       spatial_merge_size=merge)  # fmt: skip
+    if family == "qwen3_vl":
+        deepstack = tuple(_deepstack_names([_Shape(i) for i in images]))
+    return PromptLayout(family, ids, tuple(spans), tuple(str(i.dtype) for i in images),
+                        positions, deepstack)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What ``_grids``/``_deepstack_names`` read of an image given by handle or record."""
+
+    image: Any
+
+    @property
+    def embedding(self) -> Any:
+        return np.empty((int(self.image.num_tokens), 0))
+
+    @property
+    def extras(self) -> dict[str, None]:
+        return dict.fromkeys(self.image.extras)
+
+    @property
+    def grid(self) -> Any:
+        return self.image.grid
+
+
+def chunk_inputs(model: Any, layout: PromptLayout, chunk: Any) -> dict[str, Any]:
+    """The forward keyword arguments of prefill chunk ``[chunk.start, chunk.end)`` (run them
+    with :func:`transformers_forward` and the cache of the chunks before it).
+
+    ``chunk`` is what ``EncoderClient.fetch_chunk`` returned for it (numpy views or tensors).
+    ``inputs_embeds`` ``[1, e - s, hidden]`` (the chunk's text rows, its image rows at their
+    placeholders), ``attention_mask`` ``[1, e]`` and per family: Qwen ``position_ids[..., s:e]``
+    of the whole prompt's; Gemma 3 ``token_type_ids[:, :e]`` (the whole prefix: its image
+    groups are counted from the start); Qwen3-VL ``visual_pos_masks[:, s:e]`` and the deepstack
+    rows of the chunk's image positions. Raises ConfigError if the fetched rows do not cover
+    exactly the chunk's placeholders, or a Gemma 3 image is split by the chunk's edges.
+    """
+    import torch
+
+    s, e = int(chunk.start), int(chunk.end)
+    is_image = layout.is_image
+    if int(is_image[s:e].sum()) != sum(p.rows for p in chunk.pieces):
+        raise ConfigError(f"chunk [{s}, {e}) has {int(is_image[s:e].sum())} image positions "
+                          f"but {sum(p.rows for p in chunk.pieces)} fetched rows")  # fmt: skip
+    if layout.keep_images_whole:
+        split = [k for k, sp in enumerate(layout.spans)
+                 if sp.offset < s < sp.end or sp.offset < e < sp.end]  # fmt: skip
+        if split:
+            raise ConfigError(f"chunk [{s}, {e}) splits image {split[0]}, whose tokens attend "
+                              "to each other both ways; use layout.chunk_bounds")  # fmt: skip
+    table = model.get_input_embeddings()
+    device = table.weight.device
+    dtypes = [layout.dtypes[p.image] for p in chunk.pieces]
+    rows = [_tensor(a, d) for a, d in zip(chunk.embeddings, dtypes, strict=True)]
+    with torch.no_grad():
+        text_ids = torch.from_numpy(np.where(is_image[s:e], 0, layout.input_ids[s:e])).to(device)
+        embeds = table(text_ids[None])
+        dest = np.concatenate([np.arange(p.dest, p.dest + p.rows) for p in chunk.pieces] or
+                              [np.empty(0, dtype=np.int64)])  # fmt: skip
+        _scatter(embeds[0], dest, rows)
+    out: dict[str, Any] = {
+        "inputs_embeds": embeds,
+        "attention_mask": torch.ones((1, e), dtype=torch.long, device=device),
+    }
+    if layout.positions is not None:
+        out["position_ids"] = torch.from_numpy(layout.positions[:, None, s:e].copy()).to(device)
+    if layout.family == "gemma3":
+        out["token_type_ids"] = torch.from_numpy(is_image[None, :e].astype(np.int64)).to(device)
+    if layout.deepstack and chunk.pieces:
+        with torch.no_grad():
+            feats = [_stack([_tensor(x[name], d) for x, d in zip(chunk.extras, dtypes,
+                                                                  strict=True)], embeds[0])
+                     for name in layout.deepstack]  # fmt: skip
+        out["visual_pos_masks"] = torch.from_numpy(is_image[None, s:e].copy()).to(device)
+        out["deepstack_visual_embeds"] = feats
+    return out
+
+
+def decode_inputs(layout: PromptLayout, token: int, k: int, device: Any = None) -> dict[str, Any]:
+    """The forward keyword arguments of decode step ``k`` (from 0), feeding ``token`` at
+    prompt index ``L + k`` (pass the cache too). Qwen positions continue at
+    :meth:`PromptLayout.decode_position`; a generated token is text (no token types)."""
+    import torch
+
+    mask = torch.ones((1, layout.length + k + 1), dtype=torch.long, device=device)
+    out: dict[str, Any] = {
+        "input_ids": torch.tensor([[token]], device=device),
+        "attention_mask": mask,
+    }
+    if layout.positions is not None:
+        out["position_ids"] = torch.full((3, 1, 1), layout.decode_position(k), device=device)
+    return out
+
+
 # -- vLLM ----------------------------------------------------------------------------------------
 def vllm_inputs(images: Sequence[ImageEmbedding], *, family: str | None = None) -> dict[str, Any]:
     """vLLM's ``multi_modal_data`` for ``images`` given as embeddings (pass it with the prompt).
@@ -428,7 +600,11 @@ __all__ = [
     "FAMILIES",
     "QWEN_FAMILIES",
     "ImageEmbedding",
+    "PromptLayout",
+    "chunk_inputs",
+    "decode_inputs",
     "mrope_positions",
+    "prompt_layout",
     "transformers_forward",
     "transformers_inputs",
     "vllm_inputs",

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from vitserve.cache.codec import EmbeddingRecord
-from vitserve.client.chunks import chunk_bounds
+from vitserve.client.chunks import chunk_bounds, spans_of
 from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, retry_delay
 from vitserve.client.device import to_device
 from vitserve.client.handles import FetchedChunk, ImageHandle
@@ -44,10 +44,12 @@ class AsyncEncoderClient:
 
     async def iter_chunks(self, handles: Sequence[ImageHandle], offsets: Sequence[int],
                           length: int, chunk_size: int, device: Any = None,
-                          prefetch: bool = True) -> AsyncIterator[FetchedChunk]:  # fmt: skip
+                          prefetch: bool = True,
+                          keep_whole: bool = False) -> AsyncIterator[FetchedChunk]:  # fmt: skip
         """As ``EncoderClient.iter_chunks``; the next chunk's read is a task running while the
         caller works on the current one."""
-        bounds = chunk_bounds(length, chunk_size)
+        spans = spans_of([h.num_tokens for h in handles], offsets)
+        bounds = chunk_bounds(length, chunk_size, spans if keep_whole else ())
         ahead: asyncio.Task | None = None
         try:
             for i, (start, end) in enumerate(bounds):

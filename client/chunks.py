@@ -85,11 +85,40 @@ def plan_chunk(spans: Sequence[ImageSpan], start: int, end: int) -> list[ChunkPi
     return pieces
 
 
-def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each prefill chunk of a ``length``-token prompt."""
+def chunk_bounds(
+    length: int, chunk_size: int, whole: Sequence[ImageSpan] = ()
+) -> list[tuple[int, int]]:
+    """``[start, end)`` of each prefill chunk of a ``length``-token prompt: ``chunk_size``
+    tokens each, the last one shorter.
+
+    No chunk edge falls inside a span of ``whole`` (images a family's attention forbids
+    splitting: Gemma 3's image tokens attend to each other both ways). An edge that would is
+    moved back to the span's start when the chunk keeps a token, else forward to its end. So
+    the chunks partition ``[0, length)``, none is empty, every ``whole`` span lies inside one
+    chunk, and a chunk longer than ``chunk_size`` is exactly one such span.
+    """
     if length < 1 or chunk_size < 1:
         raise ConfigError(f"need length >= 1 and chunk_size >= 1, got {length}, {chunk_size}")
-    return [(s, min(length, s + chunk_size)) for s in range(0, length, chunk_size)]
+    check_spans(whole)
+    if whole and whole[-1].end > length:
+        raise ConfigError(f"an image ends at {whole[-1].end}, after the prompt ({length})")
+    ends = [s.end for s in whole]
+    bounds, start = [], 0
+    while start < length:
+        end = min(length, start + chunk_size)
+        i = bisect.bisect_right(ends, end)  # the first span ending after ``end``
+        if i < len(whole) and whole[i].offset < end:  # ``end`` falls inside span i
+            end = whole[i].offset if whole[i].offset > start else whole[i].end
+        bounds.append((start, end))
+        start = end
+    return bounds
 
 
-__all__ = ["ChunkPiece", "ImageSpan", "check_spans", "chunk_bounds", "plan_chunk"]
+def spans_of(num_tokens: Sequence[int], offsets: Sequence[int]) -> list[ImageSpan]:
+    """The spans of images with ``num_tokens[i]`` placeholders from ``offsets[i]`` on."""
+    if len(num_tokens) != len(offsets):
+        raise ConfigError(f"{len(num_tokens)} images but {len(offsets)} offsets")
+    return [ImageSpan(o, n) for n, o in zip(num_tokens, offsets, strict=True)]
+
+
+__all__ = ["ChunkPiece", "ImageSpan", "check_spans", "chunk_bounds", "plan_chunk", "spans_of"]

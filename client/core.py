@@ -33,7 +33,7 @@ from typing import Any
 
 import vitserve.errors as errors
 from vitserve.cache.codec import EmbeddingRecord, Header, decode_record
-from vitserve.client.chunks import ImageSpan, plan_chunk
+from vitserve.client.chunks import plan_chunk, spans_of
 from vitserve.client.handles import FetchedChunk, ImageHandle
 from vitserve.client.inputs import ImageInput, image_bytes
 from vitserve.client.metrics import ClientMetrics
@@ -264,7 +264,7 @@ class ClientCore:
             for key, item in zip(batch, body["items"], strict=True):
                 if "error" in item:
                     raise _item_error(item["error"], index_of[key])
-                out[key] = ImageHandle.from_item(item, source=data_of[key])
+                out[key] = ImageHandle.from_item(item, source=data_of[key], uploaded=True)
         return out
 
     # -- fetch ---------------------------------------------------------------------------------
@@ -272,10 +272,7 @@ class ClientCore:
                     start: int, end: int) -> Flow:  # fmt: skip
         """The rows prefill chunk ``[start, end)`` needs (see :mod:`vitserve.client.chunks`),
         in one batched store read (two when a header is not cached yet)."""
-        if len(handles) != len(offsets):
-            raise ConfigError(f"{len(handles)} handles but {len(offsets)} offsets")
-        spans = [ImageSpan(o, h.num_tokens) for h, o in zip(handles, offsets, strict=True)]
-        pieces = plan_chunk(spans, start, end)
+        pieces = plan_chunk(spans_of([h.num_tokens for h in handles], offsets), start, end)
         reads = [(handles[p.image].key, p.row_start, p.row_end) for p in pieces]
         records = yield from self.read_rows(reads, [handles[p.image] for p in pieces])
         return FetchedChunk(start, end, pieces, [r.embedding for r in records],

@@ -16,7 +16,8 @@ class ImageHandle:
 
     ``shape`` is ``(num_tokens, hidden)`` of the embedding the LLM consumes; ``extras`` names the
     further per-row tensors (Qwen3-VL: ``deepstack_0``...); ``grid`` is Qwen's ``(t, h, w)``
-    patch grid (else None); ``cached`` says the service held it before this call. The image's
+    patch grid (else None); ``cached`` says the service held it before this call;
+    ``uploaded`` that this call sent its bytes (the store lacked it when probed). The image's
     bytes ride along (not compared, not shown) so an entry evicted before its fetch can be
     encoded again without the caller.
     """
@@ -29,16 +30,19 @@ class ImageHandle:
     cached: bool
     extras: tuple[str, ...] = ()
     source: bytes | None = field(default=None, repr=False, compare=False)
+    uploaded: bool = field(default=False, compare=False)
 
     @classmethod
-    def from_item(cls, item: dict[str, Any], source: bytes | None = None) -> ImageHandle:
+    def from_item(cls, item: dict[str, Any], source: bytes | None = None,
+                  uploaded: bool = False) -> ImageHandle:  # fmt: skip
         """From an item of the API's encode or probe answer."""
         grid = item.get("grid")
         return cls(key=item["key"], num_tokens=int(item["num_tokens"]),
                    grid=tuple(grid) if grid else None, dtype=item["dtype"],
                    shape=(int(item["shape"][0]), int(item["shape"][1])),
                    cached=bool(item.get("cached", False)),
-                   extras=tuple(item.get("extras") or ()), source=source)  # fmt: skip
+                   extras=tuple(item.get("extras") or ()), source=source,
+                   uploaded=uploaded)  # fmt: skip
 
     @property
     def row_bytes(self) -> int:

@@ -8,7 +8,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from vitserve.cache.codec import EmbeddingRecord
-from vitserve.client.chunks import chunk_bounds
+from vitserve.client.chunks import chunk_bounds, spans_of
 from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, retry_delay
 from vitserve.client.device import to_device
 from vitserve.client.handles import FetchedChunk, ImageHandle
@@ -59,11 +59,14 @@ class EncoderClient:
 
     def iter_chunks(self, handles: Sequence[ImageHandle], offsets: Sequence[int],
                     length: int, chunk_size: int, device: Any = None,
-                    prefetch: bool = True) -> Iterator[FetchedChunk]:  # fmt: skip
+                    prefetch: bool = True,
+                    keep_whole: bool = False) -> Iterator[FetchedChunk]:  # fmt: skip
         """``fetch_chunk`` of each chunk of a ``length``-token prompt in turn; with
         ``prefetch``, the next chunk's rows are read (in a worker thread) while the caller
-        computes the current one."""
-        bounds = chunk_bounds(length, chunk_size)
+        computes the current one. ``keep_whole``: no chunk edge inside an image (for a
+        family whose image tokens attend both ways, Gemma 3; see ``chunk_bounds``)."""
+        spans = spans_of([h.num_tokens for h in handles], offsets)
+        bounds = chunk_bounds(length, chunk_size, spans if keep_whole else ())
         if not prefetch:
             for start, end in bounds:
                 yield self.fetch_chunk(handles, offsets, start, end, device)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -76,3 +78,29 @@ def test_chunks_partitioning_the_prompt_read_every_row_once(prompt, chunk_size: 
         assert covered == placeholders
         assert [p.dest for p in pieces] == sorted(p.dest for p in pieces)
     assert seen == {(i, r): 1 for i, s in enumerate(spans) for r in range(s.num_tokens)}
+
+
+def test_chunk_edges_move_out_of_spans_kept_whole() -> None:
+    # image 0 at 5-14, image 1 at 20-22, image 2 at 23-30; chunks of 8
+    assert chunk_bounds(31, 8) == [(0, 8), (8, 16), (16, 24), (24, 31)]
+    assert chunk_bounds(31, 8, SPANS) == [(0, 5), (5, 15), (15, 23), (23, 31)]
+    # a span longer than a chunk is one chunk of its own; a chunk is never empty
+    assert chunk_bounds(12, 4, [ImageSpan(0, 10)]) == [(0, 10), (10, 12)]
+    with pytest.raises(ConfigError, match="after the prompt"):
+        chunk_bounds(20, 8, [ImageSpan(15, 10)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt=prompts(), chunk_size=st.integers(1, 50))
+def test_chunks_keeping_spans_whole_partition_the_prompt(prompt, chunk_size: int) -> None:
+    spans, length = prompt
+    bounds = chunk_bounds(length, chunk_size, spans)
+    assert bounds[0][0] == 0 and bounds[-1][1] == length
+    assert all(s < e for s, e in bounds)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    for span in spans:  # inside one chunk
+        assert any(s <= span.offset and span.end <= e for s, e in bounds)
+    for s, e in bounds:  # over-long only as exactly one span
+        assert e - s <= chunk_size or ImageSpan(s, e - s) in spans
+    if not spans:
+        assert bounds == chunk_bounds(length, chunk_size)
