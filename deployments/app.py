@@ -45,7 +45,7 @@ def check_model(cfg: VitserveConfig) -> None:
     load_preprocessor(cfg.model, revision=cfg.revision)
 
 
-def _options(d: DeploymentConfig) -> dict[str, Any]:
+def deployment_options(d: DeploymentConfig) -> dict[str, Any]:
     """Serve deployment options from vitserve's checked subset."""
     options: dict[str, Any] = {
         "ray_actor_options": {
@@ -83,8 +83,8 @@ def build_application(cfg: VitserveConfig):
     check_model(cfg)
     cfg.log_effective()
     plain = cfg.model_dump()
-    encoder = EncoderDeployment.options(**_options(cfg.encoder)).bind(plain)
+    encoder = EncoderDeployment.options(**deployment_options(cfg.encoder)).bind(plain)
     preprocess = None
     if cfg.preprocess_at == "deployment":  # else no preprocess replicas at all
-        preprocess = PreprocessDeployment.options(**_options(cfg.preprocess)).bind(plain)
-    return Ingress.options(**_options(cfg.ingress)).bind(encoder, preprocess, plain)
+        preprocess = PreprocessDeployment.options(**deployment_options(cfg.preprocess)).bind(plain)
+    return Ingress.options(**deployment_options(cfg.ingress)).bind(encoder, preprocess, plain)

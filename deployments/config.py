@@ -71,6 +71,23 @@ class DeploymentConfig(_Strict):
     max_queued_requests: int = Field(256, ge=-1)  # -1: unbounded (not recommended)
 
 
+class PrefillConfig(DeploymentConfig):
+    """The prefill application (``vitserve.deployments.prefill``): its replicas (the fields
+    of every deployment, scaled apart from the encoder's), its chunking and how it reaches the
+    encoder application. It serves the same ``model`` (its language model only)."""
+
+    chunk_size: int = Field(512, gt=0)  # prompt tokens per prefill forward
+    # The encoder application, by its name in this Ray cluster (reached by its ingress's
+    # handle), or over HTTP when ``encoder_url`` is set.
+    encoder_app: str = "vitserve"
+    encoder_url: str | None = None
+    # Read image rows from ``store`` directly (the fast path; the store must be reachable from
+    # the prefill replicas), else through the encoder's ``/v1/rows``.
+    direct_store: bool = True
+    route_prefix: str = "/prefill"
+    max_tokens: int = Field(256, gt=0)  # the completion budget of a request that names none
+
+
 class SingleFlightConfig(_Strict):
     claim_ttl_s: float = Field(60.0, gt=0)
     wait_timeout_s: float = Field(60.0, gt=0)
@@ -97,6 +114,7 @@ class VitserveConfig(_Strict):
     encoder: DeploymentConfig = DeploymentConfig(num_cpus=1.0, max_ongoing_requests=256)
     preprocess: DeploymentConfig = DeploymentConfig(num_cpus=0.5)
     ingress: DeploymentConfig = DeploymentConfig(num_cpus=0.25, max_ongoing_requests=128)
+    prefill: PrefillConfig = PrefillConfig(num_cpus=1.0, max_ongoing_requests=16)
     http_host: str = "127.0.0.1"
     http_port: int = Field(8000, ge=0, le=65535)
     access_log: bool = False

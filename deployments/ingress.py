@@ -50,7 +50,6 @@ from vitserve.errors import (
     ImageError,
     LimitExceededError,
     MalformedRequestError,
-    StoreUnavailableError,
     VitserveError,
 )
 
@@ -387,14 +386,10 @@ class Ingress:
 
     @api.get("/metrics", summary="This node's vitserve metrics (Prometheus text format)")
     async def metrics_page(self) -> Response:
-        import httpx
-
         try:
-            async with httpx.AsyncClient(timeout=5) as client:
-                page = await client.get(metrics.node_metrics_url())
-            text = metrics.vitserve_families(page.text)
-        except httpx.HTTPError as exc:
-            return _error(StoreUnavailableError("metrics", f"node metrics endpoint: {exc}"))
+            text = await metrics.node_page()
+        except VitserveError as exc:
+            return _error(exc)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 

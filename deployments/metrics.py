@@ -33,6 +33,13 @@ bytes_published_total                  counter    record bytes written to the st
 bytes_fetched_total                    counter    record bytes served by /v1/embeddings
 store_errors_total{op}                 counter    store operations that failed
 requests_total{route,status}           counter    HTTP requests by route and status
+prefill_images_total{kind}             counter    the prefill application's chat images: ``sent``
+                                                  (image parts), ``uploaded`` (bytes sent to the
+                                                  encoder), ``encoded`` (run by the encoder)
+prefill_rows_pulled_total              counter    embedding rows pulled by prefill chunks
+prefill_bytes_pulled_total             counter    their bytes
+prefill_chunks_total                   counter    prefill chunks run
+prefill_tokens_total{kind}             counter    ``prompt`` and ``completion`` tokens
 =====================================  =========  ===============================================
 """
 
@@ -88,6 +95,11 @@ _SPECS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
     "bytes_fetched_total": ("counter", "Record bytes served over HTTP", (), None),
     "store_errors_total": ("counter", "Failed store operations", ("op",), None),
     "requests_total": ("counter", "HTTP requests", ("route", "status"), None),
+    "prefill_images_total": ("counter", "Chat images sent, uploaded, encoded", ("kind",), None),
+    "prefill_rows_pulled_total": ("counter", "Embedding rows pulled for prefill", (), None),
+    "prefill_bytes_pulled_total": ("counter", "Embedding bytes pulled for prefill", (), None),
+    "prefill_chunks_total": ("counter", "Prefill chunks run", (), None),
+    "prefill_tokens_total": ("counter", "Prompt and completion tokens", ("kind",), None),
 }
 
 
@@ -139,6 +151,21 @@ def vitserve_families(prometheus_text: str) -> str:
         if n:
             out.append(renamed)
     return "\n".join(out) + "\n"
+
+
+async def node_page() -> str:
+    """The ``vitserve_*`` families of this node's Ray metrics endpoint (what the ``/metrics``
+    routes serve); StoreUnavailableError when the endpoint does not answer."""
+    import httpx
+
+    from vitserve.errors import StoreUnavailableError
+
+    try:
+        async with httpx.AsyncClient(timeout=5) as client:
+            page = await client.get(node_metrics_url())
+    except httpx.HTTPError as exc:
+        raise StoreUnavailableError("metrics", f"node metrics endpoint: {exc}") from None
+    return vitserve_families(page.text)
 
 
 def node_metrics_url() -> str:

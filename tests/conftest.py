@@ -297,3 +297,54 @@ def main_app(deploy: Callable[..., App]) -> App:
         limits={"max_images_per_request": 8, "max_request_bytes": 3 * 2**20,
                 "max_image_bytes": 2 * 2**20, "max_image_pixels": 4_000_000},
     )  # fmt: skip
+
+
+@dataclass
+class ChatApp:
+    """A deployed prefill application (its encoder application beside it)."""
+
+    name: str
+    url: str  # base of the OpenAI routes: POST {url}/v1/chat/completions
+    encoder: App
+    config: Any
+    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=300))
+
+    def chat(self, body: dict[str, Any]) -> httpx.Response:
+        return self.client.post(f"{self.url}/v1/chat/completions", json=body)
+
+
+@pytest.fixture(scope="session")
+def deploy_prefill(deploy: Callable[..., App]) -> Iterator[Callable[..., ChatApp]]:
+    """``deploy_prefill(name, encoder, **overrides)``: the prefill application ``name`` (route
+    ``/<name>``) over ``encoder``'s model, reaching ``encoder`` by its handle and reading the
+    rows from its store directly. ``deploy_prefill.remove(name)`` deletes it."""
+    from ray import serve
+
+    from vitserve.deployments.config import VitserveConfig
+    from vitserve.deployments.local import serve_app
+    from vitserve.deployments.prefill import build_prefill_application
+
+    apps: dict[str, ChatApp] = {}
+
+    def _deploy(name: str, encoder: App, **overrides: Any) -> ChatApp:
+        if name in apps:
+            return apps[name]
+        base = {
+            **encoder.config.model_dump(),
+            "prefill": {"encoder_app": encoder.name, "route_prefix": f"/{name}",
+                        "num_cpus": 0.05, "chunk_size": 16},
+        }  # fmt: skip
+        cfg = VitserveConfig.load({**base, **overrides})
+        serve_app(build_prefill_application(cfg), name=name, route_prefix=f"/{name}")
+        base_url = encoder.url.rsplit("/", 1)[0]
+        apps[name] = ChatApp(name, f"{base_url}/{name}", encoder, cfg)
+        return apps[name]
+
+    def _remove(name: str) -> None:
+        if apps.pop(name, None) is not None:
+            serve.delete(name)
+
+    _deploy.remove = _remove  # type: ignore[attr-defined]
+    yield _deploy
+    for name in apps:
+        serve.delete(name)

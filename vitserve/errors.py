@@ -130,6 +130,18 @@ class LimitExceededError(RequestError):
         self.allowed = allowed
 
 
+class PromptTooLongError(RequestError):
+    """The prompt (with the completion asked for) does not fit the model's context."""
+
+    http_status = 400
+
+    def __init__(self, tokens: int, allowed: int, detail: str = "") -> None:
+        super().__init__(f"{detail or 'the prompt has'} {tokens} tokens; the model's context "
+                         f"holds {allowed}")  # fmt: skip
+        self.tokens = tokens
+        self.allowed = allowed
+
+
 class MalformedRequestError(RequestError):
     """A request that cannot be read (bad JSON, base64, content type, key or range)."""
 

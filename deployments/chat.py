@@ -1,0 +1,221 @@
+"""OpenAI-style chat requests for the prefill application: the request schema, the images a
+request names, and its prompt (the chat template, then each image's placeholders expanded to
+its embedding rows).
+
+Invariants:
+
+* A request is read strictly: an unknown field, a role or content part vitserve does not
+  serve, ``n`` other than 1, or an image URL other than a ``data:`` URL or
+  ``vitserve://<key>`` is a :class:`~vitserve.errors.MalformedRequestError` naming it, before
+  any work (no remote URL is ever fetched).
+* Images are numbered in prompt order (message by message, part by part); image ``k``'s
+  placeholders are one contiguous run of exactly its ``num_tokens`` image tokens, and the
+  prompt holds no other image token: text that spells a placeholder is refused, never taken
+  for an image.
+* Expansion follows the family's own processor: Qwen and LLaVA repeat the image token the
+  template writes once per image; Gemma 3 replaces the template's ``<start_of_image>`` with
+  ``\\n\\n<start_of_image>`` + image tokens + ``<end_of_image>\\n\\n``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from vitserve.errors import MalformedRequestError
+
+KEY_URL = re.compile(r"^vitserve://([0-9a-f]{64})$")
+DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<b64>;base64)?,(?P<data>.*)$", re.S)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ImageUrl(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted, no effect
+
+
+class ContentPart(_Strict):
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageUrl | None = None
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatRequest(_Strict):
+    """The fields of OpenAI's chat completions request that the prefill application serves.
+
+    ``temperature`` 0 is greedy decoding; above 0 samples (``top_p``, and ``seed`` for a
+    reproducible draw). ``logprobs`` are the model's own (before temperature and top-p).
+    """
+
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    user: str | None = None
+
+    @classmethod
+    def parse(cls, body: Any) -> ChatRequest:
+        """The request, or MalformedRequestError naming every problem."""
+        try:
+            request = cls.model_validate(body)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+                                 for e in exc.errors())  # fmt: skip
+            raise MalformedRequestError(f"invalid chat request: {problems}") from None
+        if request.n != 1:
+            raise MalformedRequestError("n must be 1 (one choice per request)")
+        if request.top_logprobs and not request.logprobs:
+            raise MalformedRequestError("top_logprobs needs logprobs: true")
+        for i, message in enumerate(request.messages):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                where = f"messages[{i}].content[{j}]"
+                if (part.type == "text") != (part.text is not None) or (
+                    (part.type == "image_url") != (part.image_url is not None)
+                ):
+                    raise MalformedRequestError(f"{where}: a {part.type!r} part takes "
+                                                f"{part.type!r} alone")  # fmt: skip
+                if part.image_url is not None and message.role != "user":
+                    raise MalformedRequestError(f"{where}: images go in user messages")
+        return request
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRef:
+    """One image of a request: its bytes (a data URL), or the key of an image the caller
+    already encoded (``vitserve://<key>``)."""
+
+    data: bytes | None = None
+    key: str | None = None
+
+
+def image_refs(request: ChatRequest) -> list[ImageRef]:
+    """The request's images in prompt order (MalformedRequestError for a URL vitserve does not
+    take, or undecodable base64)."""
+    refs = []
+    for message in request.messages:
+        for part in message.content if isinstance(message.content, list) else ():
+            if part.image_url is not None:
+                refs.append(_image_ref(part.image_url.url, len(refs)))
+    return refs
+
+
+def _image_ref(url: str, index: int) -> ImageRef:
+    if m := KEY_URL.match(url):
+        return ImageRef(key=m[1])
+    m = DATA_URL.match(url)
+    if m is None:
+        raise MalformedRequestError(
+            f"image {index}: the URL must be a data: URL or vitserve://<64 hex key> (remote "
+            f"URLs are not fetched), got {url[:40]!r}"
+        )
+    if not m["b64"]:
+        raise MalformedRequestError(f"image {index}: a data: URL must be base64")
+    try:
+        data = base64.b64decode(m["data"], validate=True)
+    except (binascii.Error, ValueError):
+        raise MalformedRequestError(f"image {index}: the data: URL is not valid base64") from None
+    return ImageRef(data=data)
+
+
+def template_messages(request: ChatRequest) -> list[dict[str, Any]]:
+    """The messages as a chat template reads them (image parts as ``{"type": "image"}``)."""
+    out = []
+    for message in request.messages:
+        content: Any = message.content
+        if isinstance(content, list):
+            content = [{"type": "text", "text": p.text} if p.type == "text" else {"type": "image"}
+                       for p in content]  # fmt: skip
+        out.append({"role": message.role, "content": content})
+    return out
+
+
+@dataclass(frozen=True)
+class PromptBuilder:
+    """Renders a request's prompt with the model's tokenizer and chat template, then expands
+    each image marker (see the module docstring). Built once per model."""
+
+    tokenizer: Any
+    family: str
+    image_token_id: int
+    marker: str  # what the template writes once per image
+    expansion: tuple[str, str, str]  # (before, one image token, after) per image
+
+    @classmethod
+    def for_model(cls, tokenizer: Any, config: Any) -> PromptBuilder:
+        family = str(config.model_type)
+        image_id = int(config.image_token_id)
+        image = tokenizer.convert_ids_to_tokens(image_id)
+        if family == "gemma3":
+            boi = tokenizer.convert_ids_to_tokens(int(config.boi_token_id))
+            eoi = tokenizer.convert_ids_to_tokens(int(config.eoi_token_id))
+            return cls(tokenizer, family, image_id, boi, (f"\n\n{boi}", image, f"{eoi}\n\n"))
+        return cls(tokenizer, family, image_id, image, ("", image, ""))
+
+    def render(self, request: ChatRequest) -> str:
+        """The chat template's text, with one marker per image and the generation prompt."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                template_messages(request), tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # the template's own error (jinja raise_exception, ...)
+            raise MalformedRequestError(f"the chat template refused the messages: {exc}") from None
+
+    def token_ids(self, text: str, num_tokens: Sequence[int]) -> list[int]:
+        """``text`` tokenized with image ``k``'s marker expanded to ``num_tokens[k]`` image
+        tokens; MalformedRequestError if the text holds another marker or image token."""
+        parts = text.split(self.marker)
+        if len(parts) - 1 != len(num_tokens):
+            raise MalformedRequestError(
+                f"the prompt holds {len(parts) - 1} image markers ({self.marker!r}) for "
+                f"{len(num_tokens)} images: text may not spell the image marker"
+            )
+        before, token, after = self.expansion
+        pieces = [parts[0]]
+        for n, part in zip(num_tokens, parts[1:], strict=True):
+            pieces += [before, token * n, after, part]
+        ids = self.tokenizer("".join(pieces), add_special_tokens=False)["input_ids"]
+        if sum(1 for i in ids if i == self.image_token_id) != sum(num_tokens):
+            raise MalformedRequestError(
+                f"the prompt's text spells the image token {token!r}; it is reserved for images"
+            )
+        return list(ids)
+
+
+__all__ = [
+    "ChatRequest",
+    "ImageRef",
+    "PromptBuilder",
+    "image_refs",
+    "template_messages",
+]

@@ -1,0 +1,194 @@
+"""One chat completion, end to end, without Ray or HTTP: read the request, encode its images
+through the client SDK (hash first), build the prompt, prefill chunk by chunk pulling only each
+chunk's rows, then decode. The prefill application (``vitserve.deployments.prefill``) wraps it.
+
+Invariants:
+
+* Everything that can refuse a request does so before the answer starts (a streamed answer
+  never turns into an error half-way): the request's shape, its images (the encoder's refusal
+  carries the image's index), an unknown ``vitserve://`` key (``CacheMissError``), the prompt
+  against the context, and the prefill itself.
+* ``usage`` reports, besides OpenAI's token counts: ``images_sent`` (image parts in the
+  request), ``images_uploaded`` (distinct images whose bytes went to the encoder: the store
+  lacked them), ``images_encoded`` (of those, the ones the encoder ran), ``rows_pulled`` /
+  ``bytes_pulled`` (embedding rows and their bytes read for the prefill) and ``prefill_chunks``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from vitserve.client.adapters import prompt_layout
+from vitserve.deployments.chat import ChatRequest, PromptBuilder, image_refs
+from vitserve.deployments.config import VitserveConfig
+from vitserve.deployments.generation import Generator, Prefilled, Sampling, Step
+from vitserve.errors import CacheMissError, PromptTooLongError
+
+
+@dataclass
+class Prepared:
+    """A request after its prefill, ready to decode."""
+
+    request: ChatRequest
+    prefilled: Prefilled
+    sampling: Sampling
+    usage: dict[str, int]
+    id: str
+    created: int
+
+
+class ChatService:
+    """Chat completions over one model's language model and an ``EncoderClient``."""
+
+    def __init__(self, cfg: VitserveConfig, client: Any) -> None:
+        from transformers import AutoTokenizer, GenerationConfig
+
+        from vitserve.encoder.device import default_dtype, parse_dtype, resolve_device
+        from vitserve.encoder.language_model import load_language_model
+
+        device = resolve_device(cfg.device)
+        dtype = parse_dtype(cfg.dtype) if cfg.dtype else default_dtype(device)
+        self.loaded = load_language_model(cfg.model, device=device, dtype=dtype,
+                                          revision=cfg.revision)  # fmt: skip
+        self.config = self.loaded.config
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, revision=cfg.revision)
+        self.prompts = PromptBuilder.for_model(self.tokenizer, self.config)
+        try:
+            eos = GenerationConfig.from_pretrained(cfg.model, revision=cfg.revision).eos_token_id
+        except OSError:  # no generation_config.json: the model config's
+            eos = self.config.get_text_config().eos_token_id
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.generator = Generator(self.loaded.model, chunk_size=cfg.prefill.chunk_size,
+                                   eos_ids=eos_ids)  # fmt: skip
+        self.context = int(self.config.get_text_config().max_position_embeddings)
+        self.client = client
+        self.cfg = cfg
+        self.model_name = cfg.model
+
+    # -- before the answer ------------------------------------------------------------------------
+    def prepare(self, body: Any, *, keep_logits: bool = False) -> Prepared:
+        """Read, encode, prefill (see the module's invariants); raises VitserveError."""
+        request = ChatRequest.parse(body)
+        refs = image_refs(request)
+        handles, usage = self._images(refs)
+        ids = self.prompts.token_ids(self.prompts.render(request),
+                                     [h.num_tokens for h in handles])  # fmt: skip
+        if len(ids) >= self.context:
+            raise PromptTooLongError(len(ids), self.context)
+        room = self.context - len(ids)
+        limit = request.completion_limit
+        if limit is not None and limit > room:
+            raise PromptTooLongError(len(ids) + limit, self.context,
+                                     "the prompt and max_tokens make")  # fmt: skip
+        layout = prompt_layout(self.config, ids, handles)
+        prefilled = self.generator.prefill(self.client, layout, handles, keep_logits=keep_logits)
+        usage |= {"prompt_tokens": len(ids), "rows_pulled": prefilled.rows_pulled,
+                  "bytes_pulled": prefilled.bytes_pulled,
+                  "prefill_chunks": len(prefilled.chunks)}  # fmt: skip
+        sampling = Sampling(
+            max_tokens=min(limit or self.cfg.prefill.max_tokens, room),
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            top_logprobs=request.top_logprobs or 0,
+        )
+        return Prepared(request, prefilled, sampling, usage, f"chatcmpl-{uuid.uuid4().hex}",
+                        int(time.time()))  # fmt: skip
+
+    def _images(self, refs: list[Any]) -> tuple[list[Any], dict[str, int]]:
+        """Each image's handle, in order: bytes encoded hash first (one ``encode`` for all),
+        keys looked up (``CacheMissError`` naming the ones the store lacks)."""
+        handles: list[Any] = [None] * len(refs)
+        datas = [(i, r.data) for i, r in enumerate(refs) if r.data is not None]
+        if datas:
+            for (i, _), handle in zip(datas, self.client.encode([d for _, d in datas]),
+                                      strict=True):  # fmt: skip
+                handles[i] = handle
+        keyed = [(i, r.key) for i, r in enumerate(refs) if r.key is not None]
+        if keyed:
+            found = self.client.probe([k for _, k in keyed])
+            missing = [k for (_, k), h in zip(keyed, found, strict=True) if h is None]
+            if missing:
+                raise CacheMissError(missing)
+            for (i, _), handle in zip(keyed, found, strict=True):
+                handles[i] = handle
+        uploaded = {h.key: h for h in handles if h.uploaded}
+        usage = {"images_sent": len(refs), "images_uploaded": len(uploaded),
+                 "images_encoded": sum(1 for h in uploaded.values() if not h.cached)}  # fmt: skip
+        return handles, usage
+
+    # -- the answer -------------------------------------------------------------------------------
+    def complete(self, prepared: Prepared) -> dict[str, Any]:
+        """The whole ``chat.completion`` object."""
+        steps = list(self.generator.decode(prepared.prefilled, prepared.sampling))
+        finish = "length" if len(steps) == prepared.sampling.max_tokens else "stop"
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": self._text([s.token for s in steps])},
+            "finish_reason": finish,
+            "logprobs": self._logprobs(steps) if prepared.request.logprobs else None,
+        }
+        return {**self._envelope(prepared, "chat.completion"), "choices": [choice],
+                "usage": self._usage(prepared, len(steps))}  # fmt: skip
+
+    def stream(self, prepared: Prepared) -> Iterator[str]:
+        """The answer as server-sent events: a role chunk, one chunk per token (its text delta,
+        held back while it ends inside a UTF-8 sequence), a final chunk with the finish reason,
+        the usage chunk when ``stream_options.include_usage``, then ``[DONE]``."""
+        envelope = self._envelope(prepared, "chat.completion.chunk")
+        logprobs = prepared.request.logprobs
+
+        def event(delta: dict[str, Any], finish: str | None = None, steps: Any = None) -> str:
+            lp = self._logprobs(steps) if logprobs and steps else None
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
+            return f"data: {json.dumps({**envelope, 'choices': [choice]})}\n\n"
+
+        yield event({"role": "assistant", "content": ""})
+        tokens: list[int] = []
+        sent, pending = "", []
+        for step in self.generator.decode(prepared.prefilled, prepared.sampling):
+            tokens.append(step.token)
+            pending.append(step)
+            text = self._text(tokens)
+            if text.endswith("\ufffd"):
+                continue
+            yield event({"content": text[len(sent) :]}, steps=pending)
+            sent, pending = text, []
+        if pending:
+            yield event({"content": self._text(tokens)[len(sent) :]}, steps=pending)
+        finish = "length" if len(tokens) == prepared.sampling.max_tokens else "stop"
+        yield event({}, finish)
+        options = prepared.request.stream_options
+        if options is not None and options.include_usage:
+            body = {**envelope, "choices": [], "usage": self._usage(prepared, len(tokens))}
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def _envelope(self, prepared: Prepared, kind: str) -> dict[str, Any]:
+        return {"id": prepared.id, "object": kind, "created": prepared.created,
+                "model": prepared.request.model or self.model_name}  # fmt: skip
+
+    def _usage(self, prepared: Prepared, completion: int) -> dict[str, int]:
+        usage = prepared.usage
+        return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": completion,
+                "total_tokens": usage["prompt_tokens"] + completion,
+                **{k: v for k, v in usage.items() if k != "prompt_tokens"}}  # fmt: skip
+
+    def _text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _logprobs(self, steps: list[Step]) -> dict[str, Any]:
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = self.tokenizer.convert_ids_to_tokens(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [entry(s.token, s.logprob) | {"top_logprobs": [entry(*t) for t in s.top]}
+                            for s in steps]}  # fmt: skip
+
+
+__all__ = ["ChatService", "Prepared"]

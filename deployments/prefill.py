@@ -1,0 +1,145 @@
+"""The prefill application: an OpenAI-style chat endpoint over the model's language model alone,
+its own Serve application beside the encoder's (scaled, deployed and upgraded apart from it).
+
+It is the working example of an LLM server using vitserve: images go to the encoder application
+through the client SDK (hash first: only images the store lacks are uploaded), and each prefill
+chunk pulls only the embedding rows it covers (see ``generation.py``). It never loads a vision
+weight.
+
+Routes (under the config's ``prefill.route_prefix``, default ``/prefill``):
+
+* ``POST /v1/chat/completions``: OpenAI's chat completions, non-streaming and streaming (SSE);
+  image parts as ``data:`` URLs or ``vitserve://<key>`` (see ``chat.py``); ``usage`` adds
+  ``images_sent`` / ``images_uploaded`` / ``images_encoded``, ``rows_pulled``,
+  ``bytes_pulled`` and ``prefill_chunks``. Errors have the encoder API's shape (``{"error":
+  {"type", "message", ...}}``), with 503 + ``Retry-After`` when the encoder or the store cannot
+  answer after the client's retries.
+* ``GET /healthz``: the model, the chunk size and where the encoder is reached.
+* ``GET /metrics``: this node's ``vitserve_*`` metrics (both applications').
+
+``serve run vitserve.deployments.prefill:build_app model=demo`` starts it alone (against a
+running encoder application named by ``prefill.encoder_app``, or ``prefill.encoder_url``);
+``vitserve serve --prefill`` runs both on the embedded default.
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the routes' annotations at run time.
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from ray import serve
+from starlette.concurrency import run_in_threadpool
+
+from vitserve.deployments import metrics
+from vitserve.deployments.config import VitserveConfig
+from vitserve.errors import MalformedRequestError, VitserveError
+
+log = logging.getLogger("ray.serve")
+INGRESS_DEPLOYMENT = "Ingress"  # the encoder application's ingress, reached by its handle
+
+api = FastAPI(
+    title="vitserve prefill",
+    summary="Chat completions over a language model fed image embeddings from vitserve.",
+    version="0.1.0",
+)
+
+
+def _error(exc: VitserveError) -> JSONResponse:
+    status = exc.http_status
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return JSONResponse({"error": exc.to_dict()}, status_code=status, headers=headers)
+
+
+def make_client(cfg: VitserveConfig) -> Any:
+    """The client SDK as the prefill replicas use it: the encoder by handle (or URL), rows read
+    from the store directly unless ``prefill.direct_store`` is off."""
+    from vitserve.client import EncoderClient
+
+    p = cfg.prefill
+    store = cfg.store if p.direct_store else None
+    if p.encoder_url:
+        return EncoderClient(p.encoder_url, store=store)
+    handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=p.encoder_app)
+    return EncoderClient(handle=handle, store=store)
+
+
+@serve.deployment
+@serve.ingress(api)
+class PrefillServer:
+    def __init__(self, config: dict[str, Any]) -> None:
+        from vitserve.deployments.chat_service import ChatService
+
+        self.cfg = VitserveConfig.model_validate(config)
+        self.service = ChatService(self.cfg, make_client(self.cfg))
+
+    @api.post("/v1/chat/completions", summary="OpenAI-style chat completion (stream or not)")
+    async def completions(self, request: Request) -> Response:
+        try:
+            try:
+                body = json.loads(await request.body())
+            except ValueError as exc:
+                raise MalformedRequestError(f"the body is not JSON: {exc}") from None
+            prepared = await run_in_threadpool(self.service.prepare, body)
+        except VitserveError as exc:
+            self._count(exc.http_status)
+            return _error(exc)
+        self._count(200, prepared.usage)
+        if prepared.request.stream:
+            return StreamingResponse(self.service.stream(prepared),
+                                     media_type="text/event-stream")  # fmt: skip
+        answer = await run_in_threadpool(self.service.complete, prepared)
+        metrics.inc("prefill_tokens_total", answer["usage"]["completion_tokens"], kind="completion")
+        return JSONResponse(answer)
+
+    def _count(self, status: int, usage: Mapping[str, int] | None = None) -> None:
+        metrics.inc("requests_total", route="chat", status=str(status))
+        if usage is None:
+            return
+        for kind in ("sent", "uploaded", "encoded"):
+            metrics.inc("prefill_images_total", usage[f"images_{kind}"], kind=kind)
+        metrics.inc("prefill_rows_pulled_total", usage["rows_pulled"])
+        metrics.inc("prefill_bytes_pulled_total", usage["bytes_pulled"])
+        metrics.inc("prefill_chunks_total", usage["prefill_chunks"])
+        metrics.inc("prefill_tokens_total", usage["prompt_tokens"], kind="prompt")
+
+    def load_report(self) -> dict[str, Any]:
+        """What loading the language model read (by handle: no vision tensor among it)."""
+        import dataclasses
+
+        return dataclasses.asdict(self.service.loaded.report)
+
+    @api.get("/healthz", summary="Liveness, the model and where the encoder is reached")
+    async def healthz(self) -> Response:
+        p = self.cfg.prefill
+        return JSONResponse({"status": "ok", "model": self.cfg.model,
+                             "family": self.service.config.model_type,
+                             "chunk_size": p.chunk_size,
+                             "encoder": p.encoder_url or f"app {p.encoder_app}",
+                             "context_tokens": self.service.context})  # fmt: skip
+
+    @api.get("/metrics", summary="This node's vitserve metrics (Prometheus text format)")
+    async def metrics_page(self) -> Response:
+        try:
+            text = await metrics.node_page()
+        except VitserveError as exc:
+            return _error(exc)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+def build_prefill_application(cfg: VitserveConfig) -> Any:
+    """The bound prefill application for ``cfg`` (the model resolved as the encoder's is)."""
+    from vitserve.deployments.app import deployment_options, resolve_model
+
+    cfg = cfg.model_copy(update={"model": resolve_model(cfg.model)})
+    return PrefillServer.options(**deployment_options(cfg.prefill)).bind(cfg.model_dump())
+
+
+def build_app(args: Mapping[str, Any]) -> Any:
+    """The prefill application from ``serve run``/YAML-style args (as ``app.build_app``)."""
+    return build_prefill_application(VitserveConfig.load(args))
+
+
+__all__ = ["PrefillServer", "api", "build_app", "build_prefill_application", "make_client"]

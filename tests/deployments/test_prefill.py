@@ -1,0 +1,331 @@
+"""The prefill application against the monolithic transformers model, for all five families.
+
+For each family a vitserve encoder application and a prefill application run the family's
+tiny model (fp32). A chat request with two images of different sizes goes through the prefill
+route; the reference is the full ``*ForConditionalGeneration`` model run on the same prompt and
+the pixels: LLaVA's and Gemma 3's prompts come from the families' own transformers processors
+(Qwen's processor needs torchvision, which this machine cannot import, so its placeholders are
+expanded here as ``Qwen2VLProcessor`` does: ``<|image_pad|>`` repeated grid / merge**2 times).
+
+* Logits: ``ChatService.prepare(keep_logits=True)`` (the code the replicas run, in this process,
+  against the same encoder application) gives every prompt position's logits from the chunked
+  prefill; compared with the full model's forward on the pixels. Tolerance ``LOGIT_ATOL``
+  (1e-4): the chunked forward multiplies other matrix shapes than the one-shot one, so fp32
+  sums may differ in order (measured ~2e-7 on logits of magnitude ~1); a wrong position, a row
+  in the wrong place or a split Gemma 3 image moves them by 3e-3 to 0.7.
+* Greedy tokens and logprobs over HTTP: ``temperature: 0`` gives the full model's
+  ``generate(do_sample=False)`` tokens; each token's logprob and top-5 equal the model's
+  ``log_softmax`` within ``LOGIT_ATOL``.
+* The chunk size (16) puts chunk edges inside the images' placeholder runs (Qwen, LLaVA), and
+  for Gemma 3 the chunker keeps each image whole (a chunk longer than 16 tokens).
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from vitserve.client.adapters import FAMILIES, QWEN_FAMILIES
+from vitserve.client.chunks import chunk_bounds
+from vitserve.encoder.testimages import make_image
+from vitserve.encoder.testmodels import IMAGE_TOKEN_ID
+
+SIZES = ((140, 84), (56, 112))  # (width, height): two images whose Qwen grids differ
+NEW_TOKENS = 6
+LOGIT_ATOL = 1e-4
+CHUNK = 16
+TOP = 5
+
+
+def _images() -> list[bytes]:
+    return [make_image(w, h, seed=k + 1) for k, (w, h) in enumerate(SIZES)]
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def _messages(images: list[bytes]) -> list[dict[str, Any]]:
+    a, b = (data_url(i) for i in images)
+    return [{"role": "user", "content": [
+        {"type": "text", "text": "Compare the first picture"},
+        {"type": "image_url", "image_url": {"url": a}},
+        {"type": "text", "text": "with the second one"},
+        {"type": "image_url", "image_url": {"url": b}},
+        {"type": "text", "text": "and describe them."},
+    ]}]  # fmt: skip
+
+
+def chat_body(images: list[bytes], **extra: Any) -> dict[str, Any]:
+    return {"messages": _messages(images), "temperature": 0, "max_tokens": NEW_TOKENS, **extra}
+
+
+@pytest.fixture(scope="module")
+def pairs(deploy, deploy_prefill, tiny_models) -> Iterator[dict[str, Any]]:
+    """family -> its prefill application (with its encoder application), started at once."""
+    from vitserve.encoder.loading import load_preprocessor
+
+    for family in FAMILIES:  # transformers resolves classes lazily, not thread safe
+        load_preprocessor(str(tiny_models[family]))
+
+    def start(family: str) -> Any:
+        encoder = deploy(f"pfe-{family}", model=str(tiny_models[family]),
+                         **{"encoder.num_cpus": 0.05, "ingress.num_cpus": 0.02})  # fmt: skip
+        return deploy_prefill(f"pf-{family}", encoder, **{"prefill.num_cpus": 0.05})
+
+    with cf.ThreadPoolExecutor(len(FAMILIES)) as pool:
+        apps = dict(zip(FAMILIES, pool.map(start, FAMILIES), strict=True))
+    yield apps
+    for family in FAMILIES:
+        deploy_prefill.remove(f"pf-{family}")
+        deploy.remove(f"pfe-{family}")
+
+
+# -- the reference: the monolithic model on the pixels ------------------------------------------
+def _full_model(path: Path, family: str) -> Any:
+    import torch
+
+    from vitserve.encoder.testmodels import full_model_class
+
+    return (
+        full_model_class(family)
+        .from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
+        .eval()
+    )
+
+
+def reference_inputs(path: Path, family: str, config: Any) -> dict[str, Any]:
+    """The full model's inputs for ``_messages``: token ids from the family's processor (Qwen:
+    expanded here, see the module docstring) and the pixels."""
+    import transformers as tf
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from vitserve.deployments.chat import ChatRequest, template_messages
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    image_processor = AutoImageProcessor.from_pretrained(path)
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in _images()]
+    messages = template_messages(ChatRequest.parse({"messages": _messages(_images())}))
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if family in QWEN_FAMILIES:
+        pixels = dict(image_processor(images=pil, return_tensors="pt"))
+        merge = config.vision_config.spatial_merge_size
+        pad = "<|image_pad|>"
+        parts = text.split(pad)
+        counts = [int(g.prod()) // merge**2 for g in pixels["image_grid_thw"]]
+        text = parts[0] + "".join(pad * n + p for n, p in zip(counts, parts[1:], strict=True))
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        image_types = (ids == IMAGE_TOKEN_ID).long()
+        return {"input_ids": ids, "attention_mask": ids.new_ones(ids.shape),
+                "pixel_values": pixels["pixel_values"], "mm_token_type_ids": image_types,
+                "image_grid_thw": pixels["image_grid_thw"]}  # fmt: skip
+    if family == "llava":
+        processor = tf.LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                      patch_size=config.vision_config.patch_size,
+                                      vision_feature_select_strategy="default",
+                                      num_additional_image_tokens=1)  # fmt: skip
+    else:
+        processor = tf.Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                       image_seq_length=config.mm_tokens_per_image)  # fmt: skip
+    out = dict(processor(text=[text], images=pil, return_tensors="pt", add_special_tokens=False))
+    out.pop("mm_token_type_ids", None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models) -> dict[str, Any]:
+    """family -> (prompt ids, prompt logits, greedy tokens, per-token logits) of the full
+    model on the pixels."""
+    import torch
+
+    out = {}
+    for family in FAMILIES:
+        model = _full_model(tiny_models[family], family)
+        inputs = reference_inputs(tiny_models[family], family, model.config)
+        with torch.no_grad():
+            logits = model(**inputs).logits[0]
+            gen = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        length = inputs["input_ids"].shape[1]
+        tokens = gen.sequences[0, length:].tolist()
+        out[family] = (inputs["input_ids"][0].tolist(), logits, tokens,
+                       [s[0] for s in gen.logits])  # fmt: skip
+    return out
+
+
+# -- equivalence ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_logits_equal_the_monolithic_model(family, pairs, references,
+                                                           tiny_models) -> None:  # fmt: skip
+    """Every prompt position's logits, chunk by chunk through the SDK, against the full model
+    on the pixels; the chunks split the images (Gemma 3: keep them whole)."""
+    from vitserve.client import EncoderClient
+    from vitserve.deployments.chat_service import ChatService
+
+    app = pairs[family]
+    want_ids, want_logits, _, _ = references[family]
+    with EncoderClient(app.encoder.url) as client:
+        service = ChatService(app.config, client)
+        prepared = service.prepare(chat_body(_images()), keep_logits=True)
+    layout = prepared.prefilled.layout
+    assert layout.input_ids.tolist() == want_ids
+    got = prepared.prefilled.all_logits
+    diff = (got - want_logits).abs().max().item()
+    print(
+        f"{family}: prompt of {layout.length} tokens in {len(prepared.prefilled.chunks)} "
+        f"chunks, max |logit diff| {diff:.3g} (logits up to {want_logits.abs().max():.3g})"
+    )
+    assert diff <= LOGIT_ATOL
+
+    bounds = [(c.start, c.end) for c in prepared.prefilled.chunks]
+    inside = [(s, sp) for s, _ in bounds[1:] for sp in layout.spans if sp.offset < s < sp.end]
+    if family == "gemma3":
+        assert not inside  # no edge inside an image ...
+        assert any(e - s > CHUNK for s, e in bounds)  # ... so a chunk holds a whole one
+        assert chunk_bounds(layout.length, CHUNK) != bounds  # plain 16s would split one
+    else:
+        assert inside, "the chunk size should split an image across chunks"
+    assert prepared.usage["rows_pulled"] == sum(s.num_tokens for s in layout.spans)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_and_logprobs_over_http_equal_the_monolithic_model(
+    family, pairs, references
+) -> None:
+    import torch
+
+    app = pairs[family]
+    _, _, want_tokens, step_logits = references[family]
+    response = app.chat(chat_body(_images(), logprobs=True, top_logprobs=TOP))
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    content = answer["choices"][0]["logprobs"]["content"]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(app.config.model)
+    assert [c["token"] for c in content] == tokenizer.convert_ids_to_tokens(want_tokens)
+    worst = 0.0
+    for entry, logits in zip(content, step_logits, strict=False):
+        want = torch.log_softmax(logits.float(), -1)
+        top_values, top_ids = want.topk(TOP)
+        got_top = entry["top_logprobs"]
+        assert [t["token"] for t in got_top] == tokenizer.convert_ids_to_tokens(top_ids.tolist())
+        diffs = [abs(t["logprob"] - float(v)) for t, v in zip(got_top, top_values, strict=True)]
+        worst = max(worst, *diffs)
+    print(f"{family}: tokens {want_tokens}, max |logprob diff| {worst:.3g}")
+    assert worst <= LOGIT_ATOL
+    usage = answer["usage"]
+    assert usage["completion_tokens"] == len(want_tokens)
+    assert usage["images_sent"] == 2
+    assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+    text = tokenizer.decode(want_tokens, skip_special_tokens=True)
+    assert answer["choices"][0]["message"]["content"] == text
+
+
+def test_streaming_gives_the_same_tokens_as_one_answer(pairs) -> None:
+    import json
+
+    app = pairs["qwen2_vl"]
+    whole = app.chat(chat_body(_images())).json()
+    body = chat_body(_images(), stream=True, stream_options={"include_usage": True})
+    with app.client.stream("POST", f"{app.url}/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == whole["choices"][0]["message"]["content"]
+    finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finals[-1] == whole["choices"][0]["finish_reason"]
+    assert chunks[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+
+
+def test_seeded_sampling_repeats_and_differs_by_seed(pairs) -> None:
+    app = pairs["llava"]
+
+    def tokens(seed: int) -> list[str]:
+        body = chat_body(_images(), temperature=1.5, seed=seed, max_tokens=12, logprobs=True)
+        answer = app.chat(body).json()
+        return [c["token"] for c in answer["choices"][0]["logprobs"]["content"]]
+
+    first = tokens(1)
+    assert tokens(1) == first
+    assert any(tokens(s) != first for s in (2, 3, 4))
+
+
+# -- errors ---------------------------------------------------------------------------------------
+def test_bad_requests_get_the_apis_error_shape(pairs) -> None:
+    app = pairs["qwen2_vl"]
+    images = _images()
+
+    def error(body: Any, status: int) -> dict[str, Any]:
+        response = app.chat(body) if not isinstance(body, bytes) else app.client.post(
+            f"{app.url}/v1/chat/completions", content=body)  # fmt: skip
+        assert response.status_code == status, response.text
+        return response.json()["error"]
+
+    assert error(b"{not json", 422)["type"] == "MalformedRequestError"
+    assert "messages" in error({"messages": []}, 422)["message"]
+    assert "temprature" in error({**chat_body(images), "temprature": 0}, 422)["message"]
+    remote = chat_body(images)
+    remote["messages"][0]["content"][1]["image_url"]["url"] = "https://example.com/cat.png"
+    assert "not fetched" in error(remote, 422)["message"]
+    unknown = chat_body(images)
+    unknown["messages"][0]["content"][1]["image_url"]["url"] = "vitserve://" + "ab" * 32
+    missing = error(unknown, 404)
+    assert missing["type"] == "CacheMissError" and missing["keys"] == ["ab" * 32]
+    corrupt = chat_body([images[0], b"\x89PNG\r\n\x1a\n not really"])
+    refused = error(corrupt, 422)
+    assert refused["type"] == "ImageDecodeError" and refused["index"] == 1
+    spelled = chat_body(images)
+    spelled["messages"][0]["content"][0]["text"] = "look at <|image_pad|> this"
+    assert "image" in error(spelled, 422)["message"]
+    long = {"messages": [{"role": "user", "content": "hello " * 5000}], "max_tokens": 1}
+    too_long = error(long, 400)
+    assert too_long["type"] == "PromptTooLongError" and too_long["allowed"] == 4096
+    over = chat_body(images, max_tokens=4096)
+    assert error(over, 400)["type"] == "PromptTooLongError"
+
+
+def test_an_image_already_encoded_is_named_by_its_key(pairs) -> None:
+    from vitserve.client import EncoderClient
+
+    app = pairs["qwen2_vl"]
+    images = _images()
+    with EncoderClient(app.encoder.url) as client:
+        keys = [h.key for h in client.encode(images)]
+    by_key = chat_body(images)
+    for part, key in zip(by_key["messages"][0]["content"][1::2], keys, strict=True):
+        part["image_url"]["url"] = f"vitserve://{key}"
+    answer = app.chat(by_key).json()
+    usage = answer["usage"]
+    assert (usage["images_sent"], usage["images_uploaded"], usage["images_encoded"]) == (2, 0, 0)
+    assert (
+        answer["choices"][0]["message"]
+        == app.chat(chat_body(images)).json()["choices"][0]["message"]
+    )
+
+
+def test_the_prefill_replica_loads_no_vision_weight(pairs) -> None:
+    from ray import serve
+
+    app = pairs["qwen2_vl"]
+    handle = serve.get_deployment_handle("PrefillServer", app_name=app.name)
+    health = app.client.get(f"{app.url}/healthz").json()
+    assert health["family"] == "qwen2_vl" and health["chunk_size"] == CHUNK
+    report = handle.load_report.remote().result()
+    assert report["tensor_names"] and not any(
+        n.startswith(("visual.", "model.visual.")) for n in report["tensor_names"]
+    )
+    assert report["bytes_read"] < report["checkpoint_bytes"]
+    assert np.isfinite(report["seconds"])
