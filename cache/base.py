@@ -106,12 +106,13 @@ class EmbeddingStore(ABC):
 
     def stats(self) -> dict[str, int]:
         """Counters since the store was opened: hits, misses, integrity_misses, rejected, puts,
-        bytes_put, bytes_fetched, evictions, expired, errors (backends add their own)."""
+        bytes_put, bytes_fetched, bytes_read, evictions, expired, errors (backends add their
+        own)."""
         with self._counts_lock:
             counts = dict(self._counts)
         base = dict.fromkeys(
             ("hits", "misses", "integrity_misses", "rejected", "puts", "bytes_put",
-             "bytes_fetched", "evictions", "expired", "errors"),
+             "bytes_fetched", "bytes_read", "evictions", "expired", "errors"),
             0,
         )  # fmt: skip
         return {**base, **counts, **self._backend_stats()}

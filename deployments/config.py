@@ -84,6 +84,10 @@ class PrefillConfig(DeploymentConfig):
     # Read image rows from ``store`` directly (the fast path; the store must be reachable from
     # the prefill replicas), else through the encoder's ``/v1/rows``.
     direct_store: bool = True
+    # Tries of an encoder or store call that can be retried (a replica restarting, 429, a
+    # store down), backing off from 50 ms to 1 s: the default rides out a replica restart
+    # (~20 s) instead of failing the chat request.
+    encoder_attempts: int = Field(30, ge=1)
     route_prefix: str = "/prefill"
     max_tokens: int = Field(256, gt=0)  # the completion budget of a request that names none
 

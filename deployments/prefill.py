@@ -56,14 +56,16 @@ def _error(exc: VitserveError) -> JSONResponse:
 def make_client(cfg: VitserveConfig) -> Any:
     """The client SDK as the prefill replicas use it: the encoder by handle (or URL), rows read
     from the store directly unless ``prefill.direct_store`` is off."""
-    from vitserve.client import EncoderClient
+    from vitserve.client import EncoderClient, RetryPolicy
 
     p = cfg.prefill
     store = cfg.store if p.direct_store else None
+    retry = RetryPolicy(attempts=p.encoder_attempts, backoff_s=0.05, max_backoff_s=1.0,
+                        max_retry_after_s=1.0)  # fmt: skip
     if p.encoder_url:
-        return EncoderClient(p.encoder_url, store=store)
+        return EncoderClient(p.encoder_url, store=store, retry=retry)
     handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=p.encoder_app)
-    return EncoderClient(handle=handle, store=store)
+    return EncoderClient(handle=handle, store=store, retry=retry)
 
 
 @serve.deployment

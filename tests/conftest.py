@@ -312,6 +312,10 @@ class ChatApp:
     def chat(self, body: dict[str, Any]) -> httpx.Response:
         return self.client.post(f"{self.url}/v1/chat/completions", json=body)
 
+    def as_app(self) -> App:
+        """This application's /metrics helpers (``metric``, ``wait_metric``)."""
+        return App(self.name, self.url, self.config)
+
 
 @pytest.fixture(scope="session")
 def deploy_prefill(deploy: Callable[..., App]) -> Iterator[Callable[..., ChatApp]]:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vitserve.cache.codec import read_header
+from vitserve.cache.testing import expected_read_bytes
 from vitserve.client import AsyncEncoderClient, EncoderClient, ImageHandle, RetryPolicy
 from vitserve.encoder.testimages import make_image
 from vitserve.errors import CacheMissError, StoreUnavailableError
@@ -167,29 +167,6 @@ def test_images_as_paths_bytes_and_pil_images_key_alike(make_client, redis_app, 
 
 
 # -- fetch per chunk -----------------------------------------------------------------------------
-def _expected_read(store, handles: list[ImageHandle], pieces, first_read: set[str]) -> int:
-    """Bytes a chunk's read must move: per piece and tensor, its rows widened to whole checksum
-    blocks; plus each key's head where it is read: a remote store reads the first 4 KiB of a
-    value whose header the client has not cached yet, a store holding whole values reads
-    each value's header in every call."""
-    total = 0
-    for piece in pieces:
-        value = bytes(store.get_value(handles[piece.image].key))
-        header = read_header(value)
-        for t in header.tensors:
-            first = piece.row_start // t.block_rows * t.block_rows
-            end = min(t.rows, -(-piece.row_end // t.block_rows) * t.block_rows)
-            total += (end - first) * t.row_bytes(header.itemsize)
-    for key in dict.fromkeys(handles[p.image].key for p in pieces):
-        header = read_header(bytes(store.get_value(key)))
-        if store.head_is_whole_value:
-            total += header.payload_offset
-        elif key in first_read:
-            first_read.discard(key)
-            total += min(4096, header.total_bytes)
-    return total
-
-
 @pytest.mark.parametrize("kind", ["redis", "node"])
 def test_fetch_chunk_reads_only_the_rows_it_covers(make_client, redis_app, node_app, redis_url,
                                                    kind: str) -> None:  # fmt: skip
@@ -215,7 +192,8 @@ def test_fetch_chunk_reads_only_the_rows_it_covers(make_client, redis_app, node_
         before = store.stats()["bytes_read"]
         chunk = client.fetch_chunk(handles, offsets, start, end)
         moved = store.stats()["bytes_read"] - before
-        expected = _expected_read(checker, handles, chunk.pieces, first_read)
+        reads = [(handles[p.image].key, p.row_start, p.row_end) for p in chunk.pieces]
+        expected = expected_read_bytes(checker, reads, first_read)
         assert moved == expected, (start, end)
         for piece, rows, extras in zip(chunk.pieces, chunk.embeddings, chunk.extras, strict=True):
             ref = whole[piece.image]
