@@ -45,9 +45,12 @@ def _serve(args: argparse.Namespace) -> None:
 
     cfg = local_config(_overrides(args))
     print(f"effective config: {cfg.model_dump_json()}", flush=True)
-    url = start_local(cfg)
+    url = start_local(cfg, prefill=args.prefill)
     print(f"vitserve is serving {cfg.model} at {url} (docs: {url}/docs); Ctrl-C stops it",
           flush=True)  # fmt: skip
+    if args.prefill:
+        chat = f"{url}{cfg.prefill.route_prefix}"
+        print(f"chat completions at {chat}/v1/chat/completions (docs: {chat}/docs)", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -118,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the service on a local Ray cluster (embedded)")
     _service_flags(serve)
+    serve.add_argument("--prefill", action="store_true",
+                       help="also run the prefill application (OpenAI chat completions over "
+                            "the model's language model, at /prefill)")  # fmt: skip
     serve.set_defaults(func=_serve)
 
     encode = sub.add_parser("encode", help="encode image files through a running service")
@@ -126,7 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--timeout", type=float, default=600)
     encode.set_defaults(func=_encode)
 
-    demo = sub.add_parser("demo", help="serve the demo model, encode images over HTTP twice, exit")
+    demo = sub.add_parser(
+        "demo",
+        help="serve the demo model, encode images over HTTP twice, "
+        "chat a few turns through the prefill application, exit",
+    )
     _service_flags(demo, default_model=None)
     demo.set_defaults(func=_demo)
     return parser

@@ -118,7 +118,7 @@ class VitserveConfig(_Strict):
     encoder: DeploymentConfig = DeploymentConfig(num_cpus=1.0, max_ongoing_requests=256)
     preprocess: DeploymentConfig = DeploymentConfig(num_cpus=0.5)
     ingress: DeploymentConfig = DeploymentConfig(num_cpus=0.25, max_ongoing_requests=128)
-    prefill: PrefillConfig = PrefillConfig(num_cpus=1.0, max_ongoing_requests=16)
+    prefill: PrefillConfig = PrefillConfig(num_cpus=0.5, max_ongoing_requests=16)
     http_host: str = "127.0.0.1"
     http_port: int = Field(8000, ge=0, le=65535)
     access_log: bool = False

@@ -4,7 +4,9 @@ Starts the embedded default (local Ray, node-local store, no Redis) serving the 
 ``--model``), sends a mixed-resolution set of generated images through the HTTP API twice, and
 prints each image's key and token count, the tower forwards the encoder formed, whether the
 second pass was served from the store, and timings. While a pass runs (tens of seconds on a
-slow CPU), it prints the encoder's progress as images leave the tower.
+slow CPU), it prints the encoder's progress as images leave the tower. It ends with a short
+multi-turn chat through the prefill application (the whole conversation re-sent each turn, one
+new image per turn), printing per turn what was uploaded, encoded and pulled.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ from typing import Any
 from vitserve.encoder.testimages import make_image
 
 PROGRESS_PERIOD_S = 1.0
+# The chat's turns: a question and a new image each (width, height); the answers are the
+# random-weight model's, so they read as noise.
+CHAT_TURNS = [("What is in this picture?", (448, 448)),
+              ("And how does this one differ?", (640, 480)),
+              ("Which of the pictures is brightest?", (448, 448))]  # fmt: skip
+CHAT_MAX_TOKENS = 8
 
 # (width, height, mode, format): a mixed-resolution request, with one image sent twice.
 DEMO_IMAGES = [
@@ -100,7 +108,7 @@ def run_demo(overrides: dict[str, Any], *, echo: Callable[[str], None] = print) 
     if cfg.model == DEMO_MODEL and not is_cached(DEMO_FAMILY, DEMO_PRESET):
         echo("building the demo model once (random weights, Qwen2-VL with a ViT-B tower)...")
     started = time.perf_counter()
-    url = start_local(cfg)
+    url = start_local(cfg, prefill=True)
     try:
         encoder = serve.get_deployment_handle("EncoderDeployment", app_name=APP_NAME)
         info = encoder.describe.remote().result()
@@ -142,5 +150,45 @@ def run_demo(overrides: dict[str, Any], *, echo: Callable[[str], None] = print) 
         record = httpx.get(f"{url}/v1/embeddings/{key}", timeout=60)
         echo(f"\nGET /v1/embeddings/{key[:16]}..: {record.status_code}, "
              f"{len(record.content)} bytes in the record format")  # fmt: skip
+        chat(f"{url}{cfg.prefill.route_prefix}", cfg.prefill.chunk_size, echo)
     finally:
         stop_local()
+
+
+def chat(url: str, chunk_size: int, echo: Callable[[str], None]) -> None:
+    """A few chat turns through the prefill application at ``url``: each re-sends the whole
+    conversation with one new image; per turn, what was uploaded, encoded and pulled."""
+    import base64
+
+    import httpx
+
+    echo(f"\nPOST {url}/v1/chat/completions: {len(CHAT_TURNS)} turns, the whole "
+         f"conversation re-sent each turn, one new image per turn, prefill chunks of "
+         f"{chunk_size} tokens")  # fmt: skip
+    echo(f"{'turn':>4} {'sent':>4} {'uploaded':>8} {'encoded':>7} {'prompt':>6} {'rows':>5} "
+         f"{'chunks':>6} {'time':>7}  answer")  # fmt: skip
+    messages: list[dict[str, Any]] = []
+    for turn, (question, (w, h)) in enumerate(CHAT_TURNS, start=1):
+        image = make_image(w, h, fmt="PNG", seed=100 + turn)
+        url_of = "data:image/png;base64," + base64.b64encode(image).decode()
+        messages.append({"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url_of}},
+            {"type": "text", "text": question}]})  # fmt: skip
+        started = time.perf_counter()
+        response = httpx.post(f"{url}/v1/chat/completions", timeout=600, json={
+            "messages": messages, "temperature": 0, "max_tokens": CHAT_MAX_TOKENS})  # fmt: skip
+        elapsed = time.perf_counter() - started
+        if response.status_code != 200:
+            echo(f"{turn:>4} error {response.status_code}: {response.text[:200]}")
+            response.raise_for_status()
+        answer = response.json()
+        u = answer["usage"]
+        text = answer["choices"][0]["message"]["content"]
+        echo(f"{turn:>4} {u['images_sent']:>4} {u['images_uploaded']:>8} "
+             f"{u['images_encoded']:>7} {u['prompt_tokens']:>6} {u['rows_pulled']:>5} "
+             f"{u['prefill_chunks']:>6} {elapsed:>6.2f}s  {text[:40]!r}")  # fmt: skip
+        messages.append({"role": "assistant", "content": text})
+    echo(
+        "each turn uploaded and encoded only its new image; the earlier ones came from the "
+        "store by key (their rows pulled chunk by chunk)"
+    )

@@ -1,7 +1,8 @@
 """The embedded default: a local Ray cluster running the vitserve application on one port.
 
-Used by ``vitserve serve`` and ``vitserve demo``: local Ray, the node-local store, no Redis, no
-dashboard, access logs off. Everything a user needs to run it offline.
+Used by ``vitserve serve`` (``--prefill``: with the prefill application beside the encoder's)
+and ``vitserve demo``: local Ray, the node-local store, no Redis, no dashboard, access logs off.
+Everything a user needs to run it offline.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from vitserve.deployments.config import VitserveConfig
 
 APP_NAME = "vitserve"
+PREFILL_APP_NAME = "vitserve-prefill"
 # Ray runs its workers at nice 15 to favour the driver; here the replicas are the work (the
 # driver only waits), and at nice 15 every bit of background activity preempted the encoder's
 # compute threads: 448px forwards measured ~10% slower in a replica than in-process.
@@ -57,15 +59,28 @@ def serve_app(app: Any, *, name: str = APP_NAME, route_prefix: str = "/",
     serve.run(app, name=name, route_prefix=route_prefix, logging_config=_logging(access_log))
 
 
-def start_local(cfg: VitserveConfig, *, num_cpus: int | None = None) -> str:
+def start_local(cfg: VitserveConfig, *, num_cpus: int | None = None,
+                prefill: bool = False) -> str:  # fmt: skip
     """Start local Ray (unless already up), Serve on ``cfg.http_host:cfg.http_port``, and the
-    application; returns its base URL once it answers."""
+    encoder application (``vitserve``, at ``/``); with ``prefill``, the prefill application
+    too (``vitserve-prefill``, at ``cfg.prefill.route_prefix``, reaching the encoder
+    application by its handle). Returns the base URL once they answer."""
     from vitserve.deployments.app import build_application
 
     app = build_application(cfg)  # a model that cannot load fails here, before Ray starts
+    chat = None
+    if prefill:
+        from vitserve.deployments.prefill import build_prefill_application
+
+        cfg = cfg.model_copy(update={"prefill": cfg.prefill.model_copy(
+            update={"encoder_app": APP_NAME, "encoder_url": None})})  # fmt: skip
+        chat = build_prefill_application(cfg)
     start_ray(num_cpus)
     url = start_serve(cfg.http_host, cfg.http_port, access_log=cfg.access_log)
     serve_app(app, access_log=cfg.access_log)
+    if chat is not None:
+        serve_app(chat, name=PREFILL_APP_NAME, route_prefix=cfg.prefill.route_prefix,
+                  access_log=cfg.access_log)  # fmt: skip
     return url
 
 

@@ -87,7 +87,9 @@ def test_make_model_rejects_unknown_family(tmp_path) -> None:
     assert "invalid choice: 'bert'" in proc.stderr
 
 
-def test_serve_demo_then_encode_through_http_then_ctrl_c(tmp_path, user_cache) -> None:
+def test_serve_demo_with_prefill_then_encode_and_chat_through_http_then_ctrl_c(
+    tmp_path, user_cache
+) -> None:
     from vitserve.deployments.local import free_port
 
     port = free_port()
@@ -95,7 +97,7 @@ def test_serve_demo_then_encode_through_http_then_ctrl_c(tmp_path, user_cache) -
     # the missing-model test checks that nothing lands there.
     ray_tmp = Path(tempfile.mkdtemp(prefix="vr-", dir="/tmp"))
     proc = subprocess.Popen([VITSERVE, "serve", "--model", "demo", "--port", str(port),
-                             "--dtype", "fp32"],
+                             "--dtype", "fp32", "--prefill"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**_env(user_cache), "RAY_TMPDIR": str(ray_tmp)})  # fmt: skip
     try:
@@ -106,7 +108,7 @@ def test_serve_demo_then_encode_through_http_then_ctrl_c(tmp_path, user_cache) -
             if not line:
                 break
             lines.append(line)
-            if "vitserve is serving" in line:
+            if "chat completions at" in line:
                 break
         out = "".join(lines)
         assert f"at http://127.0.0.1:{port}" in out, out
@@ -140,6 +142,17 @@ def test_serve_demo_then_encode_through_http_then_ctrl_c(tmp_path, user_cache) -
         bad.write_bytes(b"not an image")
         failed = _run("encode", str(bad), "--url", url, cache=user_cache)
         assert failed.returncode == 1 and "not a recognised image" in failed.stdout
+
+        # The prefill application, at /prefill: the image encoded above, named by its key.
+        assert f"chat completions at {url}/prefill/v1/chat/completions" in out
+        content = [{"type": "image_url", "image_url": {"url": f"vitserve://{rows[0][1]}"}},
+                   {"type": "text", "text": "What is this?"}]  # fmt: skip
+        chat = httpx.post(f"{url}/prefill/v1/chat/completions", timeout=300, json={
+            "messages": [{"role": "user", "content": content}], "max_tokens": 3,
+            "temperature": 0})  # fmt: skip
+        assert chat.status_code == 200, chat.text
+        usage = chat.json()["usage"]
+        assert (usage["images_sent"], usage["images_uploaded"], usage["rows_pulled"]) == (1, 0, 256)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -186,6 +199,9 @@ def test_demo_serves_encodes_twice_and_the_second_pass_comes_from_the_store(
     assert "0 through the tower in 0 forwards" in second
     assert second.count("store (cached)") == 7
     assert re.search(r"GET /v1/embeddings/[0-9a-f]{16}\.\.: 200, \d+ bytes", out)
+    # the chat: per turn (turn, sent, uploaded, encoded): only the new image went up
+    turns = re.findall(r"^ +(\d) +(\d) +(\d) +(\d) +\d+ +\d+ +\d+ +[0-9.]+s", out, re.M)
+    assert turns == [(str(t), str(t), "1", "1") for t in (1, 2, 3)], out
 
 
 def test_the_demo_says_where_its_default_batch_cap_comes_from(monkeypatch) -> None:
