@@ -133,9 +133,10 @@ class PrefillServer:
 
 def build_prefill_application(cfg: VitserveConfig) -> Any:
     """The bound prefill application for ``cfg`` (the model resolved as the encoder's is)."""
-    from vitserve.deployments.app import deployment_options, resolve_model
+    from vitserve.deployments.app import check_model, deployment_options, resolve_model
 
     cfg = cfg.model_copy(update={"model": resolve_model(cfg.model)})
+    check_model(cfg)  # an unloadable or unsupported model fails here, not in retried replicas
     return PrefillServer.options(**deployment_options(cfg.prefill)).bind(cfg.model_dump())
 
 

@@ -93,6 +93,30 @@ def test_build_app_is_a_serve_application_builder_with_dotted_string_args(tiny_m
         build_app({"model": model, "limits.max_images": 4})
 
 
+def test_the_prefill_application_builds_alone_with_its_own_section(tiny_models, tmp_path) -> None:
+    """``serve run vitserve.deployments.prefill:build_app``: its own replicas and chunking."""
+    from ray.serve import Application
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    from vitserve.deployments.prefill import build_app
+    from vitserve.errors import ModelLoadError
+
+    model = str(tiny_models["llava"])
+    app = call_user_app_builder_with_args_if_necessary(
+        build_app, {"model": model, "prefill.num_replicas": "3", "prefill.chunk_size": "64",
+                    "prefill.encoder_app": "encoders", "encoder.num_replicas": "2"},
+    )  # fmt: skip
+    assert isinstance(app, Application)
+    deployment = app._bound_deployment
+    assert deployment.name == "PrefillServer" and deployment.num_replicas == 3
+    config = deployment.init_args[0]
+    assert config["prefill"]["chunk_size"] == 64 and config["prefill"]["encoder_app"] == "encoders"
+    with pytest.raises(ConfigError, match=r"prefill\.chunk"):
+        build_app({"model": model, "prefill.chunk": 64})
+    with pytest.raises(ModelLoadError, match="cannot load model"):
+        build_app({"model": str(tmp_path / "missing")})
+
+
 def test_build_app_refuses_a_model_that_cannot_load_before_anything_starts(tmp_path) -> None:
     from vitserve.deployments.app import build_app
     from vitserve.errors import ModelLoadError
