@@ -27,7 +27,7 @@ from vitserve.client.adapters import prompt_layout
 from vitserve.deployments.chat import ChatRequest, PromptBuilder, image_refs
 from vitserve.deployments.config import VitserveConfig
 from vitserve.deployments.generation import Generator, Prefilled, Sampling, Step
-from vitserve.errors import CacheMissError, PromptTooLongError
+from vitserve.errors import CacheMissError, LimitExceededError, PromptTooLongError
 
 
 @dataclass
@@ -46,6 +46,7 @@ class ChatService:
     """Chat completions over one model's language model and an ``EncoderClient``."""
 
     def __init__(self, cfg: VitserveConfig, client: Any) -> None:
+        """``client``: an ``EncoderClient`` (may be set later, before the first ``prepare``)."""
         from transformers import AutoTokenizer, GenerationConfig
 
         from vitserve.encoder.device import default_dtype, parse_dtype, resolve_device
@@ -75,6 +76,9 @@ class ChatService:
         """Read, encode, prefill (see the module's invariants); raises VitserveError."""
         request = ChatRequest.parse(body)
         refs = image_refs(request)
+        allowed = self.cfg.limits.max_images_per_request
+        if len(refs) > allowed:  # refused before any image is encoded
+            raise LimitExceededError("max_images_per_request", len(refs), allowed)
         handles, usage = self._images(refs)
         ids = self.prompts.token_ids(self.prompts.render(request),
                                      [h.num_tokens for h in handles])  # fmt: skip

@@ -25,6 +25,7 @@ running encoder application named by ``prefill.encoder_app``, or ``prefill.encod
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations at run time.
 import json
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,7 +36,12 @@ from starlette.concurrency import run_in_threadpool
 
 from vitserve.deployments import metrics
 from vitserve.deployments.config import VitserveConfig
-from vitserve.errors import MalformedRequestError, VitserveError
+from vitserve.errors import (
+    LimitExceededError,
+    MalformedRequestError,
+    ServiceUnavailableError,
+    VitserveError,
+)
 
 log = logging.getLogger("ray.serve")
 INGRESS_DEPLOYMENT = "Ingress"  # the encoder application's ingress, reached by its handle
@@ -64,7 +70,12 @@ def make_client(cfg: VitserveConfig) -> Any:
                         max_retry_after_s=1.0)  # fmt: skip
     if p.encoder_url:
         return EncoderClient(p.encoder_url, store=store, retry=retry)
-    handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=p.encoder_app)
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=p.encoder_app)
+    except (RayServeException, KeyError) as exc:  # the encoder app is not (yet) running
+        raise ServiceUnavailableError(f"encoder application {p.encoder_app!r}", str(exc)) from None
     return EncoderClient(handle=handle, store=store, retry=retry)
 
 
@@ -75,16 +86,29 @@ class PrefillServer:
         from vitserve.deployments.chat_service import ChatService
 
         self.cfg = VitserveConfig.model_validate(config)
-        self.service = ChatService(self.cfg, make_client(self.cfg))
+        # The client is made at the first request: the prefill application may start before
+        # the encoder application does (it answers 503 until then).
+        self.service = ChatService(self.cfg, client=None)
+        self._client_lock = threading.Lock()
+
+    def _prepare(self, body: Any) -> Any:
+        with self._client_lock:
+            if self.service.client is None:
+                self.service.client = make_client(self.cfg)
+        return self.service.prepare(body)
 
     @api.post("/v1/chat/completions", summary="OpenAI-style chat completion (stream or not)")
     async def completions(self, request: Request) -> Response:
         try:
+            raw = await request.body()
+            if len(raw) > self.cfg.limits.max_request_bytes:
+                raise LimitExceededError("max_request_bytes", len(raw),
+                                         self.cfg.limits.max_request_bytes)  # fmt: skip
             try:
-                body = json.loads(await request.body())
+                body = json.loads(raw)
             except ValueError as exc:
                 raise MalformedRequestError(f"the body is not JSON: {exc}") from None
-            prepared = await run_in_threadpool(self.service.prepare, body)
+            prepared = await run_in_threadpool(self._prepare, body)
         except VitserveError as exc:
             self._count(exc.http_status)
             return _error(exc)

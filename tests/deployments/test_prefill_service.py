@@ -254,3 +254,32 @@ def test_the_prefill_restarted_or_scaled_while_the_encoder_serves(pair) -> None:
     encoder.close()
     assert set(encode_statuses) == {200}
     assert set(chat_statuses) == {200}, chat_statuses
+
+
+# -- refusals that cost nothing else --------------------------------------------------------------
+def test_too_many_images_are_refused_before_any_is_encoded(pair) -> None:
+    before = pair.encoder.counters()["images"]
+    allowed = pair.config.limits.max_images_per_request
+    response = pair.chat(body([user_turn("many", fresh_images(allowed + 1))]))
+    assert response.status_code == 413, response.text
+    error = response.json()["error"]
+    assert (error["limit"], error["value"]) == ("max_images_per_request", allowed + 1)
+    assert pair.encoder.counters()["images"] == before
+
+
+def test_a_prefill_without_its_encoder_application_answers_503(deploy_prefill, pair) -> None:
+    """Started before (or without) the encoder application it names: it starts, answers 503
+    with Retry-After, and names the application."""
+    from dataclasses import replace
+
+    absent = replace(pair.encoder, name="no-such-encoder")
+    lonely = deploy_prefill("pfs-lonely", absent, **{"prefill.num_cpus": 0.02})
+    try:
+        response = lonely.chat(body([user_turn("hello", [])]))
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"]
+        error = response.json()["error"]
+        assert error["type"] == "ServiceUnavailableError"
+        assert "no-such-encoder" in error["message"]
+    finally:
+        deploy_prefill.remove(lonely.name)
