@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,10 +140,12 @@ class ChatService:
         return {**self._envelope(prepared, "chat.completion"), "choices": [choice],
                 "usage": self._usage(prepared, len(steps))}  # fmt: skip
 
-    def stream(self, prepared: Prepared) -> Iterator[str]:
+    def stream(self, prepared: Prepared,
+               on_done: Callable[[int], None] | None = None) -> Iterator[str]:  # fmt: skip
         """The answer as server-sent events: a role chunk, one chunk per token (its text delta,
         held back while it ends inside a UTF-8 sequence), a final chunk with the finish reason,
-        the usage chunk when ``stream_options.include_usage``, then ``[DONE]``."""
+        the usage chunk when ``stream_options.include_usage``, then ``[DONE]``. ``on_done`` is
+        called with the number of tokens generated once the last token is out."""
         envelope = self._envelope(prepared, "chat.completion.chunk")
         logprobs = prepared.request.logprobs
 
@@ -165,6 +167,8 @@ class ChatService:
             sent, pending = text, []
         if pending:
             yield event({"content": self._text(tokens)[len(sent) :]}, steps=pending)
+        if on_done is not None:
+            on_done(len(tokens))
         finish = "length" if len(tokens) == prepared.sampling.max_tokens else "stop"
         yield event({}, finish)
         options = prepared.request.stream_options

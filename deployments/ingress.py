@@ -38,12 +38,13 @@ import re
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from vitserve.deployments import metrics
 from vitserve.deployments.config import VitserveConfig
 from vitserve.deployments.encode_flow import EncodeFlow
+from vitserve.deployments.responses import error_response, metrics_response, retry_headers
 from vitserve.errors import (
     CacheMissError,
     ConfigError,
@@ -55,23 +56,12 @@ from vitserve.errors import (
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
-RETRY_AFTER_S = 1
 
 api = FastAPI(
     title="vitserve",
     summary="Disaggregated vision encoder: encode images once, fetch embeddings by key.",
     version="0.1.0",
 )
-
-
-def _retry_headers(status: int) -> dict[str, str] | None:
-    """``Retry-After`` on the answers a retry can help (429: at capacity, 503: unavailable)."""
-    return {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
-
-
-def _error(exc: VitserveError) -> JSONResponse:
-    return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status,
-                        headers=_retry_headers(exc.http_status))  # fmt: skip
 
 
 def _rows_record(part: Any) -> Any:
@@ -117,7 +107,7 @@ class Ingress:
             items = await self._read_images(request)
             response = JSONResponse(await self._encode_answer(items))
         except VitserveError as exc:
-            response = _error(exc)
+            response = error_response(exc)
         metrics.inc("requests_total", route="encode", status=str(response.status_code))
         return response
 
@@ -227,13 +217,13 @@ class Ingress:
         try:
             doc = json.loads(await request.body())
         except ValueError as exc:
-            response = _error(MalformedRequestError(f"invalid JSON: {exc}"))
+            response = error_response(MalformedRequestError(f"invalid JSON: {exc}"))
         else:
             status, body = await self._answer(work(doc))
             if status == 200 and answer is not None:
                 response = answer(body)
             else:
-                response = JSONResponse(body, status_code=status, headers=_retry_headers(status))
+                response = JSONResponse(body, status_code=status, headers=retry_headers(status))
         metrics.inc("requests_total", route=route, status=str(response.status_code))
         return response
 
@@ -348,7 +338,7 @@ class Ingress:
         try:
             response = await self._fetch(key, start, end)
         except VitserveError as exc:
-            response = _error(exc)
+            response = error_response(exc)
         metrics.inc("requests_total", route="fetch", status=str(response.status_code))
         return response
 
@@ -386,11 +376,7 @@ class Ingress:
 
     @api.get("/metrics", summary="This node's vitserve metrics (Prometheus text format)")
     async def metrics_page(self) -> Response:
-        try:
-            text = await metrics.node_page()
-        except VitserveError as exc:
-            return _error(exc)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return await metrics_response()
 
 
 __all__ = ["Ingress", "api"]

@@ -30,12 +30,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.concurrency import run_in_threadpool
 
 from vitserve.deployments import metrics
 from vitserve.deployments.config import VitserveConfig
+from vitserve.deployments.responses import error_response, metrics_response
 from vitserve.errors import (
     LimitExceededError,
     MalformedRequestError,
@@ -51,12 +52,6 @@ api = FastAPI(
     summary="Chat completions over a language model fed image embeddings from vitserve.",
     version="0.1.0",
 )
-
-
-def _error(exc: VitserveError) -> JSONResponse:
-    status = exc.http_status
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
-    return JSONResponse({"error": exc.to_dict()}, status_code=status, headers=headers)
 
 
 def make_client(cfg: VitserveConfig) -> Any:
@@ -111,13 +106,17 @@ class PrefillServer:
             prepared = await run_in_threadpool(self._prepare, body)
         except VitserveError as exc:
             self._count(exc.http_status)
-            return _error(exc)
+            return error_response(exc)
         self._count(200, prepared.usage)
+
+        def generated(tokens: int) -> None:
+            metrics.inc("prefill_tokens_total", tokens, kind="completion")
+
         if prepared.request.stream:
-            return StreamingResponse(self.service.stream(prepared),
+            return StreamingResponse(self.service.stream(prepared, generated),
                                      media_type="text/event-stream")  # fmt: skip
         answer = await run_in_threadpool(self.service.complete, prepared)
-        metrics.inc("prefill_tokens_total", answer["usage"]["completion_tokens"], kind="completion")
+        generated(answer["usage"]["completion_tokens"])
         return JSONResponse(answer)
 
     def _count(self, status: int, usage: Mapping[str, int] | None = None) -> None:
@@ -148,11 +147,7 @@ class PrefillServer:
 
     @api.get("/metrics", summary="This node's vitserve metrics (Prometheus text format)")
     async def metrics_page(self) -> Response:
-        try:
-            text = await metrics.node_page()
-        except VitserveError as exc:
-            return _error(exc)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return await metrics_response()
 
 
 def build_prefill_application(cfg: VitserveConfig) -> Any:

@@ -25,6 +25,7 @@ Presets (the language model stays small in all of them; only the vision side sca
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -536,3 +537,81 @@ def cached_model(family: str, preset: str, *, seed: int = 0) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+# -- inputs for checks against the monolithic model ----------------------------------------------
+def image_prompt(config: Any, counts: list[int]) -> list[int]:
+    """A test prompt's token ids: BOS, text, then per image its placeholders as the family's
+    processor expands them (Qwen: vision_start, pads, vision_end; Gemma 3: boi, image tokens,
+    eoi; LLaVA: image tokens alone; ``counts[k]`` image tokens for image ``k``), then text."""
+    family = str(config.model_type)
+    if family.startswith("qwen"):
+        open_, close = [config.vision_start_token_id], [config.vision_end_token_id]
+    elif family == "gemma3":
+        open_, close = [config.boi_token_id], [config.eoi_token_id]
+    else:
+        open_, close = [], []
+    ids = [1, 11, 12, 13]
+    for k, n in enumerate(counts):
+        ids += [*open_, *[config.image_token_id] * n, *close, 20 + k, 21 + k, 22]
+    return [*ids, 30, 31]
+
+
+def pixel_inputs(config: Any, ids: list[int], pixels: Mapping[str, Any]) -> dict[str, Any]:
+    """The full model's forward arguments for prompt ``ids`` and the image processor's output
+    ``pixels``: the family's extras (Qwen's grids and ``mm_token_type_ids``, Gemma 3's
+    ``token_type_ids``) included."""
+    import torch
+
+    family = str(config.model_type)
+    input_ids = torch.tensor([ids])
+    kwargs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+              "pixel_values": pixels["pixel_values"]}  # fmt: skip
+    image_types = (input_ids == config.image_token_id).long()
+    if family.startswith("qwen"):
+        kwargs |= {"image_grid_thw": pixels["image_grid_thw"], "mm_token_type_ids": image_types}
+    if family == "gemma3":
+        kwargs["token_type_ids"] = image_types
+    return kwargs
+
+
+def fake_hub_cache(src: Path, cache: Path, repo: str, files: list[str]) -> str:
+    """A huggingface_hub cache under ``cache`` holding only ``files`` of the model folder
+    ``src`` as repo ``repo`` at one snapshot (offline tests of loading by HF id); its commit."""
+    import shutil
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = root / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(commit)
+    for name in files:
+        shutil.copy(src / name, snapshot / name)
+    return commit
+
+
+def rename_tensors(src: Path, dst: Path, rules: list[tuple[str, str]]) -> None:
+    """Copy the sharded checkpoint ``src`` to ``dst`` with every tensor name rewritten by the
+    regex ``rules`` (``re.sub(pattern, repl)`` in order), shards and index kept (tests of
+    older hub layouts)."""
+    import json
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    index_path = dst / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    renamed: dict[str, str] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        out = {}
+        for name, tensor in load_file(dst / shard).items():
+            for pattern, repl in rules:
+                name = re.sub(pattern, repl, name)
+            out[name] = tensor
+            renamed[name] = shard
+        save_file(out, dst / shard, metadata={"format": "pt"})
+    index["weight_map"] = renamed
+    index_path.write_text(json.dumps(index))

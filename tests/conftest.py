@@ -243,10 +243,25 @@ def serve_url(ray_cluster) -> Iterator[str]:
     serve.shutdown()
 
 
+def _with_remove(deploy_fn: Callable[..., Any], apps: dict[str, Any]) -> Iterator[Any]:
+    """Yield ``deploy_fn`` with a ``remove(name)`` that deletes an application now: its CPU
+    share is free for the tests after it (the session's cluster has 2 CPUs; replicas that do not
+    fit wait for one, forever). The applications still up are deleted at the end."""
+    from ray import serve
+
+    def remove(name: str) -> None:
+        if apps.pop(name, None) is not None:
+            serve.delete(name)
+
+    deploy_fn.remove = remove  # type: ignore[attr-defined]
+    yield deploy_fn
+    for name in list(apps):
+        serve.delete(name)
+
+
 @pytest.fixture(scope="session")
 def deploy(serve_url: str, tiny_models: dict[str, Path],
            batching_limits: dict[str, int]) -> Iterator[Callable[..., App]]:  # fmt: skip
-    from ray import serve
 
     from vitserve.deployments.app import build_application
     from vitserve.deployments.config import VitserveConfig
@@ -275,16 +290,7 @@ def deploy(serve_url: str, tiny_models: dict[str, Path],
         apps[name] = App(name, f"{serve_url}/{name}", cfg)
         return apps[name]
 
-    def _remove(name: str) -> None:
-        """Delete an application now: its CPU share is free for the tests after it (the
-        session's cluster has 2 CPUs; replicas that do not fit wait for one, forever)."""
-        if apps.pop(name, None) is not None:
-            serve.delete(name)
-
-    _deploy.remove = _remove  # type: ignore[attr-defined]
-    yield _deploy
-    for name in apps:
-        serve.delete(name)
+    yield from _with_remove(_deploy, apps)
 
 
 @pytest.fixture(scope="session")
@@ -322,7 +328,6 @@ def deploy_prefill(deploy: Callable[..., App]) -> Iterator[Callable[..., ChatApp
     """``deploy_prefill(name, encoder, **overrides)``: the prefill application ``name`` (route
     ``/<name>``) over ``encoder``'s model, reaching ``encoder`` by its handle and reading the
     rows from its store directly. ``deploy_prefill.remove(name)`` deletes it."""
-    from ray import serve
 
     from vitserve.deployments.config import VitserveConfig
     from vitserve.deployments.local import serve_app
@@ -344,11 +349,4 @@ def deploy_prefill(deploy: Callable[..., App]) -> Iterator[Callable[..., ChatApp
         apps[name] = ChatApp(name, f"{base_url}/{name}", encoder, cfg)
         return apps[name]
 
-    def _remove(name: str) -> None:
-        if apps.pop(name, None) is not None:
-            serve.delete(name)
-
-    _deploy.remove = _remove  # type: ignore[attr-defined]
-    yield _deploy
-    for name in apps:
-        serve.delete(name)
+    yield from _with_remove(_deploy, apps)

@@ -45,7 +45,13 @@ from vitserve.client.adapters import (
     vllm_inputs,
 )
 from vitserve.encoder.testimages import make_image
-from vitserve.encoder.testmodels import IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID
+from vitserve.encoder.testmodels import (
+    IMAGE_TOKEN_ID,
+    VISION_END_ID,
+    VISION_START_ID,
+    image_prompt,
+    pixel_inputs,
+)
 from vitserve.errors import ConfigError
 
 SIZES = ((140, 84), (56, 112))  # (width, height): two images whose Qwen grids differ
@@ -123,36 +129,6 @@ def _pixel_side(path: Path, family: str, config: Any) -> tuple[dict[str, Any], l
     return pixels, counts
 
 
-def _prompt(family: str, config: Any, counts: list[int]) -> list[int]:
-    """BOS, text, then per image its placeholders as the family's processor expands them
-    (Qwen: vision_start, pads, vision_end; Gemma 3: boi, image tokens, eoi; LLaVA: image
-    tokens alone), then text."""
-    if family in QWEN_FAMILIES:
-        open_, close = [config.vision_start_token_id], [config.vision_end_token_id]
-    elif family == "gemma3":
-        open_, close = [config.boi_token_id], [config.eoi_token_id]
-    else:
-        open_, close = [], []
-    ids = [1, 11, 12, 13]
-    for k, n in enumerate(counts):
-        ids += [*open_, *[config.image_token_id] * n, *close, 20 + k, 21 + k, 22]
-    return [*ids, 30, 31]
-
-
-def _pixel_kwargs(family: str, ids: list[int], pixels: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    input_ids = torch.tensor([ids])
-    kwargs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
-              "pixel_values": pixels["pixel_values"]}  # fmt: skip
-    image_types = (input_ids == IMAGE_TOKEN_ID).long()
-    if family in QWEN_FAMILIES:
-        kwargs |= {"image_grid_thw": pixels["image_grid_thw"], "mm_token_type_ids": image_types}
-    if family == "gemma3":
-        kwargs["token_type_ids"] = image_types
-    return kwargs
-
-
 def _eos(model: Any) -> set[int]:
     eos = model.generation_config.eos_token_id
     return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
@@ -193,8 +169,8 @@ def test_served_embeddings_give_the_pixel_logits_and_tokens(
     assert [r.num_tokens for r in records] == counts
     if family in QWEN_FAMILIES:
         assert [r.grid for r in records] == [tuple(g) for g in pixels["image_grid_thw"].tolist()]
-    ids = _prompt(family, model.config, counts)
-    on_pixels = _pixel_kwargs(family, ids, pixels)
+    ids = image_prompt(model.config, counts)
+    on_pixels = pixel_inputs(model.config, ids, pixels)
 
     with torch.no_grad():
         inputs = transformers_inputs(model, ids, records)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import shutil
 import struct
 from pathlib import Path
@@ -23,11 +22,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vitserve.client.adapters import QWEN_FAMILIES, transformers_forward, transformers_inputs
+from vitserve.client.adapters import transformers_forward, transformers_inputs
 from vitserve.encoder.language_model import LoadedLanguageModel, load_language_model
 from vitserve.encoder.loading import INDEX_FILE
 from vitserve.encoder.testimages import make_image
-from vitserve.encoder.testmodels import FAMILIES, IMAGE_TOKEN_ID, full_model_class
+from vitserve.encoder.testmodels import (
+    FAMILIES,
+    IMAGE_TOKEN_ID,
+    fake_hub_cache,
+    full_model_class,
+    image_prompt,
+    pixel_inputs,
+    rename_tensors,
+)
 from vitserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
 
 # Every layout's vision/projector tensor names, spelled out here rather than taken from the
@@ -106,23 +113,6 @@ def _text_logits(model: Any, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
-
-
-def _rename_checkpoint(src: Path, dst: Path, rules: list[tuple[str, str]]) -> None:
-    shutil.copytree(src, dst)
-    index = json.loads((dst / INDEX_FILE).read_text())
-    renamed: dict[str, str] = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        out = {}
-        for name, t in load_file(dst / shard).items():
-            new = name
-            for pattern, repl in rules:
-                new = re.sub(pattern, repl, new)
-            out[new] = t
-            renamed[new] = shard
-        save_file(out, dst / shard, metadata={"format": "pt"})
-    index["weight_map"] = renamed
-    (dst / INDEX_FILE).write_text(json.dumps(index))
 
 
 def _drop_tensor(folder: Path, victim: str) -> None:
@@ -220,37 +210,16 @@ def test_vision_bytes_are_never_read(tiny_models, family, tmp_path) -> None:
 
 
 # -- with images ---------------------------------------------------------------------------------
-def _prompt(family: str, config: Any, counts: list[int]) -> list[int]:
-    """BOS, text, then per image its expanded placeholders (in the family's markers), text."""
-    if family in QWEN_FAMILIES:
-        open_, close = [config.vision_start_token_id], [config.vision_end_token_id]
-    elif family == "gemma3":
-        open_, close = [config.boi_token_id], [config.eoi_token_id]
-    else:
-        open_, close = [], []
-    ids = [1, 11, 12, 13]
-    for k, n in enumerate(counts):
-        ids += [*open_, *[config.image_token_id] * n, *close, 20 + k, 21 + k, 22]
-    return [*ids, 30, 31]
 
 
-def _pixel_kwargs(folder: Path, family: str, ids: list[int], images: list[bytes]) -> dict:
+def _pixel_kwargs(folder: Path, config: Any, ids: list[int], images: list[bytes]) -> dict:
     """The full model's own inputs: the prompt and the image processor's pixels."""
     from PIL import Image
     from transformers import AutoImageProcessor
 
     processor = AutoImageProcessor.from_pretrained(folder)
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-    pixels = processor(images=pil, return_tensors="pt")
-    input_ids = torch.tensor([ids])
-    kwargs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
-              "pixel_values": pixels["pixel_values"]}  # fmt: skip
-    image_types = (input_ids == IMAGE_TOKEN_ID).long()
-    if family in QWEN_FAMILIES:
-        kwargs |= {"image_grid_thw": pixels["image_grid_thw"], "mm_token_type_ids": image_types}
-    if family == "gemma3":
-        kwargs["token_type_ids"] = image_types
-    return kwargs
+    return pixel_inputs(config, ids, processor(images=pil, return_tensors="pt"))
 
 
 def _greedy(model: Any, inputs: dict[str, Any], steps: int) -> list[int]:
@@ -283,7 +252,7 @@ def test_image_embeddings_give_the_full_models_logits(tiny_models, engines, fami
     embeddings = engines[family].encode(images)
     records = [SimpleNamespace(embedding=e.tensor, extras=e.extras, grid=e.grid, dtype="fp32")
                for e in embeddings]  # fmt: skip
-    ids = _prompt(family, full.config, [e.num_tokens for e in embeddings])
+    ids = image_prompt(full.config, [e.num_tokens for e in embeddings])
 
     with torch.no_grad():
         inputs = transformers_inputs(lm, ids, records)
@@ -291,7 +260,7 @@ def test_image_embeddings_give_the_full_models_logits(tiny_models, engines, fami
         assert torch.equal(inputs["inputs_embeds"], full_inputs["inputs_embeds"])
         got = transformers_forward(lm, inputs).logits
         want = transformers_forward(full, full_inputs).logits
-        on_pixels = full(**_pixel_kwargs(folder, family, ids, images)).logits
+        on_pixels = full(**_pixel_kwargs(folder, full.config, ids, images)).logits
         tokens = _greedy(lm, inputs, 6)
         assert tokens == _greedy(full, full_inputs, 6)
     diff, pixel_diff = _max_diff(got, want), _max_diff(got, on_pixels)
@@ -336,7 +305,7 @@ def test_bf16_matches_from_pretrained(tiny_models) -> None:
 def test_other_checkpoint_layout_loads_the_same_model(tiny_models, family, tmp_path) -> None:
     src = tiny_models[family]
     dst = tmp_path / "other-layout"
-    _rename_checkpoint(src, dst, OTHER_LAYOUT[family])
+    rename_tensors(src, dst, OTHER_LAYOUT[family])
     # Every LM name changed but Qwen's lm_head.weight (the same in both layouts).
     assert _lm_names(dst) & _lm_names(src) <= {"lm_head.weight"}
     assert SAVED_EMBEDDING[family] not in _lm_names(dst)
@@ -354,18 +323,6 @@ def test_other_checkpoint_layout_loads_the_same_model(tiny_models, family, tmp_p
     assert diff <= EXACT
 
 
-def _fake_hub_cache(src: Path, cache: Path, repo: str, files: list[str]) -> str:
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    root = cache / f"models--{repo.replace('/', '--')}"
-    snapshot = root / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (root / "refs").mkdir()
-    (root / "refs" / "main").write_text(commit)
-    for name in files:
-        shutil.copy(src / name, snapshot / name)
-    return commit
-
-
 def test_hf_id_fetches_only_language_model_shards(tiny_models, tmp_path, monkeypatch) -> None:
     """Offline, through the real huggingface_hub cache: the config, the index and the shards
     holding LM tensors are all an HF id needs (a shard of vision tensors only is not there)."""
@@ -376,7 +333,7 @@ def test_hf_id_fetches_only_language_model_shards(tiny_models, tmp_path, monkeyp
     lm_shards = sorted({weight_map[n] for n in _lm_names(src)})
     assert len(lm_shards) < len(set(weight_map.values()))
     files = ["config.json", INDEX_FILE, *lm_shards]
-    commit = _fake_hub_cache(src, tmp_path / "hub", "vitserve-test/tiny-qwen2-vl", files)
+    commit = fake_hub_cache(src, tmp_path / "hub", "vitserve-test/tiny-qwen2-vl", files)
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     loaded = load_language_model("vitserve-test/tiny-qwen2-vl", device="cpu", dtype="fp32")
     assert loaded.revision == commit

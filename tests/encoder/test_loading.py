@@ -16,7 +16,7 @@ from vitserve.encoder.engine import EncoderEngine
 from vitserve.encoder.families import adapter_class
 from vitserve.encoder.loading import INDEX_FILE, SINGLE_FILE
 from vitserve.encoder.testimages import mixed_set
-from vitserve.encoder.testmodels import FAMILIES
+from vitserve.encoder.testmodels import FAMILIES, fake_hub_cache, rename_tensors
 from vitserve.errors import ModelLoadError, UnsupportedModelError
 
 IMAGES = [b for _, b in mixed_set()[:4]]
@@ -41,24 +41,6 @@ def _vision_names(folder: Path, family: str) -> set[str]:
     names = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
     patterns = [p for alts in adapter_class(family).weight_prefixes.values() for p in alts]
     return {n for n in names if any(re.match(p, n) for p in patterns)}
-
-
-def _rename_checkpoint(src: Path, dst: Path, rules: list[tuple[str, str]]) -> None:
-    shutil.copytree(src, dst)
-    index = json.loads((dst / INDEX_FILE).read_text())
-    renamed: dict[str, str] = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        tensors = load_file(dst / shard)
-        out = {}
-        for name, t in tensors.items():
-            new = name
-            for pattern, repl in rules:
-                new = re.sub(pattern, repl, new)
-            out[new] = t
-            renamed[new] = shard
-        save_file(out, dst / shard, metadata={"format": "pt"})
-    index["weight_map"] = renamed
-    (dst / INDEX_FILE).write_text(json.dumps(index))
 
 
 def _encode(path: Path) -> tuple[EncoderEngine, list]:
@@ -114,7 +96,7 @@ def test_other_naming_layouts_load(tiny_models, engines, family, tmp_path) -> No
         layouts.append(IN_MEMORY_LAYOUT)
     for i, rules in enumerate(layouts):
         dst = tmp_path / f"layout{i}"
-        _rename_checkpoint(src, dst, rules)
+        rename_tensors(src, dst, rules)
         assert _vision_names(dst, family) != _vision_names(src, family)
         engine, out = _encode(dst)
         _assert_same(out, reference.encode(IMAGES))
@@ -156,19 +138,6 @@ def test_fingerprint_tracks_weights_processor_and_dtype(tiny_models, engines, tm
     assert EncoderEngine.from_pretrained(str(moved), dtype="fp32").fingerprint != base.fingerprint
 
 
-def _fake_hub_cache(src: Path, cache: Path, repo: str, files: list[str]) -> str:
-    """A huggingface_hub cache holding only ``files`` of ``src`` under one snapshot."""
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    root = cache / f"models--{repo.replace('/', '--')}"
-    snapshot = root / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (root / "refs").mkdir()
-    (root / "refs" / "main").write_text(commit)
-    for name in files:
-        shutil.copy(src / name, snapshot / name)
-    return commit
-
-
 def test_hf_id_fetches_only_vision_shards(tiny_models, engines, tmp_path, monkeypatch) -> None:
     """Offline, through the real huggingface_hub cache: an HF id resolves, and loading needs
     only the index, the configs and the shards holding vision tensors."""
@@ -178,7 +147,7 @@ def test_hf_id_fetches_only_vision_shards(tiny_models, engines, tmp_path, monkey
     index = json.loads((src / INDEX_FILE).read_text())["weight_map"]
     vision_shards = sorted({index[n] for n in _vision_names(src, "qwen2_vl")})
     files = ["config.json", "preprocessor_config.json", INDEX_FILE, *vision_shards]
-    commit = _fake_hub_cache(src, tmp_path / "hub", "vitserve-test/tiny-qwen2-vl", files)
+    commit = fake_hub_cache(src, tmp_path / "hub", "vitserve-test/tiny-qwen2-vl", files)
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
 
     engine = EncoderEngine.from_pretrained("vitserve-test/tiny-qwen2-vl", dtype="fp32")
