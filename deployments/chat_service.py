@@ -27,7 +27,12 @@ from vitserve.client.adapters import prompt_layout
 from vitserve.deployments.chat import ChatRequest, PromptBuilder, image_refs
 from vitserve.deployments.config import VitserveConfig
 from vitserve.deployments.generation import Generator, Prefilled, Sampling, Step
-from vitserve.errors import CacheMissError, LimitExceededError, PromptTooLongError
+from vitserve.errors import (
+    CacheMissError,
+    LimitExceededError,
+    MalformedRequestError,
+    PromptTooLongError,
+)
 
 
 @dataclass
@@ -69,12 +74,15 @@ class ChatService:
         self.context = int(self.config.get_text_config().max_position_embeddings)
         self.client = client
         self.cfg = cfg
-        self.model_name = cfg.model
+        self.model_name = cfg.prefill.served_model_name or cfg.model
 
     # -- before the answer ------------------------------------------------------------------------
     def prepare(self, body: Any, *, keep_logits: bool = False) -> Prepared:
         """Read, encode, prefill (see the module's invariants); raises VitserveError."""
         request = ChatRequest.parse(body)
+        if request.model is not None and request.model != self.model_name:
+            raise MalformedRequestError(f"model {request.model!r} is not served here; this "
+                                        f"application serves {self.model_name!r}", 404)  # fmt: skip
         refs = image_refs(request)
         allowed = self.cfg.limits.max_images_per_request
         if len(refs) > allowed:  # refused before any image is encoded
@@ -179,7 +187,7 @@ class ChatService:
 
     def _envelope(self, prepared: Prepared, kind: str) -> dict[str, Any]:
         return {"id": prepared.id, "object": kind, "created": prepared.created,
-                "model": prepared.request.model or self.model_name}  # fmt: skip
+                "model": self.model_name}  # fmt: skip
 
     def _usage(self, prepared: Prepared, completion: int) -> dict[str, int]:
         usage = prepared.usage

@@ -89,6 +89,8 @@ class PrefillConfig(DeploymentConfig):
     # (~20 s) instead of failing the chat request.
     encoder_attempts: int = Field(30, ge=1)
     route_prefix: str = "/prefill"
+    # The name requests give as ``model`` (and answers carry); None: ``model`` as configured.
+    served_model_name: str | None = None
     max_tokens: int = Field(256, gt=0)  # the completion budget of a request that names none
 
 

@@ -139,7 +139,7 @@ class PrefillServer:
     @api.get("/healthz", summary="Liveness, the model and where the encoder is reached")
     async def healthz(self) -> Response:
         p = self.cfg.prefill
-        return JSONResponse({"status": "ok", "model": self.cfg.model,
+        return JSONResponse({"status": "ok", "model": self.service.model_name,
                              "family": self.service.config.model_type,
                              "chunk_size": p.chunk_size,
                              "encoder": p.encoder_url or f"app {p.encoder_app}",
@@ -154,7 +154,9 @@ def build_prefill_application(cfg: VitserveConfig) -> Any:
     """The bound prefill application for ``cfg`` (the model resolved as the encoder's is)."""
     from vitserve.deployments.app import check_model, deployment_options, resolve_model
 
-    cfg = cfg.model_copy(update={"model": resolve_model(cfg.model)})
+    served = cfg.prefill.served_model_name or cfg.model  # before "demo" becomes a folder
+    prefill = cfg.prefill.model_copy(update={"served_model_name": served})
+    cfg = cfg.model_copy(update={"model": resolve_model(cfg.model), "prefill": prefill})
     check_model(cfg)  # an unloadable or unsupported model fails here, not in retried replicas
     return PrefillServer.options(**deployment_options(cfg.prefill)).bind(cfg.model_dump())
 

@@ -295,6 +295,9 @@ def test_bad_requests_get_the_apis_error_shape(pairs) -> None:
     assert too_long["type"] == "PromptTooLongError" and too_long["allowed"] == 4096
     over = chat_body(images, max_tokens=4096)
     assert error(over, 400)["type"] == "PromptTooLongError"
+    served = app.client.get(f"{app.url}/healthz").json()["model"]
+    assert "not served here" in error(chat_body(images, model="gpt-4o"), 404)["message"]
+    assert app.chat(chat_body(images, model=served)).json()["model"] == served
 
 
 def test_an_image_already_encoded_is_named_by_its_key(pairs) -> None:
