@@ -77,6 +77,7 @@ def test_each_chunk_pulls_only_the_rows_it_covers(pair, redis_url) -> None:
     layout = prepared.prefilled.layout
     tokens = [s.num_tokens for s in layout.spans]
     assert len(set(tokens)) == 3 and max(tokens) > 2 * CHUNK, tokens
+    print(f"image rows {tokens}, chunks of {CHUNK}")
     checker = open_store(redis_url, namespace=model["namespace"], fingerprint=model["fingerprint"])
     handles_keys = _keys(images, model)
     chunks = prepared.prefilled.chunks
