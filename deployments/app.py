@@ -57,11 +57,11 @@ def deployment_options(d: DeploymentConfig) -> dict[str, Any]:
         "max_queued_requests": d.max_queued_requests,
     }
     if d.autoscaling is not None:
-        a = d.autoscaling
-        options["autoscaling_config"] = {"min_replicas": a.min_replicas,
-                                         "max_replicas": a.max_replicas,
-                                         "target_ongoing_requests":
-                                             a.target_ongoing_requests}  # fmt: skip
+        # policy "requests": Serve's own (ongoing requests per replica); "work": the encoder's
+        # patch-based policy (vitserve.deployments.autoscaling), parameters in policy_kwargs.
+        from vitserve.deployments.autoscaling import serve_autoscaling_config
+
+        options["autoscaling_config"] = serve_autoscaling_config(d.autoscaling)
     else:
         options["num_replicas"] = d.num_replicas
     return options

@@ -55,9 +55,26 @@ class BatchingConfig(_Strict):
 
 
 class AutoscalingConfig(_Strict):
+    """Serve autoscaling of one deployment, by one of two signals (``policy``):
+
+    * ``requests``: Serve's own policy, ongoing requests per replica against
+      ``target_ongoing_requests``. Right when requests cost about the same.
+    * ``work`` (the encoder): the replicas' queued and running patches against their measured
+      patch throughput, sized so a new image waits about ``target_queue_delay_s``
+      (``vitserve.deployments.autoscaling``). Requests that differ 100x in patches do not
+      mis-size it.
+
+    A change of replica count must be wanted for ``upscale_delay_s`` / ``downscale_delay_s``
+    before it is applied (both policies).
+    """
+
+    policy: Literal["requests", "work"] = "requests"
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
-    target_ongoing_requests: float = Field(8.0, gt=0)
+    target_ongoing_requests: float = Field(8.0, gt=0)  # policy "requests"
+    target_queue_delay_s: float = Field(2.0, gt=0)  # policy "work"
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
 
 
 class DeploymentConfig(_Strict):

@@ -75,6 +75,10 @@ class DeviceQueue:
             self._task = asyncio.create_task(self._loop())
         return list(await asyncio.gather(*(w.future for w in work)))
 
+    def queued_patches(self) -> int:
+        """Patches waiting for the device (not yet in a step)."""
+        return sum(w.prepared.patches for w in self._queued)
+
     def _full(self) -> bool:
         cap = self.max_batch_patches
         return cap is not None and sum(w.prepared.patches for w in self._queued) >= cap

@@ -183,6 +183,10 @@ class EncoderDeployment:
         self._seconds: Counter[str] = Counter()  # device-step time by phase
         self._background: set[asyncio.Task] = set()  # claim releases in flight
         self._store_reporter: asyncio.Task | None = None
+        # Autoscaling on work (record_autoscaling_stats): the step on the device now and the
+        # recent steps as (end, device seconds, patches), appended on the event loop only.
+        self._running_patches, self._running_since = 0, 0.0
+        self._steps: deque[tuple[float, float, int]] = deque(maxlen=4096)
 
     # -- queries -----------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -203,6 +207,25 @@ class EncoderDeployment:
                 "seconds": dict(self._seconds),
                 "forward_calls_by_bucket": {str(k): v for k, v in
                                             c.forward_calls_by_bucket.items()}}  # fmt: skip
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's hook (called every few hundred ms; its values reach the autoscaling policy
+        as custom metrics): patches queued and running, and over the last
+        ``STATS_WINDOW_S`` the patches per busy device-second (0 when nothing ran) and the
+        busy fraction. See vitserve.deployments.autoscaling. Runs on the event loop, like
+        the queue's updates, so it reads them without locks."""
+        from vitserve.deployments import autoscaling as a
+
+        now = time.perf_counter()
+        while self._steps and self._steps[0][0] < now - a.STATS_WINDOW_S:
+            self._steps.popleft()
+        done = sum(p for _, _, p in self._steps)
+        rate_busy = sum(s for _, s, _ in self._steps)  # the finished steps' device time
+        busy = rate_busy + (now - self._running_since if self._running_patches else 0.0)
+        return {a.QUEUED_PATCHES: float(self.queue.queued_patches()),
+                a.RUNNING_PATCHES: float(self._running_patches),
+                a.PATCHES_PER_S: done / rate_busy if rate_busy > 0 else 0.0,
+                a.BUSY_FRACTION: min(1.0, busy / a.STATS_WINDOW_S)}  # fmt: skip
 
     # -- encoding ------------------------------------------------------------------------------
     async def encode(self, batch: EncodeBatch, prepared: list[Any] | None = None) -> list[dict]:
@@ -334,6 +357,8 @@ class EncoderDeployment:
         start = time.perf_counter()
         for w in work:
             metrics.observe("stage_seconds", start - w.arrived, stage="queue_wait")
+        self._running_patches = patches = sum(p.patches for p in items)
+        self._running_since = start
         try:
             results, values, plan = await asyncio.get_running_loop().run_in_executor(
                 self._device_pool, self._forward_and_encode, items
@@ -343,7 +368,10 @@ class EncoderDeployment:
             if releases:
                 self._release_later(releases)
             raise
+        finally:
+            self._running_patches = 0
         encoded = time.perf_counter()
+        self._steps.append((encoded, encoded - start, patches))
         self._seconds["forward_and_encode"] += encoded - start
         metrics.observe("stage_seconds", encoded - start, stage="forward")
         self._record_forwards(items, plan)

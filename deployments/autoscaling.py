@@ -1,0 +1,163 @@
+"""Autoscaling the encoder on work (patches), not on requests.
+
+A request can cost 100x another (one 224px thumbnail: 256 patches; 32 720p frames: ~153k), so
+Serve's default signal, ongoing requests per replica, sizes the encoder pool by the wrong unit.
+Here each encoder replica reports, through Serve's ``record_autoscaling_stats`` hook
+(``EncoderDeployment.record_autoscaling_stats``), its queued and running patches, its patch
+throughput while busy and its busy fraction (:data:`METRICS`); Serve averages each over
+``look_back_period_s`` and hands them to :func:`work_policy` in ``ctx.aggregated_metrics``.
+
+:func:`decide` is the whole decision, pure and I/O-free; :func:`work_policy` adapts Serve's
+``AutoscalingContext`` to it. Its parameters travel in the Serve config's
+``policy.policy_kwargs`` (:func:`serve_autoscaling_config` builds it), which Ray 2.60 passes
+only to class policies, so the function reads them from ``ctx.config.policy.policy_kwargs``.
+The delays are applied here, so Serve's own ``upscale_delay_s``/``downscale_delay_s`` are set
+to 0 for this policy (Serve wraps every custom policy in its delay logic; both would add up).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+#: The custom metrics an encoder replica reports (``record_autoscaling_stats``).
+QUEUED_PATCHES = "queued_patches"  # patches waiting for the device
+RUNNING_PATCHES = "running_patches"  # patches of the device step now running
+PATCHES_PER_S = "patches_per_s"  # patches per busy device-second, recent window (0: none ran)
+BUSY_FRACTION = "busy_fraction"  # share of the recent window the device was busy
+METRICS = (QUEUED_PATCHES, RUNNING_PATCHES, PATCHES_PER_S, BUSY_FRACTION)
+
+#: The window a replica measures its throughput and busy fraction over.
+STATS_WINDOW_S = 10.0
+#: Serve settings this policy needs (not vitserve config fields): metrics reach the controller
+#: every second (Serve's default is 10 s) and are averaged over the last 3 s (default 30 s).
+METRICS_INTERVAL_S = 1.0
+LOOK_BACK_PERIOD_S = 3.0
+#: The busy fraction a replica may run at: the pool never shrinks below
+#: ceil(sum of busy fractions / TARGET_UTILIZATION), so a pool that keeps its queue short
+#: only because it has enough replicas is not scaled down into a backlog.
+TARGET_UTILIZATION = 0.9
+
+POLICY_IMPORT_PATH = "vitserve.deployments.autoscaling:work_policy"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkParams:
+    target_queue_delay_s: float = 2.0
+    upscale_delay_s: float = 5.0
+    downscale_delay_s: float = 60.0
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_utilization: float = TARGET_UTILIZATION
+
+
+@dataclass(frozen=True, slots=True)
+class WorkStats:
+    """The pool as the autoscaler sees it: ``target`` replicas wanted now (some may still be
+    starting), patches queued + running on all replicas, the mean measured throughput of one
+    busy replica (patches/s; 0 or None: none measured) and the sum of the busy fractions."""
+
+    target: int
+    backlog_patches: float
+    patches_per_s: float | None
+    busy: float = 0.0
+
+
+def decide(stats: WorkStats, state: Mapping[str, Any], params: WorkParams,
+           now: float) -> tuple[int, dict[str, Any]]:  # fmt: skip
+    """The replica count to run, and the state to pass to the next call.
+
+    raw = max(ceil(backlog / (throughput x target_queue_delay_s)),
+              ceil(busy / target_utilization)), clamped to [min_replicas, max_replicas].
+
+    Invariants:
+
+    * The result is always within [min_replicas, max_replicas]; with no throughput measured
+      yet (none now and none remembered) raw is the current target (never a guess), and the
+      last measured throughput is remembered in ``state`` across idle periods.
+    * A change is applied only after it has been wanted continuously for the delay of its
+      direction (``upscale_delay_s`` above the target, ``downscale_delay_s`` below); any tick
+      that wants the target itself, or the other direction, restarts the wait.
+    * What is applied is the level that persisted through the whole wait (the smallest raw seen
+      while waiting to go up, the largest while waiting to go down): a one-tick spike or dip
+      never moves the pool by more than what was wanted all along.
+    * Pure: no clock, no I/O; ``state`` is not mutated (a new dict is returned).
+    """
+    lo, hi = params.min_replicas, max(params.min_replicas, params.max_replicas)
+    target = min(max(stats.target, lo), hi)
+    tput = stats.patches_per_s if stats.patches_per_s else state.get("patches_per_s")
+    if tput:
+        by_queue = math.ceil(stats.backlog_patches / (tput * params.target_queue_delay_s))
+        by_busy = math.ceil(stats.busy / params.target_utilization - 1e-9)
+        raw = min(max(by_queue, by_busy, lo), hi)
+    else:
+        raw = target
+    new: dict[str, Any] = {"patches_per_s": tput, "raw": raw}
+    direction = (raw > target) - (raw < target)
+    if direction == 0:
+        return target, new
+    if state.get("direction") == direction and state.get("since") is not None:
+        since = state["since"]
+        pick = min if direction > 0 else max
+        level = pick(state.get("level", raw), raw)
+    else:
+        since, level = now, raw
+    delay = params.upscale_delay_s if direction > 0 else params.downscale_delay_s
+    if now - since + 1e-9 >= delay:
+        return level, new
+    new |= {"direction": direction, "since": since, "level": level}
+    return target, new
+
+
+def stats_from_metrics(target: int, metrics: Mapping[str, Mapping[Any, float]]) -> WorkStats:
+    """:class:`WorkStats` from Serve's aggregated custom metrics (metric -> replica -> value)."""
+
+    def total(name: str) -> float:
+        return float(sum(metrics.get(name, {}).values()))
+
+    rates = [v for v in metrics.get(PATCHES_PER_S, {}).values() if v > 0]
+    return WorkStats(target=target,
+                     backlog_patches=total(QUEUED_PATCHES) + total(RUNNING_PATCHES),
+                     patches_per_s=sum(rates) / len(rates) if rates else None,
+                     busy=total(BUSY_FRACTION))  # fmt: skip
+
+
+def params_from(kwargs: Mapping[str, Any], min_replicas: int, max_replicas: int) -> WorkParams:
+    names = ("target_queue_delay_s", "upscale_delay_s", "downscale_delay_s", "target_utilization")
+    known = {k: kwargs[k] for k in names if k in kwargs}
+    return WorkParams(min_replicas=min_replicas, max_replicas=max_replicas, **known)
+
+
+def work_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
+    """Serve's custom policy (``AutoscalingPolicy(policy_function=POLICY_IMPORT_PATH)``): Ray
+    calls it with an ``AutoscalingContext`` every control-loop tick and keeps the returned
+    state (``ctx.policy_state`` next time). Serve then applies its scaling factors, its own
+    delays (0 for this policy) and the capacity-adjusted bounds."""
+    policy = getattr(ctx.config, "policy", None)
+    kwargs = getattr(policy, "policy_kwargs", None) or {}
+    params = params_from(kwargs, ctx.capacity_adjusted_min_replicas,
+                         ctx.capacity_adjusted_max_replicas)  # fmt: skip
+    stats = stats_from_metrics(ctx.target_num_replicas, ctx.aggregated_metrics or {})
+    state = {k: v for k, v in (ctx.policy_state or {}).items() if not k.startswith("__")}
+    return decide(stats, state, params, ctx.current_time)
+
+
+def serve_autoscaling_config(a: Any) -> dict[str, Any]:
+    """Serve's ``autoscaling_config`` from vitserve's :class:`AutoscalingConfig` ``a``."""
+    out: dict[str, Any] = {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+                           "target_ongoing_requests": a.target_ongoing_requests}  # fmt: skip
+    if a.policy == "requests":
+        return out | {"upscale_delay_s": a.upscale_delay_s,
+                      "downscale_delay_s": a.downscale_delay_s}  # fmt: skip
+    return out | {
+        "upscale_delay_s": 0.0,  # applied by decide()
+        "downscale_delay_s": 0.0,
+        "metrics_interval_s": METRICS_INTERVAL_S,
+        "look_back_period_s": LOOK_BACK_PERIOD_S,
+        "policy": {"policy_function": POLICY_IMPORT_PATH,
+                   "policy_kwargs": {"target_queue_delay_s": a.target_queue_delay_s,
+                                     "upscale_delay_s": a.upscale_delay_s,
+                                     "downscale_delay_s": a.downscale_delay_s}},
+    }  # fmt: skip

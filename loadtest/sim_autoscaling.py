@@ -1,0 +1,275 @@
+"""Simulate the encoder pool under the work policy and under Serve's request-count policy.
+
+A time-stepped model (``DT`` s): requests of mixed sizes arrive (Poisson), each goes to one of
+the ready replicas (Serve's power of two choices on ongoing requests) and waits there in FIFO;
+a replica works off ``P`` patches/s. A new replica is ready ``STARTUP_S`` after it is asked
+for. Every ``TICK_S`` the autoscaler sees the metrics averaged over ``LOOK_BACK_S`` and decides:
+
+* work: :func:`vitserve.deployments.autoscaling.decide` itself, fed what the replicas report
+  (queued + running patches, patches per busy second, busy fraction over the last 10 s);
+* requests: Serve's default, desired = ceil(ongoing requests / target_ongoing_requests), with
+  its upscale/downscale delays (a change applied once wanted for the delay), clamped.
+
+Queue delay = the time from a request's arrival to the start of its work. Writes
+``loadtest/results/autoscaling-sim.md`` and ``.png``::
+
+    python loadtest/sim_autoscaling.py
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vitserve.deployments.autoscaling import WorkParams, WorkStats, decide
+
+P = 100_000.0  # patches/s of one replica (a GPU tower of about ViT-L size)
+DT, TICK_S, LOOK_BACK_S, STARTUP_S, WINDOW_S = 0.05, 0.5, 3.0, 5.0, 10.0
+MIN_REPLICAS, MAX_REPLICAS = 1, 8
+DURATION_S = 360.0
+TARGET_QUEUE_DELAY_S, UPSCALE_DELAY_S, DOWNSCALE_DELAY_S = 2.0, 5.0, 60.0
+TARGET_ONGOING_REQUESTS = 8.0  # vitserve's default for the request policy
+
+# Request kinds: (name, patches, share of the patch load). Qwen2-VL patch counts: a 224px
+# thumbnail is 16x16 = 256 patches, a 1280x720 frame 52x92 = 4784, a clip 32 such frames.
+KINDS = [("thumbnail", 256, 1 / 3), ("frame_720p", 4784, 1 / 3), ("clip_32x720p", 32 * 4784, 1 / 3)]
+
+
+@dataclass
+class Replica:
+    ready_at: float
+    queue: deque = field(default_factory=deque)  # [remaining patches, arrival, started]
+    busy: deque = field(default_factory=deque)  # (time, busy seconds in that step)
+    done: deque = field(default_factory=deque)  # (time, patches done in that step)
+
+    def backlog(self) -> float:
+        return sum(r[0] for r in self.queue)
+
+
+def step_load(t: float) -> float:
+    """Offered patches/s: 0.3 P, a step to 2.5 P for 120 s, back to 0.3 P."""
+    return (2.5 if 20 <= t < 140 else 0.3) * P
+
+
+def sawtooth_load(t: float) -> float:
+    """Offered patches/s: three 60 s ramps from 0.2 P to 3 P, then 0.2 P."""
+    if t >= 180:
+        return 0.2 * P
+    return (0.2 + 2.8 * (t % 60) / 60) * P
+
+
+@dataclass
+class Run:
+    times: list[float] = field(default_factory=list)
+    replicas: list[int] = field(default_factory=list)
+    delay: list[float] = field(default_factory=list)  # a new request's wait, if routed now
+    waits: list[tuple[float, float]] = field(default_factory=list)  # (arrival, wait)
+    replica_seconds: float = 0.0
+
+
+def simulate(load, policy: str, duration: float = DURATION_S, seed: int = 0) -> Run:
+    rng = random.Random(seed)
+    replicas = [Replica(ready_at=0.0)]
+    target, state, samples = 1, {}, deque()
+    req_state: dict = {}
+    run = Run()
+    params = WorkParams(TARGET_QUEUE_DELAY_S, UPSCALE_DELAY_S, DOWNSCALE_DELAY_S,
+                        MIN_REPLICAS, MAX_REPLICAS)  # fmt: skip
+    next_tick, t = 0.0, 0.0
+    while t < duration:
+        ready = [r for r in replicas if r.ready_at <= t]
+        # arrivals
+        for _name, patches, share in KINDS:
+            rate = load(t) * share / patches
+            for _ in range(_poisson(rng, rate * DT)):
+                a, b = rng.choice(ready), rng.choice(ready)
+                r = a if len(a.queue) <= len(b.queue) else b
+                r.queue.append([float(patches), t, False])
+        # work
+        for r in ready:
+            budget, used = P * DT, 0.0
+            while r.queue and budget > 0:
+                head = r.queue[0]
+                if not head[2]:
+                    head[2] = True
+                    run.waits.append((head[1], t + used / P - head[1]))
+                take = min(head[0], budget)
+                head[0] -= take
+                budget -= take
+                used += take
+                if head[0] <= 0:
+                    r.queue.popleft()
+            if used:
+                r.busy.append((t, used / P))
+                r.done.append((t, used))
+            while r.busy and r.busy[0][0] < t - WINDOW_S:
+                r.busy.popleft()
+                r.done.popleft()
+        # metrics a replica would report now
+        samples.append((t, sum(r.backlog() for r in ready), _tput(ready),
+                        sum(sum(b for _, b in r.busy) / WINDOW_S for r in ready),
+                        sum(len(r.queue) for r in ready)))  # fmt: skip
+        while samples[0][0] < t - LOOK_BACK_S:
+            samples.popleft()
+        if t >= next_tick:
+            next_tick += TICK_S
+            n = len(samples)
+            backlog = sum(s[1] for s in samples) / n
+            rates = [s[2] for s in samples if s[2]]
+            busy = sum(s[3] for s in samples) / n
+            ongoing = sum(s[4] for s in samples) / n
+            if policy == "work":
+                stats = WorkStats(target, backlog, sum(rates) / len(rates) if rates else None,
+                                  busy)  # fmt: skip
+                target, state = decide(stats, state, params, t)
+            else:
+                target, req_state = _request_policy(ongoing, target, req_state, t)
+            while len(replicas) < target:
+                replicas.append(Replica(ready_at=t + STARTUP_S))
+            while len(replicas) > target:  # drop the emptiest (Serve drains before stopping)
+                victim = min(replicas, key=Replica.backlog)
+                replicas.remove(victim)
+                others = [r for r in replicas if r.ready_at <= t] or replicas
+                for item in victim.queue:  # its queued work finishes elsewhere
+                    min(others, key=Replica.backlog).queue.append(item)
+        run.times.append(t)
+        run.replicas.append(len(replicas))
+        run.delay.append(min(r.backlog() for r in ready) / P)
+        run.replica_seconds += len(replicas) * DT
+        t += DT
+    return run
+
+
+def _tput(ready: list[Replica]) -> float | None:
+    rates = [sum(p for _, p in r.done) / sum(b for _, b in r.busy) for r in ready if r.busy]
+    return sum(rates) / len(rates) if rates else None
+
+
+def _request_policy(ongoing: float, target: int, st: dict, now: float) -> tuple[int, dict]:
+    """Serve's default policy and delay logic (ray.serve.autoscaling_policy, 2.60)."""
+    desired = min(max(math.ceil(ongoing / TARGET_ONGOING_REQUESTS), MIN_REPLICAS), MAX_REPLICAS)
+    direction = (desired > target) - (desired < target)
+    if direction == 0:
+        return target, {}
+    since = st["since"] if st.get("direction") == direction else now
+    delay = UPSCALE_DELAY_S if direction > 0 else DOWNSCALE_DELAY_S
+    if now - since + 1e-9 >= delay:
+        return desired, {}
+    return target, {"direction": direction, "since": since}
+
+
+def _poisson(rng: random.Random, lam: float) -> int:
+    k, p, limit = 0, 1.0, math.exp(-lam)
+    while True:
+        p *= rng.random()
+        if p <= limit:
+            return k
+        k += 1
+
+
+def summarize(run: Run, busy_from: float, settled_from: float,
+              busy_to: float) -> dict[str, float]:  # fmt: skip
+    """Peak (max) and p95 queue delay of requests arriving in [busy_from, busy_to) (the
+    transient included) and in [settled_from, busy_to) (after the first reaction), the
+    replica-seconds, the largest pool, and the pool at the end."""
+
+    def waits(lo: float) -> list[float]:
+        return sorted(w for a, w in run.waits if lo <= a < busy_to) or [0.0]
+
+    every, settled = waits(busy_from), waits(settled_from)
+    return {"peak_delay_s": every[-1], "p95_delay_s": every[int(0.95 * (len(every) - 1))],
+            "settled_peak_delay_s": settled[-1],
+            "replica_seconds": run.replica_seconds, "max_replicas": max(run.replicas),
+            "final_replicas": run.replicas[-1]}  # fmt: skip
+
+
+#: load -> (offered patches/s at t, load from, settled from, load until)
+LOADS = {"step": (step_load, 20.0, 50.0, 140.0), "sawtooth": (sawtooth_load, 0.0, 60.0, 180.0)}
+
+
+def run_all(duration: float = DURATION_S) -> dict[tuple[str, str], tuple[Run, dict[str, float]]]:
+    out = {}
+    for load_name, (load, lo, settled, hi) in LOADS.items():
+        for policy in ("work", "requests"):
+            run = simulate(load, policy, duration)
+            out[load_name, policy] = (run, summarize(run, lo, settled, hi))
+    return out
+
+
+def write_report(results, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "# Autoscaling simulation: work policy vs request-count policy",
+        "",
+        f"Generated by `loadtest/sim_autoscaling.py`. One replica works off P = {P:,.0f} "
+        f"patches/s; a new replica is ready {STARTUP_S:g} s after it is asked for; min "
+        f"{MIN_REPLICAS}, max {MAX_REPLICAS} replicas; upscale delay {UPSCALE_DELAY_S:g} s, "
+        f"downscale delay {DOWNSCALE_DELAY_S:g} s (both policies); metrics averaged over "
+        f"{LOOK_BACK_S:g} s, a decision every {TICK_S:g} s. Work policy: target queue delay "
+        f"{TARGET_QUEUE_DELAY_S:g} s. Request policy (Serve's default): "
+        f"target_ongoing_requests {TARGET_ONGOING_REQUESTS:g}.",
+        "",
+        "Requests, each a third of the patch load: "
+        + ", ".join(f"{n} ({p:,} patches)" for n, p, _ in KINDS)
+        + ". Loads: **step** 0.3 P -> 2.5 P for t in [20, 140) s -> 0.3 P; **sawtooth** "
+        "three 60 s ramps 0.2 P -> 3 P, then 0.2 P. Queue delay: arrival to start of work, "
+        "of the requests arriving during the load (step: [20, 140) s; sawtooth: [0, 180) s); "
+        "'settled': those arriving after the first reaction (step: [50, 140) s, sawtooth: "
+        "[60, 180) s). No policy holds the target through the first step: the load jumps "
+        "8x and new capacity comes only after the upscale delay plus start-up (10 s).",
+        "",
+        "| load | policy | peak queue delay (s) | p95 (s) | settled peak (s) "
+        f"| replica-seconds | most replicas | replicas at {DURATION_S:g} s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (load_name, policy), (_, s) in results.items():
+        lines.append(f"| {load_name} | {policy} | {s['peak_delay_s']:.2f} | "
+                     f"{s['p95_delay_s']:.2f} | {s['settled_peak_delay_s']:.2f} | "
+                     f"{s['replica_seconds']:.0f} | "
+                     f"{s['max_replicas']} | {s['final_replicas']} |")  # fmt: skip
+    lines += ["", "![replicas and queue delay over time](autoscaling-sim.png)", ""]
+    (out_dir / "autoscaling-sim.md").write_text("\n".join(lines))
+    _plot(results, out_dir / "autoscaling-sim.png")
+
+
+def _plot(results, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 6), sharex=True)
+    for col, load_name in enumerate(LOADS):
+        load = LOADS[load_name][0]
+        for policy, color in (("work", "tab:blue"), ("requests", "tab:red")):
+            run, _ = results[load_name, policy]
+            axes[0][col].step(run.times, run.replicas, where="post", color=color, label=policy)
+            axes[1][col].plot(run.times, run.delay, color=color, label=policy, lw=0.8)
+        ts = results[load_name, "work"][0].times
+        axes[0][col].plot(ts, [load(t) / P for t in ts], color="gray", ls=":",
+                          label="offered load / P")  # fmt: skip
+        axes[0][col].set_title(f"{load_name} load")
+        axes[0][col].set_ylabel("replicas")
+        axes[1][col].axhline(TARGET_QUEUE_DELAY_S, color="gray", ls="--", lw=0.8)
+        axes[1][col].set_ylabel("queue delay of a new request (s)")
+        axes[1][col].set_xlabel("t (s)")
+        axes[0][col].legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> int:
+    results = run_all()
+    out = Path(__file__).resolve().parent / "results"
+    write_report(results, out)
+    print((out / "autoscaling-sim.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
