@@ -16,7 +16,7 @@ PY := $(VENV)/bin/python
 # test's small-cache case forces its own profile, so it runs once, in `make test`.
 CPU_PROFILES ?= 8MiB:0 32MiB:1 480MiB:1
 
-.PHONY: install demo test test-profiles lint
+.PHONY: install demo test test-profiles lint bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,3 +46,10 @@ test-profiles: install
 lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# The load-test harness (loadtest/harness): every scenario, short, against a `vitserve serve`
+# it starts on loopback; one folder per scenario under loadtest/results/. Serialized with the
+# other heavy runs on this machine by the lock.
+BENCH_ARGS ?= --run-time 20
+bench: install
+	RAY_AUTH_MODE=disabled flock /tmp/vitserve-heavy.lock $(PY) -m loadtest.harness $(BENCH_ARGS)

@@ -1,0 +1,5 @@
+import sys
+
+from loadtest.harness.run import main
+
+sys.exit(main())
