@@ -6,6 +6,7 @@ check. See k8s/README.md."""
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,14 @@ Render = Callable[[str], list[dict[str, Any]]]
 
 TARGETS = ["base", "cpu-dev", "gpu-prod"]
 K8S_VERSION = "1.32.0"
-# KubeRay's CRDs are shared data beside the checkout (/work/shared/kuberay), never copied in.
-CRDS = Path(__file__).resolve().parents[3] / "shared" / "kuberay" / "crds"
+# KubeRay's CRDs are shared data, never copied in: $VITSERVE_KUBERAY_CRDS, else beside the
+# checkout (../shared/kuberay/crds), else the workspace's (/work/shared/kuberay/crds).
+_CRD_PLACES = (
+    [Path(os.environ["VITSERVE_KUBERAY_CRDS"])] if "VITSERVE_KUBERAY_CRDS" in os.environ else []
+)
+_CRD_PLACES += [Path(__file__).resolve().parents[3] / "shared" / "kuberay" / "crds",
+                Path("/work/shared/kuberay/crds")]  # fmt: skip
+CRDS = next((p for p in _CRD_PLACES if p.is_dir()), _CRD_PLACES[0])
 CUSTOM_KINDS = {"RayService", "PodMonitor"}  # no schema in kubernetes-validate's bundle
 ENCODER_APP_IMPORT = "vitserve.deployments.app:build_app"
 PREFILL_APP_IMPORT = "vitserve.deployments.prefill:build_app"
@@ -115,7 +122,10 @@ def strict_schema(schema: Any) -> Any:
 def rayservice_validator() -> jsonschema.protocols.Validator:
     crd_file = CRDS / "ray.io_rayservices.yaml"
     if not crd_file.is_file():
-        pytest.skip(f"KubeRay CRDs not found at {CRDS} (shared data beside the checkout)")
+        pytest.skip(
+            f"KubeRay CRDs not found at {', '.join(map(str, _CRD_PLACES))} (shared data; "
+            "set VITSERVE_KUBERAY_CRDS)"
+        )
     crd = yaml.safe_load(crd_file.read_text())
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     schema = strict_schema(version["schema"]["openAPIV3Schema"])
