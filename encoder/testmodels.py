@@ -25,7 +25,7 @@ Presets (the language model stays small in all of them; only the vision side sca
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -615,3 +615,26 @@ def rename_tensors(src: Path, dst: Path, rules: list[tuple[str, str]]) -> None:
         save_file(out, dst / shard, metadata={"format": "pt"})
     index["weight_map"] = renamed
     index_path.write_text(json.dumps(index))
+
+
+def greedy_after_prefill(model: Any, prefill: Any, attention_mask: Any, position_ids: Any,
+                         steps: int, eos: Collection[int] = ()) -> list[int]:  # fmt: skip
+    """Greedy tokens continuing a prefill's output (``.logits``, ``.past_key_values``), one
+    token a step through the full model: at most ``steps``, stopping after a token in ``eos``.
+    Qwen's M-RoPE positions (``position_ids`` given) continue at ``position_ids.max() + 1`` in
+    all three rows."""
+    import torch
+
+    start = int(position_ids.max()) + 1 if position_ids is not None else attention_mask.shape[1]
+    out, mask, tokens = prefill, attention_mask, []
+    for step in range(steps):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        if tokens[-1] in eos or step == steps - 1:
+            break
+        mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
+        kwargs = {"input_ids": torch.tensor([[tokens[-1]]]), "attention_mask": mask,
+                  "past_key_values": out.past_key_values, "use_cache": True}  # fmt: skip
+        if position_ids is not None:
+            kwargs["position_ids"] = torch.full((3, 1, 1), start + step)
+        out = model(**kwargs)
+    return tokens

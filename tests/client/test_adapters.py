@@ -49,6 +49,7 @@ from vitserve.encoder.testmodels import (
     IMAGE_TOKEN_ID,
     VISION_END_ID,
     VISION_START_ID,
+    greedy_after_prefill,
     image_prompt,
     pixel_inputs,
 )
@@ -136,24 +137,10 @@ def _eos(model: Any) -> set[int]:
 
 def _greedy(model: Any, inputs: dict[str, Any], steps: int) -> list[int]:
     """Greedy decoding by hand: prefill through transformers_forward, then one token a step
-    through the full model, with M-RoPE positions continuing at ``position_ids.max() + 1``."""
-    import torch
-
+    through the full model (``greedy_after_prefill``), stopping at the model's eos."""
     out = transformers_forward(model, inputs, use_cache=True)
-    mask, positions = inputs["attention_mask"], inputs.get("position_ids")
-    start = int(positions.max()) + 1 if positions is not None else mask.shape[1]
-    tokens: list[int] = []
-    for step in range(steps):
-        tokens.append(int(out.logits[0, -1].argmax()))
-        if tokens[-1] in _eos(model) or step == steps - 1:
-            break
-        mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
-        kwargs = {"input_ids": torch.tensor([[tokens[-1]]]), "attention_mask": mask,
-                  "past_key_values": out.past_key_values, "use_cache": True}  # fmt: skip
-        if positions is not None:
-            kwargs["position_ids"] = torch.full((3, 1, 1), start + step)
-        out = model(**kwargs)
-    return tokens
+    return greedy_after_prefill(model, out, inputs["attention_mask"],
+                                inputs.get("position_ids"), steps, _eos(model))  # fmt: skip
 
 
 # -- the adapters against the monolithic model ---------------------------------------------------

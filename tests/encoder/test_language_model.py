@@ -31,6 +31,7 @@ from vitserve.encoder.testmodels import (
     IMAGE_TOKEN_ID,
     fake_hub_cache,
     full_model_class,
+    greedy_after_prefill,
     image_prompt,
     pixel_inputs,
     rename_tensors,
@@ -223,21 +224,10 @@ def _pixel_kwargs(folder: Path, config: Any, ids: list[int], images: list[bytes]
 
 
 def _greedy(model: Any, inputs: dict[str, Any], steps: int) -> list[int]:
-    """Prefill through transformers_forward, then one token a step (M-RoPE positions continue
-    at ``position_ids.max() + 1``)."""
+    """Prefill through transformers_forward, then one token a step."""
     out = transformers_forward(model, inputs, use_cache=True)
-    mask, positions = inputs["attention_mask"], inputs.get("position_ids")
-    start = int(positions.max()) + 1 if positions is not None else mask.shape[1]
-    tokens = [int(out.logits[0, -1].argmax())]
-    for step in range(steps - 1):
-        mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
-        kwargs = {"input_ids": torch.tensor([[tokens[-1]]]), "attention_mask": mask,
-                  "past_key_values": out.past_key_values, "use_cache": True}  # fmt: skip
-        if positions is not None:
-            kwargs["position_ids"] = torch.full((3, 1, 1), start + step)
-        out = model(**kwargs)
-        tokens.append(int(out.logits[0, -1].argmax()))
-    return tokens
+    return greedy_after_prefill(model, out, inputs["attention_mask"],
+                                inputs.get("position_ids"), steps)  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES)
