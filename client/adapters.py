@@ -130,17 +130,25 @@ def _image_spans(
     ids: np.ndarray, grids: Sequence[tuple[int, int, int]], image_token_id: int
 ) -> list[tuple[tuple[int, int], tuple[int, int, int]]]:
     """Each image's ``[start, end)`` in ``ids``, with its merged grid, in prompt order."""
+    runs = _placeholder_runs(ids, [t * h * w for t, h, w in grids], image_token_id)
+    return list(zip(runs, grids, strict=True))
+
+
+def _placeholder_runs(
+    ids: np.ndarray, counts: Sequence[int], image_token_id: int
+) -> list[tuple[int, int]]:
+    """Image ``k``'s ``[start, end)``: the next ``counts[k]`` ``image_token_id`` placeholders,
+    which must be one contiguous run; ConfigError if they are not, or if the prompt's
+    placeholders are not ``sum(counts)``."""
     where = np.flatnonzero(ids == image_token_id)
-    _check_count(where.size, sum(t * h * w for t, h, w in grids))
-    spans, row = [], 0
-    for k, grid in enumerate(grids):
-        n = grid[0] * grid[1] * grid[2]
-        start, last = int(where[row]), int(where[row + n - 1])
-        if last - start != n - 1:
+    _check_count(where.size, sum(counts))
+    runs, row = [], 0
+    for k, n in enumerate(counts):
+        if n < 1 or int(where[row + n - 1]) - int(where[row]) != n - 1:
             raise ConfigError(f"the {n} placeholder tokens of image {k} are not contiguous")
-        spans.append(((start, last + 1), grid))
+        runs.append((int(where[row]), int(where[row + n - 1]) + 1))
         row += n
-    return spans
+    return runs
 
 
 def _check_count(placeholders: int, rows: int) -> None:
@@ -205,15 +213,15 @@ def _family(config: Any) -> str:
     return family
 
 
-def _grids(images: Sequence[ImageEmbedding], merge: int) -> list[tuple[int, int, int]]:
+def _grids(images: Sequence[Any], rows: Sequence[int], merge: int) -> list[tuple[int, int, int]]:
+    """Each image's ``(t, h, w)`` grid, checked against its ``rows`` (``t * h * w / merge**2``)."""
     grids = []
-    for k, image in enumerate(images):
+    for k, (image, n) in enumerate(zip(images, rows, strict=True)):
         if image.grid is None:
             raise ConfigError(f"image {k} has no grid; the Qwen families need each image's grid")
         t, h, w = (int(x) for x in image.grid)
-        rows = int(image.embedding.shape[0])
-        if rows * merge * merge != t * h * w:
-            raise ConfigError(f"image {k} has {rows} rows but its grid {(t, h, w)} makes "
+        if n * merge * merge != t * h * w:
+            raise ConfigError(f"image {k} has {n} rows but its grid {(t, h, w)} makes "
                               f"{t * h * w // (merge * merge)} tokens")  # fmt: skip
         grids.append((t, h, w))
     return grids
@@ -300,7 +308,7 @@ def _qwen_positions(
     import torch
 
     merge = int(config.vision_config.spatial_merge_size)
-    grids = _grids(images, merge)
+    grids = _grids(images, [int(i.embedding.shape[0]) for i in images], merge)
     keep = mask.astype(bool)
     positions = np.zeros((3, ids.size), dtype=np.int64)  # masked-out tokens: 0, as transformers
     positions[:, keep], _ = mrope_positions(
@@ -413,45 +421,18 @@ def prompt_layout(config: Any, input_ids: Any, images: Sequence[Any]) -> PromptL
     family = _family(config)
     ids = _ids_1d(input_ids)
     image_token = int(config.image_token_id)
-    where = np.flatnonzero(ids == image_token)
     counts = [int(i.num_tokens) for i in images]
-    _check_count(where.size, sum(counts))
-    spans, row = [], 0
-    for k, n in enumerate(counts):
-        start = int(where[row]) if n else 0
-        if n < 1 or int(where[row + n - 1]) - start != n - 1:
-            raise ConfigError(f"the {n} placeholder tokens of image {k} are not contiguous")
-        spans.append(ImageSpan(start, n))
-        row += n
+    spans = [ImageSpan(a, b - a) for a, b in _placeholder_runs(ids, counts, image_token)]
     positions, deepstack = None, ()
     if family in QWEN_FAMILIES:
         merge = int(config.vision_config.spatial_merge_size)
-        grids = _grids([_Shape(i) for i in images], merge)
-        positions, _ = mrope_positions(ids, grids, image_token_id=image_token,
+        positions, _ = mrope_positions(ids, _grids(images, counts, merge),
+                                       image_token_id=image_token,
                                        spatial_merge_size=merge)  # fmt: skip
     if family == "qwen3_vl":
-        deepstack = tuple(_deepstack_names([_Shape(i) for i in images]))
+        deepstack = tuple(_deepstack_names(images))  # extras: names (a handle) or a mapping
     return PromptLayout(family, ids, tuple(spans), tuple(str(i.dtype) for i in images),
                         positions, deepstack)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """What ``_grids``/``_deepstack_names`` read of an image given by handle or record."""
-
-    image: Any
-
-    @property
-    def embedding(self) -> Any:
-        return np.empty((int(self.image.num_tokens), 0))
-
-    @property
-    def extras(self) -> dict[str, None]:
-        return dict.fromkeys(self.image.extras)
-
-    @property
-    def grid(self) -> Any:
-        return self.image.grid
 
 
 def chunk_inputs(model: Any, layout: PromptLayout, chunk: Any) -> dict[str, Any]:

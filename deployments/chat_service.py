@@ -52,7 +52,7 @@ class ChatService:
 
     def __init__(self, cfg: VitserveConfig, client: Any) -> None:
         """``client``: an ``EncoderClient`` (may be set later, before the first ``prepare``)."""
-        from transformers import AutoTokenizer, GenerationConfig
+        from transformers import AutoTokenizer
 
         from vitserve.encoder.device import default_dtype, parse_dtype, resolve_device
         from vitserve.encoder.language_model import load_language_model
@@ -64,10 +64,8 @@ class ChatService:
         self.config = self.loaded.config
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, revision=cfg.revision)
         self.prompts = PromptBuilder.for_model(self.tokenizer, self.config)
-        try:
-            eos = GenerationConfig.from_pretrained(cfg.model, revision=cfg.revision).eos_token_id
-        except OSError:  # no generation_config.json: the model config's
-            eos = self.config.get_text_config().eos_token_id
+        # the checkpoint's generation_config.json, read by the loader (else the model config's)
+        eos = self.loaded.model.generation_config.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.generator = Generator(self.loaded.model, chunk_size=cfg.prefill.chunk_size,
                                    eos_ids=eos_ids)  # fmt: skip
@@ -138,11 +136,10 @@ class ChatService:
     def complete(self, prepared: Prepared) -> dict[str, Any]:
         """The whole ``chat.completion`` object."""
         steps = list(self.generator.decode(prepared.prefilled, prepared.sampling))
-        finish = "length" if len(steps) == prepared.sampling.max_tokens else "stop"
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": self._text([s.token for s in steps])},
-            "finish_reason": finish,
+            "finish_reason": _finish(prepared, len(steps)),
             "logprobs": self._logprobs(steps) if prepared.request.logprobs else None,
         }
         return {**self._envelope(prepared, "chat.completion"), "choices": [choice],
@@ -177,8 +174,7 @@ class ChatService:
             yield event({"content": self._text(tokens)[len(sent) :]}, steps=pending)
         if on_done is not None:
             on_done(len(tokens))
-        finish = "length" if len(tokens) == prepared.sampling.max_tokens else "stop"
-        yield event({}, finish)
+        yield event({}, _finish(prepared, len(tokens)))
         options = prepared.request.stream_options
         if options is not None and options.include_usage:
             body = {**envelope, "choices": [], "usage": self._usage(prepared, len(tokens))}
@@ -205,6 +201,12 @@ class ChatService:
 
         return {"content": [entry(s.token, s.logprob) | {"top_logprobs": [entry(*t) for t in s.top]}
                             for s in steps]}  # fmt: skip
+
+
+def _finish(prepared: Prepared, generated: int) -> str:
+    """OpenAI's finish reason: ``length`` when the token budget ran out, else ``stop`` (an
+    end-of-sequence token, which is not returned)."""
+    return "length" if generated == prepared.sampling.max_tokens else "stop"
 
 
 __all__ = ["ChatService", "Prepared"]

@@ -3,32 +3,20 @@ labels a caller does not group by, deltas between two pages, histogram bucket co
 
 from __future__ import annotations
 
-import math
-import re
 from collections import defaultdict
 
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+from prometheus_client.parser import text_string_to_metric_families
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def parse(text: str) -> Samples:
-    """``(name, sorted label pairs) -> value`` of every sample line."""
+    """``(name, sorted label pairs) -> value`` of every sample (prometheus_client's parser)."""
     out: Samples = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        labels = tuple(sorted(_LABEL.findall(m.group(2) or "")))
-        key = (m.group(1), labels)
-        out[key] = out.get(key, 0.0) + value
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            out[key] = out.get(key, 0.0) + sample.value
     return out
 
 
@@ -65,12 +53,6 @@ def histogram_counts(samples: Samples, name: str) -> list[tuple[float, float]]:
         out.append((le, v - prev))
         prev = v
     return out
-
-
-def histogram_mean(samples: Samples, name: str) -> float:
-    """Mean from ``_sum / _count`` (Ray exports an approximate ``_sum``); nan when empty."""
-    count = scalar(samples, f"{name}_count")
-    return scalar(samples, f"{name}_sum") / count if count else math.nan
 
 
 def replicas(samples: Samples, deployment: str) -> int:

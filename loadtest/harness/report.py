@@ -73,8 +73,8 @@ def metrics_summary(before: str, after: str) -> dict[str, Any]:
         "single_flight_joins": promtext.scalar(d, "vitserve_single_flight_joins_total"),
         "forwards_by_bucket": {b: v for b, v in sorted(forwards.items()) if v},
         "forwards": sum(forwards.values()),
+        # (no mean from the histogram's _sum: Ray exports count x bucket midpoint there)
         "batch_images_hist": [(le, n) for le, n in hist if n],
-        "batch_images_mean": promtext.histogram_mean(d, "vitserve_batch_images"),
     }
 
 

@@ -60,7 +60,7 @@ def test_metrics_deltas() -> None:
     assert m["forwards_by_bucket"] == {"224x224": 4, "448x448": 8}
     assert m["forwards"] == 12
     assert m["batch_images_hist"] == [(1.0, 4), (2.0, 8)]
-    assert m["batch_images_mean"] == (4 + 16) / 12
+    assert "batch_images_mean" not in m  # Ray's _sum is not the observed sum
 
 
 def test_markdown_table_row() -> None:
