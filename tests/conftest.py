@@ -350,3 +350,32 @@ def deploy_prefill(deploy: Callable[..., App]) -> Iterator[Callable[..., ChatApp
         return apps[name]
 
     yield from _with_remove(_deploy, apps)
+
+
+# -- the reliability table (tests/reliability_table.py) -----------------------------------------
+@pytest.fixture
+def reliability(request: pytest.FixtureRequest) -> Any:
+    """``reliability.record(case, tried=, failed=, wrong=, lost=, note=)``: one row of the
+    README's reliability table, rerun by this test's node id. Call it after the assertions."""
+    import tests.reliability_table as table
+
+    class Recorder:
+        @staticmethod
+        def record(case: str, **counts: Any) -> table.Row:
+            rerun = f".venv/bin/python -m pytest '{request.node.nodeid}'"
+            return table.record(case, rerun=rerun, **counts)
+
+    return Recorder()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    import tests.reliability_table as table
+
+    if not table.ROWS:
+        return
+    text = table.render(table.ROWS)
+    path = table.report_path(Path(terminalreporter.config.rootpath))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    terminalreporter.write_sep("=", f"reliability table ({len(table.ROWS)} rows, also in {path})")
+    terminalreporter.write(text)
