@@ -7,6 +7,7 @@ Layout of a value::
     header   msgpack   key, model fingerprint, dtype, num_tokens, grid, and per tensor: name,
                        shape, offset in the payload, rows per checksum block, block checksums;
                        plus the checksum of the whole payload
+    header checksum    16 bytes: the checksum of the prefix and header (format version 2)
     padding            zeros up to ``payload offset`` (a multiple of 64)
     payload            the tensors back to back, each starting 64-byte aligned: "embedding"
                        ``[num_tokens, hidden]`` first, then any extras (Qwen3-VL deepstack), each
@@ -22,6 +23,14 @@ Invariants:
 * Nothing here unpickles: the header is msgpack of plain types, the payload raw numbers.
 * A value whose prefix, header, length, shape, checksum, key or fingerprint does not check out
   raises :class:`~vitserve.errors.RecordFormatError`; stores count it as a miss, never return it.
+  No other exception escapes the decoding functions, whatever the bytes (fuzzed in
+  ``tests/fuzz/test_codec_properties.py``).
+* Every byte a reader relies on is checked: the prefix and header by the header checksum (a
+  flipped key, grid, shape or offset is refused, not misread), the payload by its checksums.
+  Only the zero padding is not covered, and it carries nothing.
+* Values of another format version raise RecordFormatError: a newer one with ``newer_version``
+  set (a miss here, kept for newer readers), an older one (version 1 had no header checksum) as
+  a plain miss, so it is recomputed.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ import numpy as np
 from vitserve.errors import RecordFormatError
 
 MAGIC = b"VSEM"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header checksum after the header
 PREFIX = struct.Struct("<4sHHII")
 ALIGN = 64
 BLOCK_BYTES = 256 * 1024  # largest size of one row-range checksum block
@@ -243,7 +252,7 @@ def encode_record(record: EmbeddingRecord) -> memoryview:
         "tensors": entries,
         "sum": bytes(SUM_BYTES),  # placeholder of the final size, so the header size is known
     }
-    payload_offset = _align(PREFIX.size + len(msgpack.packb(doc)))
+    payload_offset = _align(PREFIX.size + len(msgpack.packb(doc)) + SUM_BYTES)
     out = bytearray(payload_offset + offset)
     body = np.frombuffer(out, dtype=np.uint8)
     for entry, a in zip(entries, arrays, strict=True):
@@ -252,14 +261,17 @@ def encode_record(record: EmbeddingRecord) -> memoryview:
     doc["sum"] = _digest(memoryview(out)[payload_offset:])
     header = msgpack.packb(doc)
     PREFIX.pack_into(out, 0, MAGIC, FORMAT_VERSION, 0, len(header), payload_offset)
-    out[PREFIX.size : PREFIX.size + len(header)] = header
+    end = PREFIX.size + len(header)
+    out[PREFIX.size : end] = header
+    out[end : end + SUM_BYTES] = _digest(memoryview(out)[:end])
     return memoryview(out).toreadonly()
 
 
 def header_bytes_needed(prefix: bytes | memoryview) -> int:
-    """How many bytes from the start hold the prefix and header (from the 16-byte prefix)."""
+    """How many bytes from the start hold the prefix, header and header checksum (from the
+    16-byte prefix)."""
     _, _, header_len = _parse_prefix(prefix)
-    return PREFIX.size + header_len
+    return PREFIX.size + header_len + SUM_BYTES
 
 
 def _parse_prefix(buf: Any) -> tuple[int, int, int]:
@@ -273,58 +285,80 @@ def _parse_prefix(buf: Any) -> tuple[int, int, int]:
             f"written by format version {version}; this reader knows up to {FORMAT_VERSION}",
             newer_version=True,
         )
-    if version < 1:
-        raise RecordFormatError(f"invalid format version {version}")
+    if version < FORMAT_VERSION:
+        raise RecordFormatError(f"format version {version} is no longer read (recompute)")
     return version, payload_offset, header_len
 
 
 def read_header(buf: Any) -> Header:
-    """Parse the prefix and header at the start of ``buf`` (which may hold only those bytes)."""
+    """Parse the prefix and header at the start of ``buf`` (which may hold only those bytes,
+    :func:`header_bytes_needed` of them), after checking the header checksum."""
     version, payload_offset, header_len = _parse_prefix(buf)
     end = PREFIX.size + header_len
-    if len(buf) < end or payload_offset < end:
+    if len(buf) < end + SUM_BYTES or payload_offset < end + SUM_BYTES:
         raise RecordFormatError("truncated record header")
+    view = memoryview(buf).cast("B")
+    if _digest(view[:end]) != view[end : end + SUM_BYTES]:
+        raise RecordFormatError("header checksum mismatch")
     try:
-        doc = msgpack.unpackb(bytes(memoryview(buf)[PREFIX.size : end]), raw=False)
-        dtype = doc["dtype"]
-        itemsize = DTYPES[dtype].itemsize
-        tensors = tuple(
-            TensorInfo(
-                name=str(t["name"]),
-                rows=int(t["shape"][0]),
-                width=int(t["shape"][1]),
-                offset=int(t["offset"]),
-                block_rows=int(t["block_rows"]),
-                sums=bytes(t["sums"]),
-            )
-            for t in doc["tensors"]
-        )
-        grid = tuple(int(x) for x in doc["grid"]) if doc["grid"] is not None else None
-        header = Header(
-            version=version,
-            key=str(doc["key"]),
-            fingerprint=str(doc["fp"]),
-            dtype=dtype,
-            num_tokens=int(doc["tokens"]),
-            grid=grid,  # type: ignore[arg-type]
-            payload_offset=payload_offset,
-            payload_bytes=max(
-                (_align(t.offset + t.rows * t.width * itemsize) for t in tensors), default=0
-            ),
-            payload_sum=bytes(doc["sum"]),
-            tensors=tensors,
-        )
-    except RecordFormatError:
-        raise
-    except Exception as exc:  # msgpack errors, missing fields, wrong types
+        doc = msgpack.unpackb(view[PREFIX.size : end], raw=False)
+    except Exception as exc:  # msgpack errors, bad UTF-8; the writer never makes these
         raise RecordFormatError(f"unreadable record header: {type(exc).__name__}: {exc}") from None
-    if not tensors or tensors[0].name != "embedding":
+    return _parse_header(doc, version, payload_offset)
+
+
+def _field(doc: Any, name: str, kind: type | tuple[type, ...]) -> Any:
+    """``doc[name]``, which must be a ``kind`` (an int: not a bool, not negative)."""
+    if not isinstance(doc, dict) or name not in doc:
+        raise RecordFormatError(f"record header has no {name!r}")
+    value = doc[name]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise RecordFormatError(f"record header field {name!r} is a {type(value).__name__}")
+    if isinstance(value, int) and value < 0:
+        raise RecordFormatError(f"record header field {name!r} is negative")
+    return value
+
+
+def _parse_header(doc: Any, version: int, payload_offset: int) -> Header:
+    """The Header of a decoded msgpack document, every field type- and range-checked (the
+    checksum already vouches for it; this keeps a bug in a writer from becoming a misread)."""
+    dtype = _field(doc, "dtype", str)
+    if dtype not in DTYPES:
+        raise RecordFormatError(f"unknown dtype tag {dtype[:16]!r}")
+    itemsize = DTYPES[dtype].itemsize
+    num_tokens = _field(doc, "tokens", int)
+    grid = _field(doc, "grid", (list, type(None)))
+    if grid is not None:
+        grid = tuple(_field({"grid": g}, "grid", int) for g in grid)
+        if len(grid) != 3:
+            raise RecordFormatError("record grid is not (t, h, w)")
+    tensors, end = [], 0
+    for entry in _field(doc, "tensors", list):
+        name = _field(entry, "name", str)
+        shape = _field(entry, "shape", list)
+        if len(shape) != 2:
+            raise RecordFormatError(f"tensor {name!r} is not 2-D")
+        rows, width = (_field({"shape": n}, "shape", int) for n in shape)
+        info = TensorInfo(name=name, rows=rows, width=width,
+                          offset=_field(entry, "offset", int),
+                          block_rows=_field(entry, "block_rows", int),
+                          sums=_field(entry, "sums", bytes))  # fmt: skip
+        blocks = -(-rows // info.block_rows) if info.block_rows else -1
+        if (rows != num_tokens or width < 1 or blocks < 0 or len(info.sums) != blocks * SUM_BYTES
+                or info.offset % ALIGN or info.offset < end):  # fmt: skip
+            raise RecordFormatError(f"tensor {name!r} does not match the header")
+        end = _align(info.offset + rows * width * itemsize)
+        tensors.append(info)
+    if not tensors or tensors[0].name != MAIN:
         raise RecordFormatError("record has no embedding tensor")
-    for t in tensors:
-        blocks = -(-t.rows // t.block_rows) if t.rows else 0
-        if t.rows != header.num_tokens or t.block_rows < 1 or len(t.sums) != blocks * SUM_BYTES:
-            raise RecordFormatError(f"tensor {t.name!r} does not match the header")
-    return header
+    if len({t.name for t in tensors}) != len(tensors):
+        raise RecordFormatError("record names a tensor twice")
+    payload_sum = _field(doc, "sum", bytes)
+    if len(payload_sum) != SUM_BYTES or payload_offset % ALIGN:
+        raise RecordFormatError("record payload checksum or offset is malformed")
+    return Header(version=version, key=_field(doc, "key", str), fingerprint=_field(doc, "fp", str),
+                  dtype=dtype, num_tokens=num_tokens, grid=grid, payload_offset=payload_offset,
+                  payload_bytes=end, payload_sum=payload_sum, tensors=tuple(tensors))  # fmt: skip
 
 
 def _check_identity(header: Header, key: str | None, fingerprint: str | None) -> None:
