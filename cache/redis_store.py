@@ -30,6 +30,12 @@ Invariants:
   surfaces as :class:`~vitserve.errors.StoreUnavailableError` (retryable) after about
   ``timeout_s``; the pool reconnects by itself once the server is back. Other Redis errors are
   :class:`~vitserve.errors.StoreError`.
+* Credentials and TLS come with the URL (``redis://user:password@host:port/db``, or
+  ``rediss://`` with the ``ssl_*`` options, see :mod:`vitserve.cache.urls`); the store's
+  ``name`` and ``repr`` (and so every error naming the store) show the scheme, user, host,
+  port and db, never the password. Credentials the server refuses, a command the user may not
+  run (an ACL ``NOPERM``) and a server certificate that is not trusted are
+  :class:`~vitserve.errors.StoreError`: not retryable, trying again cannot help.
 * No byte budget here: the budget and the LRU order are the server's ``maxmemory`` with
   ``maxmemory-policy allkeys-lru`` (configure the server so; this store does not emulate them,
   and an evicted value simply reads as a miss). ``stats()`` reports the server's
@@ -42,17 +48,24 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import AuthenticationError, AuthorizationError, RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    NoPermissionError,
+    RedisError,
+)
 from redis.retry import Retry
 
 from vitserve.cache.base import Buffer, EmbeddingStore
 from vitserve.cache.codec import RowSpan, header_bytes_needed
+from vitserve.cache.urls import redact_url
 from vitserve.errors import ConfigError, RecordFormatError, StoreError, StoreUnavailableError
 
 try:  # redis-py's pure-Python packer sends memoryviews as they are; hiredis's copies them twice
@@ -139,7 +152,16 @@ class RedisStore(EmbeddingStore):
         namespace: str = "",
         fingerprint: str | None = None,
         ttl_s: float | None = None,
+        ssl_ca_certs: str | None = None,
+        ssl_ca_path: str | None = None,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
+        ssl_cert_reqs: str | None = None,
+        ssl_check_hostname: bool | None = None,
     ) -> None:
+        """``url``: ``redis://[[user]:password@]host:port/db`` or ``rediss://...`` (TLS, with
+        the ``ssl_*`` settings, redis-py's: CA bundle or folder, client certificate and key,
+        ``required``/``optional``/``none``, hostname check)."""
         super().__init__(namespace=namespace, fingerprint=fingerprint, ttl_s=ttl_s)
         if not prefix:
             raise ConfigError("the Redis key prefix may not be empty")
@@ -147,7 +169,17 @@ class RedisStore(EmbeddingStore):
             raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
         if max_connections < 1:
             raise ConfigError(f"max_connections must be at least 1, got {max_connections}")
-        options: dict[str, Any] = {}
+        tls = {
+            "ssl_ca_certs": ssl_ca_certs,
+            "ssl_ca_path": ssl_ca_path,
+            "ssl_certfile": ssl_certfile,
+            "ssl_keyfile": ssl_keyfile,
+            "ssl_cert_reqs": ssl_cert_reqs,
+            "ssl_check_hostname": ssl_check_hostname,
+        }
+        options: dict[str, Any] = {k: v for k, v in tls.items() if v is not None}
+        if options and not url.startswith("rediss://"):
+            raise ConfigError(f"TLS settings need a rediss:// URL, not {redact_url(url)!r}")
         if _PythonRespSerializer is not None:
             options["command_packer"] = _PythonRespSerializer(
                 6000, _Encoder("utf-8", "strict", False).encode
@@ -164,8 +196,8 @@ class RedisStore(EmbeddingStore):
                 retry=Retry(NoBackoff(), 0),
                 **options,
             )
-        except ValueError as exc:
-            raise ConfigError(f"invalid Redis URL: {exc}") from None
+        except ValueError as exc:  # redis-py's messages name the problem, not the URL
+            raise ConfigError(f"invalid Redis URL {redact_url(url)!r}: {exc}") from None
         self._client = redis.Redis(connection_pool=self._pool)
         self._release_script = self._client.register_script(_RELEASE_LUA)
         self._lookup_script = self._client.register_script(_LOOKUP_OR_CLAIM_LUA)
@@ -176,7 +208,10 @@ class RedisStore(EmbeddingStore):
             where = f"unix:{kw['path']}"
         else:
             where = f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}"
-        self.name = f"redis {where}/{kw.get('db', 0)}"
+        user = f"{kw['username']}@" if kw.get("username") else ""
+        scheme = "rediss" if url.startswith("rediss://") else "redis"
+        # never the password: the name is in every error and log line about this store
+        self.name = f"{scheme} {user}{where}/{kw.get('db', 0)}"
         self._info_failed_at: float | None = None
 
     def __repr__(self) -> str:
@@ -194,6 +229,10 @@ class RedisStore(EmbeddingStore):
         what = f"{op}: {type(exc).__name__}: {exc}"
         if isinstance(exc, (AuthenticationError, AuthorizationError)):
             return StoreError(f"store {self.name} refused the credentials ({what})")  # no retry
+        if isinstance(exc, NoPermissionError):
+            return StoreError(f"store {self.name}: this user may not run {op} ({what})")
+        if isinstance(exc.__context__, ssl.SSLCertVerificationError):
+            return StoreError(f"store {self.name}: TLS certificate not trusted ({what})")
         if isinstance(exc, _UNAVAILABLE):
             return StoreUnavailableError(store=self.name, reason=what)
         return StoreError(f"store {self.name} failed ({what})")

@@ -9,18 +9,22 @@ writes carry on with the local tier alone, claims fall back to the local tier (s
 within the node), and each failure is counted in ``shared_unavailable``. Errors other than
 unavailability are not hidden.
 
+A value that fails a check (corrupt, truncated, another model's) is dropped from both tiers, so
+the next encode recomputes it instead of finding the bad value's header again in the other tier.
+
 Both tiers must be opened without a namespace of their own; the tiered store's namespace
 applies to both.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TypeVar
 
 from vitserve.cache.base import Buffer, EmbeddingStore
 from vitserve.cache.codec import RowSpan
-from vitserve.errors import ConfigError, StoreUnavailableError
+from vitserve.errors import ConfigError, StoreError, StoreUnavailableError
 
 T = TypeVar("T")
 
@@ -140,6 +144,12 @@ class TieredStore(EmbeddingStore):
         if self.local._claimed(full_key):
             return True
         return self._shared(lambda: self.shared._claimed(full_key), False)
+
+    def _on_bad_value(self, full_key: str, reason: str) -> None:
+        """Drop the bad value from both tiers (best effort: the read is already a miss)."""
+        for tier in (self.local, self.shared):
+            with contextlib.suppress(StoreError):
+                tier._delete([full_key])
 
     def _backend_stats(self) -> dict[str, int]:
         stats = {f"local_{k}": v for k, v in self.local.stats().items()}

@@ -4,23 +4,89 @@ config take.
     memory://?max_bytes=1GiB&ttl_s=3600&namespace=t1
     node://?max_bytes=4GiB&ttl_s=3600&read_cache_bytes=256MiB&read_cache_s=5
     redis://host:6379/0?timeout_s=2&prefix=vsm&ttl_s=86400
+    redis://:password@host:6379/0                     (AUTH: requirepass / the default user)
+    redis://user:password@host:6379/0                 (an ACL user)
+    rediss://user:password@host:6380/0?ssl_ca_certs=/etc/redis/ca.pem
+        &ssl_certfile=/etc/redis/client.pem&ssl_keyfile=/etc/redis/client.key  (TLS, mTLS)
     tiered://?l1=memory%3A%2F%2F%3Fmax_bytes%3D1GiB&l2=redis%3A%2F%2Fhost%3A6379%2F0
 
 Every store takes ``namespace``, ``ttl_s`` and ``fingerprint``; unknown parameters are an error
 (a misspelled option must not be ignored). Sizes take an integer or a binary suffix (KiB, MiB,
 GiB; k/m/g mean the same).
+
+Redis credentials go in the URL's user part (percent-encode ``@ : / %`` in them). TLS
+(``rediss://`` only) takes redis-py's settings as parameters: ``ssl_ca_certs`` (a CA bundle
+file), ``ssl_ca_path`` (a folder of CAs), ``ssl_certfile`` and ``ssl_keyfile`` (a client
+certificate, for servers with ``tls-auth-clients``), ``ssl_cert_reqs`` (``required``, the
+default, ``optional`` or ``none``) and ``ssl_check_hostname`` (``true``/``false``).
+
+Secrets are never shown: :func:`redact_url` masks a URL's password (``redis://user:***@host``),
+also inside a ``tiered://`` URL's ``l1``/``l2``; every error here, the stores' names and the
+effective-config log use it.
 """
 
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from vitserve.cache.base import EmbeddingStore
 from vitserve.errors import ConfigError
 
 _SIZE_UNITS = {"": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
 _COMMON = {"namespace": str, "ttl_s": float, "fingerprint": str}
+_MASK = "***"
+_SECRET_PARAMS = frozenset({"password", "ssl_password"})  # masked wherever a URL shows them
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def _cert_reqs(text: str) -> str:
+    if text not in ("none", "optional", "required"):
+        raise ValueError(text)
+    return text
+
+
+_REDIS = {"timeout_s": float, "prefix": str, "max_connections": int}
+_TLS = {"ssl_ca_certs": str, "ssl_ca_path": str, "ssl_certfile": str, "ssl_keyfile": str,
+        "ssl_cert_reqs": _cert_reqs, "ssl_check_hostname": _bool}  # fmt: skip
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (and any ``password``/``ssl_password`` parameter) shown as
+    ``***``, nested store URLs (``tiered://``'s ``l1``, ``l2``) too; the user name, host, port,
+    path and other parameters as they were. Text that is not a URL comes back unchanged."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # e.g. a bad port: keep only what cannot hold a secret
+        return f"{url.partition('://')[0]}://<unparsable URL>" if "@" in url else url
+    if not parts.scheme or (not parts.netloc and not parts.query):
+        return url
+    if "@" in parts.path or "@" in parts.fragment:  # a password with an unencoded / or #
+        return f"{parts.scheme}://<unparsable URL>"
+    netloc = parts.netloc
+    if password is not None:
+        userinfo, _, hostport = netloc.rpartition("@")
+        user = userinfo.partition(":")[0]
+        netloc = f"{user}:{_MASK}@{hostport}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        masked = [(k, _MASK if k in _SECRET_PARAMS else redact_url(v) if "://" in v else v)
+                  for k, v in pairs]  # fmt: skip
+        if masked != pairs:
+            query = urlencode(masked, safe="*:/@?=", quote_via=quote)
+    query = f"?{query}" if query else ""
+    fragment = f"#{parts.fragment}" if parts.fragment else ""
+    return f"{parts.scheme}://{netloc}{parts.path}{query}{fragment}"
 
 
 def parse_size(text: str) -> int:
@@ -40,11 +106,16 @@ def _options(url: str, query: str, allowed: dict[str, Any],
         kind = allowed.get(name) or _COMMON.get(name)
         if kind is None:
             known = ", ".join(sorted({*allowed, *_COMMON}))
-            raise ConfigError(f"unknown store option {name!r} in {url!r}; known: {known}")
+            raise ConfigError(
+                f"unknown store option {name!r} in {redact_url(url)!r}; known: {known}"
+            )
         try:
             out[name] = parse_size(value) if kind == "size" else kind(value)
-        except ValueError as exc:
-            raise ConfigError(f"invalid value {value!r} for {name!r} in {url!r}") from exc
+        except ValueError:
+            shown = _MASK if name in _SECRET_PARAMS else repr(value)
+            raise ConfigError(
+                f"invalid value {shown} for {name!r} in {redact_url(url)!r}"
+            ) from None
     return {**out, **(overrides or {})}
 
 
@@ -74,7 +145,9 @@ def open_store(url: str, **overrides: Any) -> EmbeddingStore:
     if scheme in ("redis", "rediss"):
         from vitserve.cache.redis_store import RedisStore
 
-        allowed = {"timeout_s": float, "prefix": str, "max_connections": int}
+        if scheme == "redis" and any(name.startswith("ssl_") for name, _ in parse_qsl(parts.query)):
+            raise ConfigError(f"TLS options need a rediss:// URL: {redact_url(url)!r}")
+        allowed = {**_REDIS, **_TLS} if scheme == "rediss" else _REDIS
         opts = _options(url, parts.query, allowed, overrides)
         server = urlunsplit((parts.scheme, parts.netloc, parts.path or "/0", "", ""))
         return RedisStore(server, **opts)
@@ -85,10 +158,13 @@ def open_store(url: str, **overrides: Any) -> EmbeddingStore:
         try:
             local, shared = opts.pop("l1"), opts.pop("l2")
         except KeyError:
-            raise ConfigError(f"tiered store needs l1= and l2= store URLs: {url!r}") from None
+            raise ConfigError(
+                f"tiered store needs l1= and l2= store URLs: {redact_url(url)!r}"
+            ) from None
         return TieredStore(open_store(local), open_store(shared), **opts)
     raise ConfigError(
-        f"unknown store URL {url!r}; use memory://, node://, redis://host:port/db or tiered://"
+        f"unknown store URL {redact_url(url)!r}; use memory://, node://, redis://host:port/db, "
+        "rediss://... or tiered://"
     )
 
 

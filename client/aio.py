@@ -8,7 +8,7 @@ from typing import Any
 
 from vitserve.cache.codec import EmbeddingRecord
 from vitserve.client.chunks import chunk_bounds, spans_of
-from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, retry_delay
+from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, falls_back, retry_delay
 from vitserve.client.device import to_device
 from vitserve.client.handles import FetchedChunk, ImageHandle
 from vitserve.client.inputs import ImageInput
@@ -21,11 +21,11 @@ class AsyncEncoderClient:
     operations, awaited). Direct store reads run in worker threads."""
 
     def __init__(self, url: str | None = None, *, handle: Any = None, store: Any = None,
-                 retry: RetryPolicy | None = None, timeout_s: float = 60.0,
-                 registry: Any = None) -> None:  # fmt: skip
+                 token: str | None = None, retry: RetryPolicy | None = None,
+                 timeout_s: float = 60.0, registry: Any = None) -> None:  # fmt: skip
         self.core = ClientCore.for_client(url, handle, store, registry)
-        self.transport = (AsyncHttpTransport(url, timeout_s) if url
-                          else AsyncHandleTransport(handle))  # fmt: skip
+        self.transport = (AsyncHttpTransport(url, timeout_s, token=token) if url
+                          else AsyncHandleTransport(handle, token))  # fmt: skip
         self.retry = retry or RetryPolicy()
 
     async def encode(self, images: Sequence[ImageInput]) -> list[ImageHandle]:
@@ -100,6 +100,8 @@ class AsyncEncoderClient:
                 )
             except VitserveError as exc:
                 outcome = exc
+            if falls_back(op, outcome):  # the core reads elsewhere: no retry, no raise
+                return outcome
             delay = retry_delay(self.retry, attempt, outcome)
             if delay is None:
                 break

@@ -13,7 +13,9 @@ Invariants:
   (:func:`vitserve.keys.content_key` over the bytes, with the fingerprint and namespace the
   service reports once on ``/healthz``). Only images the store lacks are uploaded; an
   all-cached ``encode`` makes no encoder call.
-* A fetch returns the checked rows or raises: an entry gone since ``encode`` is encoded again
+* A fetch returns the checked rows or raises. Rows the direct store cannot serve (it is down,
+  or lacks them: evicted there, or held only in the service's local tier) are read through the
+  service, whose store is where the encoder publishes; an entry gone there too is encoded again
   when its handle still holds the image, else :class:`~vitserve.errors.CacheMissError` names
   every key missing (so one retry after re-encoding them recovers). Never wrong data: the
   store checks every block's checksum, key and fingerprint.
@@ -55,10 +57,12 @@ class ApiCall:
 @dataclass(frozen=True, slots=True)
 class StoreCall:
     """A call of a method of the direct store (blocking: the async client runs it in a
-    thread)."""
+    thread). ``fallback``: the core has another way (the service) when it fails retryably
+    (see :func:`falls_back`)."""
 
     method: str
     args: tuple[Any, ...]
+    fallback: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +125,13 @@ def retry_delay(policy: RetryPolicy, attempt: int, outcome: Any) -> float | None
     return None
 
 
+def falls_back(op: Any, outcome: Any) -> bool:
+    """Whether ``outcome`` is a retryable failure (the store down) of a store call with a
+    ``fallback``: the clients then hand it to the core at once, neither retried nor raised."""
+    return (isinstance(op, StoreCall) and op.fallback and isinstance(outcome, VitserveError)
+            and outcome.retryable)  # fmt: skip
+
+
 def error_from(reply: Reply) -> VitserveError:
     """The VitserveError an error answer describes (``{"error": {"type", "message", ...}}``):
     the class it names with its fields, else :class:`~vitserve.errors.ApiError`."""
@@ -158,7 +169,7 @@ class ClientCore:
     """The state both clients share: the service's model description (learned once), the
     direct store (opened once that is known), the header cache of row reads, the metrics."""
 
-    store_url: str | None = None
+    store_url: str | None = field(default=None, repr=False)  # may hold a password
     store: Any = None  # an EmbeddingStore, opened from store_url after healthz
     metrics: ClientMetrics = field(default_factory=ClientMetrics)
     model: dict[str, Any] | None = None
@@ -181,9 +192,14 @@ class ClientCore:
     # -- the service's model -------------------------------------------------------------------
     def describe(self) -> Flow:
         """The service's ``/healthz`` answer (model, fingerprint, namespace, limits), asked
-        once; opens the direct store under that fingerprint and namespace."""
+        once; opens the direct store under that fingerprint and namespace. With the service's
+        auth on, the namespace is the caller's tenant's (the token's)."""
         if self.model is None:
             model = check((yield ApiCall("healthz")))
+            if "fingerprint" not in model and model.get("auth") == "bearer":
+                raise errors.AuthenticationError(
+                    "missing", "the service needs a bearer token: give the client token=..."
+                )
             self._open_store(model)
             self.model = model
         return self.model
@@ -234,14 +250,16 @@ class ClientCore:
 
     def probe(self, keys: Sequence[str]) -> Flow:
         """Per key, the handle of the embedding the store holds (``cached``), else None: one
-        direct store read (its headers), or ``/v1/probe`` batches without a store."""
+        direct store read (its headers), or ``/v1/probe`` batches without a store or while
+        it is down."""
         if not keys:
             return []
         yield from self.describe()
         if self.store is not None:
-            found = yield StoreCall("headers_many", (list(keys),))
-            self.headers.update((h.key, h) for h in found if h is not None)  # for row reads
-            return [None if h is None else handle_of_header(h, cached=True) for h in found]
+            found = yield StoreCall("headers_many", (list(keys),), fallback=True)
+            if not isinstance(found, VitserveError):  # else it is down (falls_back): ask the API
+                self.headers.update((h.key, h) for h in found if h is not None)  # for row reads
+                return [None if h is None else handle_of_header(h, cached=True) for h in found]
         out: list[ImageHandle | None] = []
         step = self._limit("max_keys_per_probe", 1024)
         for i in range(0, len(keys), step):
@@ -285,9 +303,10 @@ class ClientCore:
 
     def read_rows(self, reads: list[tuple[str, int, int]],
                   handles: list[ImageHandle]) -> Flow:  # fmt: skip
-        """The checked rows of each read; entries gone are encoded again from their handles'
-        images (one upload for all) and read again, else CacheMissError names them all.
-        Counted in the fetch metrics (rows, bytes, latency)."""
+        """The checked rows of each read (the direct store's, else the service's: ``_read``);
+        entries gone from both are encoded again from their handles' images (one upload for
+        all) and read again, else CacheMissError names them all. Counted in the fetch metrics
+        (rows, bytes, latency)."""
         if not reads:
             return []
         started = time.perf_counter()
@@ -313,13 +332,28 @@ class ClientCore:
 
     def _read(self, reads: list[tuple[str, int, int]]) -> Flow:
         """One batched read of the rows: the direct store's ``get_rows_many`` (with the header
-        cache), or the ``rows`` API route (``POST /v1/rows``: one store read for them all)."""
+        cache), else the ``rows`` API route (``POST /v1/rows``: one store read for them all).
+        What the direct store cannot serve (it is down, or lacks the entry) is read through
+        the service in one more call, counted in ``read_fallbacks``."""
         yield from self.describe()
-        if self.store is not None:
-            records = yield StoreCall("get_rows_many", (reads, self.headers))
-            while len(self.headers) > HEADER_CACHE_SIZE:
-                self.headers.popitem(last=False)
-            return records
+        if self.store is None:
+            return (yield from self._read_service(reads))
+        records = yield StoreCall("get_rows_many", (reads, self.headers), fallback=True)
+        if isinstance(records, VitserveError):  # the store is down (falls_back)
+            records = [None] * len(reads)
+        while len(self.headers) > HEADER_CACHE_SIZE:
+            self.headers.popitem(last=False)
+        missed = [i for i, r in enumerate(records) if r is None]
+        if missed:
+            self.metrics.inc("read_fallbacks", len(missed))
+            served = yield from self._read_service([reads[i] for i in missed])
+            for i, record in zip(missed, served, strict=True):
+                records[i] = record
+        return records
+
+    def _read_service(self, reads: list[tuple[str, int, int]]) -> Flow:
+        """The rows through the service (``POST /v1/rows``, in batches it accepts)."""
+        assert self.model is not None
         step = self._limit("max_keys_per_probe", 1024)
         replies: list[Reply] = []
         for i in range(0, len(reads), step):  # one call per batch the service accepts
@@ -368,6 +402,7 @@ __all__ = [
     "StoreCall",
     "check",
     "error_from",
+    "falls_back",
     "retry_after_seconds",
     "retry_delay",
 ]

@@ -14,6 +14,8 @@ _COUNTERS = {
     "rows_fetched": "Embedding rows fetched for prefill chunks",
     "bytes_fetched": "Embedding bytes fetched for prefill chunks (all tensors)",
     "reencoded": "Images encoded again because their entry was gone at fetch time",
+    "read_fallbacks": "Row reads the direct store could not serve (down, or lacking the "
+    "entry), read through the service instead",
 }
 FETCH_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 

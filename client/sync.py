@@ -9,7 +9,7 @@ from typing import Any
 
 from vitserve.cache.codec import EmbeddingRecord
 from vitserve.client.chunks import chunk_bounds, spans_of
-from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, retry_delay
+from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, falls_back, retry_delay
 from vitserve.client.device import to_device
 from vitserve.client.handles import FetchedChunk, ImageHandle
 from vitserve.client.inputs import ImageInput
@@ -24,15 +24,17 @@ class EncoderClient:
     deployment's ``DeploymentHandle``) instead. ``store`` (a store URL such as
     ``redis://host:6379/0``, or an open ``EmbeddingStore``) makes probes and fetches read the
     store directly, without a hop through the ingress; it is opened under the namespace and
-    fingerprint the service reports. ``registry``: a prometheus_client registry for the SDK's
-    metrics.
+    fingerprint the service reports. ``token``: the bearer token of a service with auth on
+    (sent with every call; the service serves the token's tenant, whose namespace it
+    reports). ``registry``: a prometheus_client registry for the SDK's metrics.
     """
 
     def __init__(self, url: str | None = None, *, handle: Any = None, store: Any = None,
-                 retry: RetryPolicy | None = None, timeout_s: float = 60.0,
-                 registry: Any = None) -> None:  # fmt: skip
+                 token: str | None = None, retry: RetryPolicy | None = None,
+                 timeout_s: float = 60.0, registry: Any = None) -> None:  # fmt: skip
         self.core = ClientCore.for_client(url, handle, store, registry)
-        self.transport = HttpTransport(url, timeout_s) if url else HandleTransport(handle)
+        self.transport = (HttpTransport(url, timeout_s, token=token) if url
+                          else HandleTransport(handle, token))  # fmt: skip
         self.retry = retry or RetryPolicy()
 
     # -- the operations ------------------------------------------------------------------------
@@ -112,6 +114,8 @@ class EncoderClient:
                            else getattr(self.core.store, op.method)(*op.args))  # fmt: skip
             except VitserveError as exc:
                 outcome = exc
+            if falls_back(op, outcome):  # the core reads elsewhere: no retry, no raise
+                return outcome
             delay = retry_delay(self.retry, attempt, outcome)
             if delay is None:
                 break

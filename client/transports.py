@@ -4,7 +4,8 @@ Each transport turns an :class:`~vitserve.client.core.ApiCall` into a
 :class:`~vitserve.client.core.Reply` (a list of them for ``rows``). Transport failures become
 :class:`~vitserve.errors.ServiceUnavailableError` (retryable: a refused or dropped connection,
 a timeout) so the caller catches one root; error answers are returned as replies for the core
-to read.
+to read. A bearer ``token`` (the service's auth) goes with every call: the ``Authorization``
+header over HTTP, the ``token`` argument of ``Ingress.call`` through a handle.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def _request(call: ApiCall) -> dict[str, Any]:
     raise ConfigError(f"unknown API route {call.route!r}")
 
 
+def _auth_headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def _rows_request(call: ApiCall) -> dict[str, Any]:
     return {"method": "POST", "url": "/v1/rows", "json": {"reads": [list(r) for r in call.payload]}}
 
@@ -69,15 +74,18 @@ def _rows_replies(response: httpx.Response) -> Reply | list[Reply]:
 class HttpTransport:
     """Blocking HTTP to the ingress at ``url`` (one pooled httpx.Client)."""
 
-    def __init__(self, url: str, timeout_s: float = 60.0, client: httpx.Client | None = None):
+    def __init__(self, url: str, timeout_s: float = 60.0, client: httpx.Client | None = None,
+                 token: str | None = None) -> None:  # fmt: skip
         self.where = f"ingress {url}"
         self.client = client or httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
+        self.headers = _auth_headers(token)
 
     def call(self, call: ApiCall) -> Reply | list[Reply]:
         try:
             if call.route == "rows":
-                return _rows_replies(self.client.request(**_rows_request(call)))
-            return _reply(self.client.request(**_request(call)))
+                return _rows_replies(self.client.request(**_rows_request(call),
+                                                         headers=self.headers))  # fmt: skip
+            return _reply(self.client.request(**_request(call), headers=self.headers))
         except _RETRYABLE as exc:
             raise _unavailable(exc, self.where) from exc
 
@@ -89,15 +97,18 @@ class AsyncHttpTransport:
     """HTTP to the ingress with httpx.AsyncClient."""
 
     def __init__(self, url: str, timeout_s: float = 60.0,
-                 client: httpx.AsyncClient | None = None) -> None:  # fmt: skip
+                 client: httpx.AsyncClient | None = None,
+                 token: str | None = None) -> None:  # fmt: skip
         self.where = f"ingress {url}"
         self.client = client or httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout_s)
+        self.headers = _auth_headers(token)
 
     async def call(self, call: ApiCall) -> Reply | list[Reply]:
         try:
             if call.route == "rows":
-                return _rows_replies(await self.client.request(**_rows_request(call)))
-            return _reply(await self.client.request(**_request(call)))
+                return _rows_replies(await self.client.request(**_rows_request(call),
+                                                               headers=self.headers))  # fmt: skip
+            return _reply(await self.client.request(**_request(call), headers=self.headers))
         except _RETRYABLE as exc:
             raise _unavailable(exc, self.where) from exc
 
@@ -118,16 +129,18 @@ def _handle_payload(call: ApiCall) -> Any:
 
 class HandleTransport:
     """The ingress's Serve ``DeploymentHandle``, for callers inside the Ray cluster: no HTTP
-    proxy; ``Ingress.call`` answers as the HTTP routes do."""
+    proxy; ``Ingress.call`` answers as the HTTP routes do (and checks ``token`` as they
+    check the bearer header)."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, token: str | None = None) -> None:
         self.handle = handle
         self.where = f"ingress handle {getattr(handle, 'deployment_name', '?')}"
+        self.kwargs = {"token": token} if token else {}
 
     def call(self, call: ApiCall) -> Reply | list[Reply]:
         try:
             return _handle_reply(
-                self.handle.call.remote(call.route, _handle_payload(call)).result()
+                self.handle.call.remote(call.route, _handle_payload(call), **self.kwargs).result()
             )
         except actor_unavailable_errors() as exc:
             raise _unavailable(exc, self.where) from exc
@@ -141,7 +154,9 @@ class AsyncHandleTransport(HandleTransport):
 
     async def call(self, call: ApiCall) -> Reply | list[Reply]:  # type: ignore[override]
         try:
-            return _handle_reply(await self.handle.call.remote(call.route, _handle_payload(call)))
+            return _handle_reply(
+                await self.handle.call.remote(call.route, _handle_payload(call), **self.kwargs)
+            )
         except actor_unavailable_errors() as exc:
             raise _unavailable(exc, self.where) from exc
 

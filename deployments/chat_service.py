@@ -75,8 +75,11 @@ class ChatService:
         self.model_name = cfg.prefill.served_model_name or cfg.model
 
     # -- before the answer ------------------------------------------------------------------------
-    def prepare(self, body: Any, *, keep_logits: bool = False) -> Prepared:
-        """Read, encode, prefill (see the module's invariants); raises VitserveError."""
+    def prepare(self, body: Any, *, keep_logits: bool = False, client: Any = None) -> Prepared:
+        """Read, encode, prefill (see the module's invariants); raises VitserveError.
+        ``client``: the ``EncoderClient`` to use (the caller's tenant's, auth on), else
+        ``self.client``: its images and rows are the only ones the request can reach."""
+        client = self.client if client is None else client
         request = ChatRequest.parse(body)
         if request.model is not None and request.model != self.model_name:
             raise MalformedRequestError(f"model {request.model!r} is not served here; this "
@@ -85,7 +88,7 @@ class ChatService:
         allowed = self.cfg.limits.max_images_per_request
         if len(refs) > allowed:  # refused before any image is encoded
             raise LimitExceededError("max_images_per_request", len(refs), allowed)
-        handles, usage = self._images(refs)
+        handles, usage = self._images(refs, client)
         ids = self.prompts.token_ids(self.prompts.render(request),
                                      [h.num_tokens for h in handles])  # fmt: skip
         if len(ids) >= self.context:
@@ -96,7 +99,7 @@ class ChatService:
             raise PromptTooLongError(len(ids) + limit, self.context,
                                      "the prompt and max_tokens make")  # fmt: skip
         layout = prompt_layout(self.config, ids, handles)
-        prefilled = self.generator.prefill(self.client, layout, handles, keep_logits=keep_logits)
+        prefilled = self.generator.prefill(client, layout, handles, keep_logits=keep_logits)
         usage |= {"prompt_tokens": len(ids), "rows_pulled": prefilled.rows_pulled,
                   "bytes_pulled": prefilled.bytes_pulled,
                   "prefill_chunks": len(prefilled.chunks)}  # fmt: skip
@@ -110,18 +113,18 @@ class ChatService:
         return Prepared(request, prefilled, sampling, usage, f"chatcmpl-{uuid.uuid4().hex}",
                         int(time.time()))  # fmt: skip
 
-    def _images(self, refs: list[Any]) -> tuple[list[Any], dict[str, int]]:
+    def _images(self, refs: list[Any], client: Any) -> tuple[list[Any], dict[str, int]]:
         """Each image's handle, in order: bytes encoded hash first (one ``encode`` for all),
         keys looked up (``CacheMissError`` naming the ones the store lacks)."""
         handles: list[Any] = [None] * len(refs)
         datas = [(i, r.data) for i, r in enumerate(refs) if r.data is not None]
         if datas:
-            for (i, _), handle in zip(datas, self.client.encode([d for _, d in datas]),
+            for (i, _), handle in zip(datas, client.encode([d for _, d in datas]),
                                       strict=True):  # fmt: skip
                 handles[i] = handle
         keyed = [(i, r.key) for i, r in enumerate(refs) if r.key is not None]
         if keyed:
-            found = self.client.probe([k for _, k in keyed])
+            found = client.probe([k for _, k in keyed])
             missing = [k for (_, k), h in zip(keyed, found, strict=True) if h is None]
             if missing:
                 raise CacheMissError(missing)

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from vitserve.deployments.local import DEFAULT_GRACE_S  # light: Ray loads lazily
 from vitserve.encoder.testmodels import FAMILIES, PRESETS  # light: transformers loads lazily
 from vitserve.errors import ConfigError, VitserveError
 
@@ -16,6 +17,13 @@ def _make_model(args: argparse.Namespace) -> None:
 
     out = make_model(args.family, args.preset, args.out, seed=args.seed)
     print(f"wrote random {args.family} ({args.preset}) model, tokenizer and chat template to {out}")
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -44,7 +52,7 @@ def _serve(args: argparse.Namespace) -> None:
     from vitserve.deployments.local import local_config, start_local, stop_local
 
     cfg = local_config(_overrides(args))
-    print(f"effective config: {cfg.model_dump_json()}", flush=True)
+    print(f"effective config: {cfg.effective_json()}", flush=True)  # secrets masked
     url = start_local(cfg, prefill=args.prefill)
     print(f"vitserve is serving {cfg.model} at {url} (docs: {url}/docs); Ctrl-C stops it",
           flush=True)  # fmt: skip
@@ -55,7 +63,14 @@ def _serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    stop_local()
+    print(f"stopping: new requests get 503, those in flight have {args.grace:g} s to finish",
+          flush=True)  # fmt: skip
+    done = stop_local(grace_s=args.grace)
+    if "error" in done:
+        print(f"vitserve: drain failed ({done['error']}); stopped anyway", file=sys.stderr)
+    print(f"stopped in {done['seconds']:.1f} s: {done.get('finished', 0)} requests finished, "
+          f"{done.get('cut', 0)} cut and {done.get('refused', 0)} refused with 503",
+          flush=True)  # fmt: skip
 
 
 def _encode(args: argparse.Namespace) -> int:
@@ -121,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the service on a local Ray cluster (embedded)")
     _service_flags(serve)
+    serve.add_argument("--grace", type=_seconds, default=DEFAULT_GRACE_S, metavar="SECONDS",
+                       help="on SIGTERM or Ctrl-C, how long requests in flight may finish "
+                            "before they are answered 503 (default %(default)s)")  # fmt: skip
     serve.add_argument("--prefill", action="store_true",
                        help="also run the prefill application (OpenAI chat completions over "
                             "the model's language model, at /prefill)")  # fmt: skip

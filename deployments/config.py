@@ -18,7 +18,15 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from vitserve.encoder.device import DTYPES, HOST_OVERRIDE_VARS
 from vitserve.errors import ConfigError
@@ -101,6 +109,9 @@ class PrefillConfig(DeploymentConfig):
     # Read image rows from ``store`` directly (the fast path; the store must be reachable from
     # the prefill replicas), else through the encoder's ``/v1/rows``.
     direct_store: bool = True
+    # The store URL of those direct reads; None: ``store``. Set it to give the prefill
+    # credentials that can only read (a Redis ACL reader user; see k8s/README.md).
+    store: str | None = None
     # Tries of an encoder or store call that can be retried (a replica restarting, 429, a
     # store down), backing off from 50 ms to 1 s: the default rides out a replica restart
     # (~20 s) instead of failing the chat request.
@@ -110,10 +121,62 @@ class PrefillConfig(DeploymentConfig):
     served_model_name: str | None = None
     max_tokens: int = Field(256, gt=0)  # the completion budget of a request that names none
 
+    @field_validator("store")
+    @classmethod
+    def _shared_store(cls, value: str | None) -> str | None:
+        if value is not None and value.startswith("memory:"):
+            raise ValueError("memory:// is private to one process; use the service's store")
+        return value
+
 
 class SingleFlightConfig(_Strict):
     claim_ttl_s: float = Field(60.0, gt=0)
     wait_timeout_s: float = Field(60.0, gt=0)
+
+
+TENANT_RE = r"^[A-Za-z0-9_-]{1,64}$"
+MIN_TOKEN_CHARS = 16
+
+
+class TokenConfig(_Strict):
+    """One bearer token and the tenant it authenticates (a tenant may have several: rotation)."""
+
+    tenant: str = Field(pattern=TENANT_RE)
+    token: SecretStr  # masked in the effective-config log and in every dump as JSON
+
+    @field_validator("token")
+    @classmethod
+    def _long_enough(cls, value: SecretStr) -> SecretStr:
+        if len(value.get_secret_value()) < MIN_TOKEN_CHARS:
+            raise ValueError(f"a token needs at least {MIN_TOKEN_CHARS} characters")
+        return value
+
+
+class AuthConfig(_Strict):
+    """Bearer-token auth of the HTTP API and the ingress handle (vitserve.deployments.auth).
+
+    Off unless a token is configured, in ``tokens`` or in ``tokens_file`` (a file each replica
+    reads at start, one ``tenant:token`` per line, ``#`` comments: fit for a mounted Kubernetes
+    Secret). Each tenant's keys live in the namespace ``<namespace>.<tenant>`` (``<tenant>``
+    when ``namespace`` is empty).
+    """
+
+    tokens: list[TokenConfig] = []
+    tokens_file: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tokens) or self.tokens_file is not None
+
+    @model_validator(mode="after")
+    def _one_tenant_per_token(self) -> AuthConfig:
+        seen: set[str] = set()
+        for entry in self.tokens:
+            secret = entry.token.get_secret_value()
+            if secret in seen:
+                raise ValueError("a token is configured twice (each names one tenant)")
+            seen.add(secret)
+        return self
 
 
 class VitserveConfig(_Strict):
@@ -141,6 +204,7 @@ class VitserveConfig(_Strict):
     http_host: str = "127.0.0.1"
     http_port: int = Field(8000, ge=0, le=65535)
     access_log: bool = False
+    auth: AuthConfig = AuthConfig()
 
     @field_validator("store")
     @classmethod
@@ -182,9 +246,27 @@ class VitserveConfig(_Strict):
             )
             raise ConfigError(f"invalid vitserve config: {problems}") from None
 
+    def effective_json(self) -> str:
+        """The configuration as one line of JSON with every secret masked: the password of
+        every URL (``redis://user:***@host``, nested ``tiered://`` URLs too; see
+        ``vitserve.cache.urls.redact_url``) and every ``SecretStr`` (``**********``)."""
+        from vitserve.cache.urls import redact_url
+
+        def masked(value: Any) -> Any:
+            if isinstance(value, str):
+                return redact_url(value)
+            if isinstance(value, dict):
+                return {masked(k): masked(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [masked(v) for v in value]
+            return value
+
+        data = masked(self.model_dump(mode="json"))
+        return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+
     def log_effective(self) -> None:
-        """Log the effective configuration once (JSON, one line)."""
-        log.info("vitserve effective config: %s", self.model_dump_json())
+        """Log the effective configuration once (JSON, one line, secrets masked)."""
+        log.info("vitserve effective config: %s", self.effective_json())
 
 
 # Environment variables that share the prefix but are not config fields.

@@ -100,6 +100,7 @@ def _batch_cap_line(info: dict[str, Any], cfg: Any) -> str:
 def run_demo(overrides: dict[str, Any], *, echo: Callable[[str], None] = print) -> None:
     from ray import serve
 
+    from vitserve.cache.urls import redact_url
     from vitserve.deployments.app import DEMO_FAMILY, DEMO_MODEL, DEMO_PRESET
     from vitserve.deployments.local import APP_NAME, local_config, start_local, stop_local
     from vitserve.encoder.testmodels import is_cached
@@ -112,8 +113,9 @@ def run_demo(overrides: dict[str, Any], *, echo: Callable[[str], None] = print) 
     try:
         encoder = serve.get_deployment_handle("EncoderDeployment", app_name=APP_NAME)
         info = encoder.describe.remote().result()
+        store = redact_url(cfg.store)  # never the password
         echo(f"serving {info['family']} ({info['dtype']} on {info['device']}) at {url}, "
-             f"store {cfg.store}, started in {time.perf_counter() - started:.1f} s")  # fmt: skip
+             f"store {store}, started in {time.perf_counter() - started:.1f} s")  # fmt: skip
         echo(_batch_cap_line(info, cfg))
 
         images = demo_images()

@@ -36,12 +36,13 @@ from typing import Any
 
 @dataclass(slots=True)
 class Work:
-    """One image waiting for the device: its prepared pixels, when it arrived, the claim its
-    publish releases (``(key, token)``, or None) and the future its caller awaits."""
+    """One image waiting for the device: its prepared pixels, when it arrived, what the step
+    needs to publish it (opaque here: the encoder's ``Publish``, its namespace's store and the
+    claim the publish releases) and the future its caller awaits."""
 
     prepared: Any
     arrived: float
-    release: tuple[str, str] | None
+    release: Any
     future: asyncio.Future = field(repr=False)
 
 
@@ -62,8 +63,7 @@ class DeviceQueue:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
 
-    async def submit(self, prepared: Sequence[Any],
-                     releases: Sequence[tuple[str, str] | None]) -> list[Any]:  # fmt: skip
+    async def submit(self, prepared: Sequence[Any], releases: Sequence[Any]) -> list[Any]:
         """Queue images; their results in order (an image's step error is raised here)."""
         loop = asyncio.get_running_loop()
         now = time.perf_counter()

@@ -12,10 +12,16 @@ Per request, never per image:
 3. The encoder publishes each embedding and releases its claim in one store call.
 
 The same image twice in a request is encoded once. A full encoder queue raises
-:class:`~vitserve.errors.BackpressureError` (the API's 429), an encoder replica that died or is
-restarting :class:`~vitserve.errors.ServiceUnavailableError` (503, retryable); either way the
-request's claims are released. A store that fails the lookup does not fail the request: its
-images are encoded unclaimed (``NONE``; single flight then holds within a replica only).
+:class:`~vitserve.errors.BackpressureError` (the API's 429), an encoder (or preprocess)
+replica that died or is restarting :class:`~vitserve.errors.ServiceUnavailableError` (503,
+retryable); either way the request's claims are released. A store that fails the lookup
+does not fail the request: its images are encoded unclaimed (``NONE``; single flight then
+holds within a replica only).
+
+Namespaces: a request is served by one store, its namespace's (with auth on, the caller's
+tenant's view of the ingress's store; see ``vitserve.deployments.auth``). Its lookups, claims
+and releases go there, and the encoder call names that namespace, so the encoder claims, waits
+and publishes in it too: a key of another namespace is never found, claimed or written.
 
 The class is plain Python over a store and two Serve-handle-like objects (``.method.remote()``
 returning an awaitable), so tests can drive it with counting stand-ins.
@@ -63,9 +69,15 @@ def backpressure(exc: Exception) -> BackpressureError | None:
 
 def unavailable(exc: Exception) -> ServiceUnavailableError | None:
     """A dead or restarting encoder replica (Ray's actor errors, Serve's unavailable
-    deployment) as a retryable 503, or None for other errors."""
-    if isinstance(exc, actor_unavailable_errors()):
+    deployment), or a preprocess replica that died while the encoder call waited for its
+    answer (Serve raises its own error then, caused by Ray's), as a retryable 503, or None
+    for other errors."""
+    dead = actor_unavailable_errors()
+    if isinstance(exc, dead):
         return ServiceUnavailableError("encoder", f"{type(exc).__name__}: {exc}"[:300])
+    if isinstance(exc.__cause__, dead):  # the replica computing an argument of the call died
+        return ServiceUnavailableError("encoder", f"{type(exc.__cause__).__name__} upstream: "
+                                       f"{exc.__cause__}"[:300])  # fmt: skip
     return None
 
 
@@ -81,13 +93,16 @@ class EncodeFlow:
         self.preprocessor = preprocessor  # a Preprocessor (``ingress``)
         self._background: set[asyncio.Task] = set()
 
-    async def encode(self, items: list[bytes | str], keys: list[str]) -> list[dict[str, Any]]:
-        """``items``: image bytes, or a key the caller believes held; ``keys`` their keys."""
+    async def encode(self, items: list[bytes | str], keys: list[str],
+                     store: Any = None) -> list[dict[str, Any]]:  # fmt: skip
+        """``items``: image bytes, or a key the caller believes held; ``keys`` their keys (in
+        ``store``'s namespace; ``store`` None: this flow's store, the config's namespace)."""
+        store = self.store if store is None else store
         distinct = list(dict.fromkeys(keys))
         # One token per request: releasing this request's claims (after a failed encoder call)
         # can never drop a later request's claim on the same key.
         token = uuid.uuid4().hex
-        answers = await self._lookup_or_claim(distinct, token)
+        answers = await self._lookup_or_claim(store, distinct, token)
         answer_of = dict(zip(distinct, answers, strict=True))
         data_of = {k: i for k, i in zip(keys, items, strict=True) if isinstance(i, bytes)}
         index_of: dict[str, int] = {}
@@ -110,29 +125,29 @@ class EncodeFlow:
                 new.append(key)
                 metrics.inc("cache_misses_total")
         if unneeded:
-            self._release_later(unneeded)
+            self._release_later(store, unneeded)
         if new:
             claims = [answer_of[k] for k in new]
             batch = EncodeBatch(
                 keys=new, indices=[index_of[k] for k in new],
                 claims=[c.value if isinstance(c, Claim) else c for c in claims],
-                token=token, images=[data_of[k] for k in new],
+                token=token, images=[data_of[k] for k in new], namespace=store.namespace,
             )  # fmt: skip
-            for key, result in zip(new, await self._call_encoder(batch), strict=True):
+            for key, result in zip(new, await self._call_encoder(batch, store), strict=True):
                 results[key] = {**result, "cached": False} if "error" not in result else result
         return [{**results[k]} for k in keys]
 
-    async def _lookup_or_claim(self, keys: list[str], token: str) -> list[Any]:
+    async def _lookup_or_claim(self, store: Any, keys: list[str], token: str) -> list[Any]:
         ttl = self.cfg.single_flight.claim_ttl_s
         try:
             with metrics.timed("store_round_trip_seconds", op="lookup_or_claim"):
-                return await asyncio.to_thread(self.store.lookup_or_claim, keys, ttl, token)
+                return await asyncio.to_thread(store.lookup_or_claim, keys, ttl, token)
         except StoreError as exc:  # encode anyway, unclaimed; the encoder publishes if it can
             metrics.inc("store_errors_total", op="lookup_or_claim")
             log.warning("store lookup failed: %s", exc)
             return [NONE] * len(keys)
 
-    async def _call_encoder(self, batch: EncodeBatch) -> list[dict[str, Any]]:
+    async def _call_encoder(self, batch: EncodeBatch, store: Any) -> list[dict[str, Any]]:
         where = self.cfg.preprocess_at
         try:
             if where == "encoder":
@@ -149,16 +164,16 @@ class EncodeFlow:
             won = [(k, batch.token) for k, c in zip(batch.keys, batch.claims, strict=True)
                    if c == WON]  # fmt: skip
             if won:  # nobody will publish them: let waiters go now, not at the claim's ttl
-                self._release_later(won)
+                self._release_later(store, won)
             err = backpressure(exc) or unavailable(exc)
             if err is not None:
                 raise err from None
             raise
 
-    def _release_later(self, releases: list[tuple[str, str]]) -> None:
+    def _release_later(self, store: Any, releases: list[tuple[str, str]]) -> None:
         async def release() -> None:
             try:
-                await asyncio.to_thread(self.store.put_values, [], None, releases)
+                await asyncio.to_thread(store.put_values, [], None, releases)
             except StoreError as exc:
                 log.warning("releasing %d claims failed: %s", len(releases), exc)
 

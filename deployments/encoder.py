@@ -17,11 +17,15 @@ ingress found missing (:class:`EncodeBatch`) and answers with their results in o
   its claimant gave up. Store failures never fail an encode (they are counted).
 * So a new image costs two store round trips on its path (the ingress's lookup-or-claim and
   the publish), and this replica makes none before its forward.
+* Namespaces (tenants, see ``vitserve.deployments.auth``): each batch names the namespace its
+  images are keyed in; claims, waits and the publish go to that namespace's view of this
+  replica's one store (a device step that mixes namespaces publishes once per namespace).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -48,14 +52,25 @@ WON, BUSY, NONE = "won", "busy", "none"
 @dataclass(slots=True)
 class EncodeBatch:
     """One request's images for the encoder: keys, positions in the request (for errors), each
-    image's claim state and the token the won claims are held under, and the image bytes when
-    the encoder preprocesses them (``None`` when ``prepared`` comes with the call)."""
+    image's claim state and the token the won claims are held under, the image bytes when
+    the encoder preprocesses them (``None`` when ``prepared`` comes with the call), and the
+    namespace the keys are in (the request's tenant; ``None``: the config's namespace)."""
 
     keys: list[str]
     indices: list[int]
     claims: list[str]
     token: str
     images: list[bytes] | None = None
+    namespace: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """Where a queued image's embedding goes (the device queue carries it opaquely): the store
+    view of its namespace, and the claim its publish releases (``(key, token)``) or None."""
+
+    store: Any
+    release: tuple[str, str] | None
 
 
 def embedding_record(embedding: Any, fingerprint: str) -> Any:
@@ -171,8 +186,14 @@ class EncoderDeployment:
             namespace=cfg.namespace,
         )  # fmt: skip
         self.preprocessor = make_preprocessor(cfg, self.engine.adapter)  # no load: the engine's
-        self.store = open_store(cfg.store, namespace=cfg.namespace,
+        from vitserve.cache.views import StoreViews
+        from vitserve.deployments.auth import root_namespace
+
+        # One store object (one connection) for every namespace: with auth on it has none of
+        # its own and each tenant's namespace is a view of it.
+        self.store = open_store(cfg.store, namespace=root_namespace(cfg),
                                 fingerprint=self.engine.fingerprint)  # fmt: skip
+        self._views = StoreViews(self.store)
         # One cap for the queue's steps and the engine's forwards (config, else the engine's).
         self.queue = DeviceQueue(self._encode_and_publish,
                                  max_batch_patches=self.engine.max_batch_patches,
@@ -183,6 +204,7 @@ class EncoderDeployment:
         self._seconds: Counter[str] = Counter()  # device-step time by phase
         self._background: set[asyncio.Task] = set()  # claim releases in flight
         self._store_reporter: asyncio.Task | None = None
+        self._stopping = False  # set when Serve stops the replica (``__del__``)
         # Autoscaling on work (record_autoscaling_stats): the step on the device now and the
         # recent steps as (end, device seconds, patches), appended on the event loop only.
         self._running_patches, self._running_since = 0, 0.0
@@ -240,6 +262,7 @@ class EncoderDeployment:
                 self._cpu_pool, prepare_all, self.preprocessor, batch.images, batch.keys,
                 batch.indices,
             )  # fmt: skip
+        store = self._store_for(batch.namespace)
         n = len(batch.keys)
         results: list[Any] = [None] * n
         joins: dict[int, asyncio.Future] = {}
@@ -263,14 +286,14 @@ class EncoderDeployment:
             else:
                 mine.append(i)
         if releases:
-            self._release_later(releases)
+            self._release_later(store, releases)
         # Only images encoded here are joinable: a busy one waits on the store, and its claimant
         # arriving here later must encode it, not join the waiter.
         futures = {i: self._start_flight(batch.keys[i]) for i in mine}
         tasks = []
         if mine:
-            tasks.append(self._encode_mine(batch, prepared, mine, results, futures))
-        tasks += [self._encode_busy(prepared[i], i, results) for i in busy]
+            tasks.append(self._encode_mine(batch, store, prepared, mine, results, futures))
+        tasks += [self._encode_busy(store, prepared[i], i, results) for i in busy]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -283,6 +306,15 @@ class EncoderDeployment:
             results[i] = await asyncio.shield(pending)
         metrics.observe("encode_latency_seconds", time.perf_counter() - started)
         return results
+
+    def _store_for(self, namespace: str | None) -> Any:
+        """The store of a batch's namespace (None: the config's): this replica's store for its
+        own, else a view of it (auth on: the store has no namespace, the tenants' views add
+        theirs)."""
+        namespace = self.cfg.namespace if namespace is None else namespace
+        if namespace == self.store.namespace:
+            return self.store
+        return self._views.get(namespace)
 
     def _start_flight(self, key: str) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
@@ -300,13 +332,13 @@ class EncoderDeployment:
         else:
             future.set_result(result)
 
-    async def _encode_mine(self, batch: EncodeBatch, prepared: list[Any], mine: list[int],
-                           results: list[Any],
+    async def _encode_mine(self, batch: EncodeBatch, store: Any, prepared: list[Any],
+                           mine: list[int], results: list[Any],
                            futures: dict[int, asyncio.Future]) -> None:  # fmt: skip
-        releases = [(batch.keys[i], batch.token) if batch.claims[i] == WON else None
-                    for i in mine]  # fmt: skip
+        publish = [Publish(store, (batch.keys[i], batch.token) if batch.claims[i] == WON
+                           else None) for i in mine]  # fmt: skip
         try:
-            done = await self.queue.submit([prepared[i] for i in mine], releases)
+            done = await self.queue.submit([prepared[i] for i in mine], publish)
         except BaseException as exc:
             for i in mine:
                 self._settle(futures[i], error=exc)
@@ -315,27 +347,27 @@ class EncoderDeployment:
             results[i] = result
             self._settle(futures[i], result)
 
-    async def _encode_busy(self, prepared: Any, i: int, results: list[Any]) -> None:
+    async def _encode_busy(self, store: Any, prepared: Any, i: int, results: list[Any]) -> None:
         """An image another caller claimed: wait for its publish and read it back; encode it
         here only if the claimant gave up (claiming it first, when the store answers)."""
         key = prepared.key
         metrics.inc("single_flight_joins_total", scope="remote")
         sf = self.cfg.single_flight
-        if await self._store_call("wait_for", self.store.wait_for, key, sf.wait_timeout_s,
+        if await self._store_call("wait_for", store.wait_for, key, sf.wait_timeout_s,
                                   default=False):  # fmt: skip
-            headers = await self._store_call("headers", self.store.headers_many, [key],
+            headers = await self._store_call("headers", store.headers_many, [key],
                                              default=[None])  # fmt: skip
             if headers[0] is not None:
                 results[i] = describe_header(headers[0])
                 return
-        won = await self._store_call("claim", self.store.claim, key, sf.claim_ttl_s,
+        won = await self._store_call("claim", store.claim, key, sf.claim_ttl_s,
                                      default=False)  # fmt: skip
-        release = (key, self.store.token) if won else None
-        [results[i]] = await self.queue.submit([prepared], [release])
+        release = (key, store.token) if won else None
+        [results[i]] = await self.queue.submit([prepared], [Publish(store, release)])
 
-    def _release_later(self, releases: list[tuple[str, str]]) -> None:
+    def _release_later(self, store: Any, releases: list[tuple[str, str]]) -> None:
         """Release claims off the answer's path (one store call for them all)."""
-        task = asyncio.create_task(self._store_call("release", self.store.put_values, [],
+        task = asyncio.create_task(self._store_call("release", store.put_values, [],
                                                     None, releases))  # fmt: skip
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -350,10 +382,13 @@ class EncoderDeployment:
             return default
 
     async def _encode_and_publish(self, work: list[Work]) -> list[dict[str, Any]]:
-        """One device step (the queue's ``run_step``): forward, then one publish that also
-        releases the step's claims. A failed step releases them too (off the path)."""
+        """One device step (the queue's ``run_step``): forward, then one publish per namespace
+        in the step (one, unless tenants share it) that also releases their claims. A failed
+        step releases them too (off the path)."""
         items = [w.prepared for w in work]
-        releases = [w.release for w in work if w.release is not None]
+        groups: dict[int, tuple[Any, list[int]]] = {}  # id(store) -> (store, work indices)
+        for i, w in enumerate(work):
+            groups.setdefault(id(w.release.store), (w.release.store, []))[1].append(i)
         start = time.perf_counter()
         for w in work:
             metrics.observe("stage_seconds", start - w.arrived, stage="queue_wait")
@@ -365,8 +400,10 @@ class EncoderDeployment:
             )
         except Exception:
             log.exception("encoding %d images failed", len(items))
-            if releases:
-                self._release_later(releases)
+            for store, indices in groups.values():
+                releases = [r for i in indices if (r := work[i].release.release) is not None]
+                if releases:
+                    self._release_later(store, releases)
             raise
         finally:
             self._running_patches = 0
@@ -376,13 +413,16 @@ class EncoderDeployment:
         metrics.observe("stage_seconds", encoded - start, stage="forward")
         self._record_forwards(items, plan)
         metrics.inc("images_encoded_total", len(items))
-        try:
-            with metrics.timed("store_round_trip_seconds", op="put"):
-                await asyncio.to_thread(self.store.put_values, values, None, releases)
-            metrics.inc("bytes_published_total", sum(len(v) for _, v in values))
-        except StoreError as exc:  # the embeddings are computed; the callers still get them
-            metrics.inc("store_errors_total", op="put")
-            log.warning("publishing %d embeddings failed: %s", len(values), exc)
+        for store, indices in groups.values():
+            mine = [values[i] for i in indices]
+            releases = [r for i in indices if (r := work[i].release.release) is not None]
+            try:
+                with metrics.timed("store_round_trip_seconds", op="put"):
+                    await asyncio.to_thread(store.put_values, mine, None, releases)
+                metrics.inc("bytes_published_total", sum(len(v) for _, v in mine))
+            except StoreError as exc:  # the embeddings are computed; the callers get them
+                metrics.inc("store_errors_total", op="put")
+                log.warning("publishing %d embeddings failed: %s", len(mine), exc)
         published = time.perf_counter() - encoded
         self._seconds["publish"] += published
         metrics.observe("stage_seconds", published, stage="publish")
@@ -421,12 +461,23 @@ class EncoderDeployment:
     async def _report_store_forever(self, period_s: float = 1.0) -> None:
         """Keep the store gauge fresh: Ray drops a gauge not set for two report intervals,
         and evictions happen whenever any replica publishes."""
-        while True:
+        while not self._stopping:
             try:
                 await asyncio.to_thread(self._report_store)
             except Exception:  # a metrics fault must not end the reporting, nor anything else
+                if self._stopping:  # the replica stops (its executors refuse work): so do we
+                    return
                 log.exception("reporting store stats failed")
             await asyncio.sleep(period_s)
+
+    def __del__(self) -> None:
+        """Serve calls this when it stops the replica (an application deleted, scaled down):
+        end the store reporter, which would otherwise meet the executors' shutdown."""
+        self._stopping = True
+        task = getattr(self, "_store_reporter", None)
+        if task is not None and not task.done():
+            with contextlib.suppress(RuntimeError):  # its loop is closed already
+                task.get_loop().call_soon_threadsafe(task.cancel)
 
     def _report_store(self) -> None:
         try:

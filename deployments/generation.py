@@ -154,13 +154,18 @@ class Generator:
         import torch
 
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        if generator is None:
+        probs = None
+        if generator is not None:
+            probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+            if not bool(probs.isfinite().all()):
+                probs = None  # a temperature so near 0 that logits / it overflow: its limit, greedy
+        if probs is None:
             token = int(logits.argmax())
         else:
-            probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
             if sampling.top_p < 1.0:
                 ordered, order = probs.sort(descending=True)
-                keep = ordered.cumsum(0) - ordered < sampling.top_p  # the first always stays
+                keep = ordered.cumsum(0) - ordered < sampling.top_p
+                keep[0] = True  # the first always stays (a top_p below float32's range included)
                 probs = torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
             token = int(torch.multinomial(probs, 1, generator=generator))
         top: list[tuple[int, float]] = []

@@ -17,24 +17,32 @@ Routes:
 * ``GET /healthz``, ``GET /metrics`` (this node's ``vitserve_*`` metrics, Prometheus text).
 
 Callers inside the Ray cluster reach the same answers through the deployment's handle:
-``Ingress.call(route, payload)`` (the client SDK's handle transport).
+``Ingress.call(route, payload, token)`` (the client SDK's handle transport).
+
+With the config's ``auth`` on, the ``/v1`` routes (and ``call``) need a bearer token and serve
+the token's tenant from its own namespace only; ``/healthz`` answers liveness without one and
+the caller's namespace with one; ``/metrics`` stays open (see ``vitserve.deployments.auth``).
+
+Every error answer has one shape, ``{"error": {"type", "message", ...fields}}`` (FastAPI's
+validation errors, unknown routes and wrong methods included: ``responses.py``). Requests are
+read by ``requests.py``: a body is refused while it is read once it passes
+``max_request_bytes`` (chunked or declared), a JSON route takes JSON (415 otherwise), an empty
+body, invalid or too deeply nested JSON, a key that is not 64 lowercase hex characters or a
+row range that is not ``0 <= start < end`` (integers) is a 422 naming it.
 
 Request-level limits are checked before any work, from the request's size and each image's
-header: too many images, too many bytes, an image over ``max_image_bytes`` or
-``max_image_pixels`` -> 413 (422 for malformed input) with a JSON error naming the limit; the
-request then costs nothing else. Images that pass the limits but do not decode or preprocess
-fail alone: their item carries the error, the others are encoded. A full encoder queue -> 429
-with ``Retry-After``. A store that is down -> 503 for fetches and probes, while encodes still
-answer (from a tiered store's local tier, or by encoding).
+header: too many images (counted before any base64 is decoded), too many bytes, an image over
+``max_image_bytes`` or ``max_image_pixels`` (a decompression bomb) -> 413 with a JSON error
+naming the limit; the request then costs nothing else. Images that pass the limits but do not
+decode or preprocess fail alone: their item carries the error, the others are encoded. A full
+encoder queue -> 429 with ``Retry-After``. A store that is down -> 503 for fetches and probes,
+while encodes still answer (from a tiered store's local tier, or by encoding).
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the routes' annotations
 # (``Request``) at run time inside Serve's class-based ingress.
 import asyncio
-import base64
-import binascii
 import logging
-import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,9 +50,18 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from vitserve.deployments import metrics
+from vitserve.deployments import requests as parse
+from vitserve.deployments.auth import Gate, Tenant, root_namespace
 from vitserve.deployments.config import VitserveConfig
 from vitserve.deployments.encode_flow import EncodeFlow
-from vitserve.deployments.responses import error_response, metrics_response, retry_headers
+from vitserve.deployments.lifecycle import Draining
+from vitserve.deployments.responses import (
+    error_response,
+    error_responses,
+    install_error_handlers,
+    metrics_response,
+    retry_headers,
+)
 from vitserve.errors import (
     CacheMissError,
     ConfigError,
@@ -55,13 +72,15 @@ from vitserve.errors import (
 )
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
-KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+KEY_RE = parse.KEY_RE
 
 api = FastAPI(
     title="vitserve",
     summary="Disaggregated vision encoder: encode images once, fetch embeddings by key.",
     version="0.1.0",
 )
+install_error_handlers(api)  # every error answer in the one shape (responses.py)
+api.add_middleware(Draining)  # graceful stop: drain, then 503 (lifecycle.py)
 
 
 def _rows_record(part: Any) -> Any:
@@ -83,7 +102,8 @@ class Ingress:
 
         self.cfg = VitserveConfig.model_validate(config)
         self.encoder = encoder
-        self.store = open_store(self.cfg.store, namespace=self.cfg.namespace)
+        self.store = open_store(self.cfg.store, namespace=root_namespace(self.cfg))
+        self.gate = Gate(self.cfg, self.store)  # who calls, and their namespace's store
         preprocessor = None
         if self.cfg.preprocess_at == "ingress":
             from vitserve.deployments.encoder import make_preprocessor
@@ -101,82 +121,77 @@ class Ingress:
         return self._model
 
     # -- encode ------------------------------------------------------------------------------
-    @api.post("/v1/encode", summary="Encode images (multipart or JSON); items in input order")
+    @api.post("/v1/encode", summary="Encode images (multipart or JSON); items in input order",
+              openapi_extra=parse.ENCODE_OPENAPI,
+              responses=error_responses(401, 413, 415, 422, 429, 503))  # fmt: skip
     async def encode(self, request: Request) -> Response:
         try:
+            tenant = self.gate.tenant_of_header(request.headers.get("authorization"))
             items = await self._read_images(request)
-            response = JSONResponse(await self._encode_answer(items))
+            response = JSONResponse(await self._encode_answer(items, tenant))
         except VitserveError as exc:
             response = error_response(exc)
         metrics.inc("requests_total", route="encode", status=str(response.status_code))
         return response
 
     async def _read_images(self, request: Request) -> list[bytes | str]:
-        """The request's items: image bytes or keys; request-level limits checked."""
+        """The request's items: image bytes or keys; request-level limits checked, the body
+        refused while it is read once it passes ``max_request_bytes``."""
         limits = self.cfg.limits
-        length = request.headers.get("content-length")
-        if length is not None and int(length) > limits.max_request_bytes:
-            raise LimitExceededError("max_request_bytes", int(length), limits.max_request_bytes)
+        body = await parse.read_body(request, limits.max_request_bytes)
+        if not body:
+            raise MalformedRequestError("empty request body; send images as multipart/form-data "
+                                        f"or JSON {parse.ENCODE_SHAPE}")  # fmt: skip
         ctype = request.headers.get("content-type", "")
-        items: list[bytes | str] = []
         if ctype.startswith("multipart/form-data"):
-            form = await request.form(max_files=limits.max_images_per_request + 1,
-                                      max_part_size=limits.max_image_bytes + 1)  # fmt: skip
-            for upload in form.getlist("images"):
-                if isinstance(upload, str):
-                    raise MalformedRequestError("multipart field 'images' must be a file")
-                items.append(await upload.read())
-            unknown = set(form.keys()) - {"images"}
-            if unknown:
-                raise MalformedRequestError(f"unknown multipart fields: {sorted(unknown)}")
-        elif ctype.startswith("application/json"):
-            items = self._json_items(await request.body())
+            items = await self._form_items(request, body)
+        elif parse.is_json_type(ctype):
+            items = parse.encode_json(parse.json_body(body), limits.max_images_per_request)
         else:
             raise MalformedRequestError(
-                f"unsupported content type {ctype!r}; use multipart/form-data or JSON", 415
+                f"unsupported content type {ctype[:80]!r}; use multipart/form-data or JSON", 415
             )
         self._check_request(items)
         return items
 
+    async def _form_items(self, request: Request, body: bytes) -> list[bytes | str]:
+        """The image files of a multipart ``body`` (already read), at most the image limit
+        parsed."""
+        from starlette.exceptions import HTTPException
+        from starlette.formparsers import MultiPartException
+
+        limits = self.cfg.limits
+        ctype = request.headers.get("content-type", "")
+
+        async def replay() -> dict[str, Any]:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        items: list[bytes | str] = []
+        try:
+            async with Request(request.scope, replay).form(
+                max_files=limits.max_images_per_request, max_fields=16,
+                max_part_size=limits.max_image_bytes + 1,
+            ) as form:  # fmt: skip
+                for upload in form.getlist("images"):
+                    if isinstance(upload, str):
+                        raise MalformedRequestError("multipart field 'images' must be a file")
+                    items.append(await upload.read())
+                unknown = set(form.keys()) - {"images"}
+        except (HTTPException, MultiPartException) as exc:
+            reason = str(getattr(exc, "detail", None) or getattr(exc, "message", exc))
+            if reason.startswith("Too many files"):  # refused at the limit's next file
+                allowed = limits.max_images_per_request
+                sent = max(parse.multipart_parts(body, ctype), allowed + 1)
+                raise LimitExceededError("max_images_per_request", sent, allowed) from None
+            raise MalformedRequestError(f"unreadable multipart body: {reason}") from None
+        if unknown:
+            raise MalformedRequestError(f"unknown multipart fields: {sorted(unknown)}")
+        return items
+
     def _check_request(self, items: list[bytes | str]) -> None:
         """The request-level limits: image count, total bytes, each image's bytes and pixels."""
-        limits = self.cfg.limits
-        if not items:
-            raise MalformedRequestError("no images in the request")
-        if len(items) > limits.max_images_per_request:
-            raise LimitExceededError("max_images_per_request", len(items),
-                               limits.max_images_per_request)  # fmt: skip
-        total = sum(len(i) for i in items if isinstance(i, bytes))
-        if total > limits.max_request_bytes:
-            raise LimitExceededError("max_request_bytes", total, limits.max_request_bytes)
+        parse.check_items(items, self.cfg.limits)
         self._check_images(items)
-
-    def _json_items(self, body: bytes) -> list[bytes | str]:
-        import json
-
-        try:
-            doc = json.loads(body)
-        except ValueError as exc:
-            raise MalformedRequestError(f"invalid JSON: {exc}") from None
-        if not isinstance(doc, dict) or set(doc) != {"images"} or not isinstance(doc["images"],
-                                                                                list):  # fmt: skip
-            raise MalformedRequestError('expected {"images": [{"data": ...} | {"key": ...}]}')
-        items: list[bytes | str] = []
-        for i, item in enumerate(doc["images"]):
-            if isinstance(item, dict) and set(item) == {"data"} and isinstance(item["data"], str):
-                try:
-                    items.append(base64.b64decode(item["data"], validate=True))
-                except (binascii.Error, ValueError):
-                    raise MalformedRequestError(f"images[{i}].data is not base64") from None
-            elif isinstance(item, dict) and set(item) == {"key"} and isinstance(item["key"], str):
-                if not KEY_RE.match(item["key"]):
-                    raise MalformedRequestError(f"images[{i}].key is not a 64-hex key")
-                items.append(item["key"])
-            else:
-                raise MalformedRequestError(
-                    f'images[{i}] must be {{"data": ...}} or {{"key": ...}}'
-                )
-        return items
 
     def _check_images(self, items: list[bytes | str]) -> None:
         """Byte and pixel limits of each image, from its header only (no decode)."""
@@ -193,33 +208,37 @@ class Ingress:
                         raise
                     # undecodable: that item fails alone (the preprocessor says why)
 
-    async def _encode_answer(self, items: list[bytes | str]) -> dict[str, Any]:
+    async def _encode_answer(self, items: list[bytes | str], tenant: Tenant) -> dict[str, Any]:
         from vitserve.keys import content_key
 
         model = await self._describe()
         keys = [i if isinstance(i, str) else content_key(i, model["fingerprint"],
-                                                           self.cfg.namespace)
+                                                           tenant.namespace)
                 for i in items]  # fmt: skip
-        return {"items": await self.flow.encode(items, keys)}
+        return {"items": await self.flow.encode(items, keys, self.gate.store_for(tenant))}
 
     # -- probe and fetch -------------------------------------------------------------------------
-    @api.post("/v1/probe", summary="Which keys the store holds (and, asked, their headers)")
+    @api.post("/v1/probe", summary="Which keys the store holds (and, asked, their headers)",
+              openapi_extra=parse.PROBE_OPENAPI,
+              responses=error_responses(401, 413, 415, 422, 503))  # fmt: skip
     async def probe(self, request: Request) -> Response:
         return await self._json_route(request, "probe", self._probe)
 
     async def _json_route(self, request: Request, route: str, work: Any,
                           answer: Any = None) -> Response:  # fmt: skip
-        """A route whose request is JSON: ``work(doc)``'s answer (as JSON, or as
+        """A route whose request is JSON: ``work(doc, tenant)``'s answer (as JSON, or as
         ``answer(body)`` makes it), or its error (``Retry-After`` where a retry can help);
-        counted in ``requests_total``."""
-        import json
-
+        counted in ``requests_total``. The caller is authenticated before the body is read;
+        the body is refused while it is read once it passes ``max_request_bytes``."""
         try:
-            doc = json.loads(await request.body())
-        except ValueError as exc:
-            response = error_response(MalformedRequestError(f"invalid JSON: {exc}"))
+            tenant = self.gate.tenant_of_header(request.headers.get("authorization"))
+            parse.json_type(request.headers.get("content-type"))
+            body = await parse.read_body(request, self.cfg.limits.max_request_bytes)
+            doc = parse.json_body(body)
+        except VitserveError as exc:
+            response = error_response(exc)
         else:
-            status, body = await self._answer(work(doc))
+            status, body = await self._answer(work(doc, tenant))
             if status == 200 and answer is not None:
                 response = answer(body)
             else:
@@ -227,29 +246,20 @@ class Ingress:
         metrics.inc("requests_total", route=route, status=str(response.status_code))
         return response
 
-    async def _probe(self, doc: Any) -> dict[str, Any]:
+    async def _probe(self, doc: Any, tenant: Tenant) -> dict[str, Any]:
         """``{"keys": [...], "headers": false}`` -> ``{"exists": [...]}``; with ``"headers":
         true`` also ``"items"``: each held key's description (as an encode item, ``cached:
         true``) or null, read in the same store round trip."""
-        if not isinstance(doc, dict) or not set(doc) <= {"keys", "headers"} or "keys" not in doc:
-            raise MalformedRequestError('expected {"keys": [...], "headers": false}')
-        keys, with_headers = doc["keys"], doc.get("headers", False)
-        if not isinstance(keys, list) or not all(isinstance(k, str) and KEY_RE.match(k)
-                                                 for k in keys):  # fmt: skip
-            raise MalformedRequestError("keys must be a list of 64-hex keys")
-        if not isinstance(with_headers, bool):
-            raise MalformedRequestError("headers must be true or false")
-        if len(keys) > self.cfg.limits.max_keys_per_probe:
-            raise LimitExceededError("max_keys_per_probe", len(keys),
-                                     self.cfg.limits.max_keys_per_probe)  # fmt: skip
+        keys, with_headers = parse.probe(doc, self.cfg.limits.max_keys_per_probe)
+        store = self.gate.store_for(tenant)
         if not with_headers:
             with metrics.timed("store_round_trip_seconds", op="exists"):
-                return {"exists": await asyncio.to_thread(self.store.exists_many, keys)}
+                return {"exists": await asyncio.to_thread(store.exists_many, keys)}
         await self._describe()  # the store checks each header's fingerprint
         from vitserve.deployments.encoder import describe_header
 
         with metrics.timed("store_round_trip_seconds", op="headers"):
-            headers = await asyncio.to_thread(self.store.headers_many, keys)
+            headers = await asyncio.to_thread(store.headers_many, keys)
         items = [None if h is None else {**describe_header(h), "cached": True} for h in headers]
         return {"exists": [h is not None for h in headers], "items": items}
 
@@ -261,69 +271,75 @@ class Ingress:
             return exc.http_status, {"error": exc.to_dict()}
 
     # -- callers inside the Ray cluster ------------------------------------------------------------
-    async def call(self, route: str, payload: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async def call(self, route: str, payload: dict[str, Any],
+                   token: str | None = None) -> tuple[int, dict[str, Any]]:  # fmt: skip
         """The API for a caller holding this deployment's handle (the client SDK inside the
         cluster): the same answers as the HTTP routes, as ``(status, JSON body)``, without the
-        HTTP proxy. ``route``: ``healthz`` (no payload), ``probe`` (the JSON of
-        ``/v1/probe``), ``encode`` (``{"images": [bytes | 64-hex key, ...]}``, the limits of
-        ``/v1/encode`` checked the same way), ``rows`` (``{"reads": [[key, start, end], ...]}``)."""
-        routes = {"healthz": lambda: self._health(), "probe": lambda: self._probe(payload),
-                  "encode": lambda: self._encode_payload(payload),
-                  "rows": lambda: self._rows(payload)}  # fmt: skip
+        HTTP proxy, authorized the same way (``token``: the bearer token). ``route``:
+        ``healthz`` (no payload), ``probe`` (the JSON of ``/v1/probe``), ``encode``
+        (``{"images": [bytes | 64-hex key, ...]}``, the limits of ``/v1/encode`` checked the
+        same way), ``rows`` (``{"reads": [[key, start, end], ...]}``)."""
+        try:
+            tenant = self._caller(token, optional=route == "healthz")
+        except VitserveError as exc:
+            return exc.http_status, {"error": exc.to_dict()}
+        routes = {"healthz": lambda: self._health(tenant),
+                  "probe": lambda: self._probe(payload, tenant),
+                  "encode": lambda: self._encode_payload(payload, tenant),
+                  "rows": lambda: self._rows(payload, tenant)}  # fmt: skip
         if route not in routes:
             unknown = MalformedRequestError(f"unknown route {route!r}; use {sorted(routes)}", 404)
             return unknown.http_status, {"error": unknown.to_dict()}
         return await self._answer(routes[route]())
 
-    async def _health(self) -> dict[str, Any]:
-        """Liveness, the model (fingerprint and namespace: what a client keys images with)
-        and the request limits a client splits its uploads by."""
+    def _caller(self, token: str | None, optional: bool = False) -> Tenant | None:
+        """The tenant ``token`` names (AuthenticationError if none); None for a request
+        without a token that may go without one (``optional``: ``/healthz``) with auth on."""
+        if optional and token is None and self.gate.enabled:
+            return None
+        return self.gate.tenant(token)
+
+    async def _health(self, tenant: Tenant | None) -> dict[str, Any]:
+        """Liveness, the model (fingerprint and the caller's namespace: what a client keys
+        images with) and the request limits a client splits its uploads by; liveness alone for
+        a caller without a token when auth is on."""
+        if tenant is None:
+            return {"status": "ok", "auth": "bearer"}
         limits = self.cfg.limits
-        return {"status": "ok", **await self._describe(),
+        who = {"namespace": tenant.namespace}
+        if tenant.name is not None:
+            who["tenant"] = tenant.name
+        return {"status": "ok", **await self._describe(), **who,
                 "limits": {"max_images_per_request": limits.max_images_per_request,
                            "max_request_bytes": limits.max_request_bytes,
                            "max_keys_per_probe": limits.max_keys_per_probe}}  # fmt: skip
 
-    async def _rows(self, payload: Any) -> dict[str, Any]:
+    async def _rows(self, payload: Any, tenant: Tenant) -> dict[str, Any]:
         """``{"reads": [[key, start, end], ...]}`` -> ``{"records": [record bytes | None]}``:
         each a record of just those rows (as ``/v1/embeddings/{key}?start=&end=``), read in one
         batched store call."""
         from vitserve.cache.codec import encode_record
 
-        reads = payload.get("reads") if isinstance(payload, dict) else None
-        if not isinstance(reads, list) or not all(
-            isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and KEY_RE.match(r[0])
-            and all(isinstance(x, int) for x in r[1:]) for r in reads
-        ):  # fmt: skip
-            raise MalformedRequestError('expected {"reads": [[key, start, end], ...]}')
-        if len(reads) > self.cfg.limits.max_keys_per_probe:
-            raise LimitExceededError("max_keys_per_probe", len(reads),
-                                     self.cfg.limits.max_keys_per_probe)  # fmt: skip
+        reads = parse.rows(payload, self.cfg.limits.max_keys_per_probe)
         await self._describe()
         try:
             with metrics.timed("store_round_trip_seconds", op="get_rows"):
-                parts = await asyncio.to_thread(self.store.get_rows_many,
-                                                [tuple(r) for r in reads])  # fmt: skip
+                parts = await asyncio.to_thread(self.gate.store_for(tenant).get_rows_many,
+                                                reads)  # fmt: skip
         except ConfigError as exc:
             raise MalformedRequestError(str(exc)) from None
         records = [None if p is None else bytes(encode_record(_rows_record(p))) for p in parts]
         metrics.inc("bytes_fetched_total", sum(len(r) for r in records if r))
         return {"records": records}
 
-    async def _encode_payload(self, payload: Any) -> dict[str, Any]:
-        images = payload.get("images") if isinstance(payload, dict) else None
-        if (
-            not isinstance(images, list)
-            or set(payload) != {"images"}
-            or not all(
-                isinstance(i, bytes) or (isinstance(i, str) and KEY_RE.match(i)) for i in images
-            )
-        ):
-            raise MalformedRequestError('expected {"images": [bytes | 64-hex key, ...]}')
+    async def _encode_payload(self, payload: Any, tenant: Tenant) -> dict[str, Any]:
+        images = parse.encode_payload(payload, self.cfg.limits.max_images_per_request)
         self._check_request(images)
-        return await self._encode_answer(images)
+        return await self._encode_answer(images, tenant)
 
-    @api.post("/v1/rows", summary="Row ranges of several embeddings in one answer")
+    @api.post("/v1/rows", summary="Row ranges of several embeddings in one answer",
+              openapi_extra=parse.ROWS_OPENAPI,
+              responses=error_responses(401, 413, 415, 422, 503))  # fmt: skip
     async def rows(self, request: Request) -> Response:
         from vitserve.cache.codec import pack_records
 
@@ -333,24 +349,30 @@ class Ingress:
 
         return await self._json_route(request, "rows", self._rows, bundle)
 
-    @api.get("/v1/embeddings/{key}", summary="One embedding in the record format")
-    async def fetch(self, key: str, start: int | None = None, end: int | None = None) -> Response:
+    @api.get("/v1/embeddings/{key}", summary="One embedding in the record format",
+             responses=error_responses(401, 404, 422, 503))  # fmt: skip
+    async def fetch(self, request: Request, key: str, start: int | None = None,
+                    end: int | None = None) -> Response:  # fmt: skip
         try:
-            response = await self._fetch(key, start, end)
+            tenant = self.gate.tenant_of_header(request.headers.get("authorization"))
+            response = await self._fetch(key, start, end, tenant)
         except VitserveError as exc:
             response = error_response(exc)
         metrics.inc("requests_total", route="fetch", status=str(response.status_code))
         return response
 
-    async def _fetch(self, key: str, start: int | None, end: int | None) -> Response:
+    async def _fetch(self, key: str, start: int | None, end: int | None,
+                     tenant: Tenant) -> Response:  # fmt: skip
         from vitserve.cache.codec import encode_record
 
-        if not KEY_RE.match(key):
-            raise MalformedRequestError("key must be 64 hex characters")
+        parse.key(key)
+        whole = start is None and end is None
+        start, end = parse.row_range(start, end)
+        store = self.gate.store_for(tenant)
         await self._describe()
-        if start is None and end is None:
+        if whole:
             with metrics.timed("store_round_trip_seconds", op="get"):
-                value = await asyncio.to_thread(self.store.get_value, key)
+                value = await asyncio.to_thread(store.get_value, key)
             if value is None:
                 raise CacheMissError([key])
             body = bytes(value)
@@ -358,7 +380,7 @@ class Ingress:
         else:
             try:  # one read: the store checks the range against the record's header
                 with metrics.timed("store_round_trip_seconds", op="get_rows"):
-                    part = await asyncio.to_thread(self.store.get_rows, key, start or 0, end)
+                    part = await asyncio.to_thread(store.get_rows, key, start, end)
             except ConfigError as exc:
                 raise MalformedRequestError(str(exc)) from None
             if part is None:
@@ -371,8 +393,15 @@ class Ingress:
 
     # -- operations ------------------------------------------------------------------------------
     @api.get("/healthz", summary="Liveness, the served model and the request limits")
-    async def healthz(self) -> Response:
-        return JSONResponse(await self._health())
+    async def healthz(self, request: Request) -> Response:
+        from vitserve.deployments.auth import bearer_token
+
+        try:
+            tenant = self._caller(bearer_token(request.headers.get("authorization")),
+                                  optional=True)  # fmt: skip
+        except VitserveError as exc:
+            return error_response(exc)
+        return JSONResponse(await self._health(tenant))
 
     @api.get("/metrics", summary="This node's vitserve metrics (Prometheus text format)")
     async def metrics_page(self) -> Response:

@@ -3,12 +3,21 @@
 Used by ``vitserve serve`` (``--prefill``: with the prefill application beside the encoder's)
 and ``vitserve demo``: local Ray, the node-local store, no Redis, no dashboard, access logs off.
 Everything a user needs to run it offline.
+
+Stopping (:func:`stop_local`) is graceful and bounded: the HTTP ingresses stop taking requests
+(503) and let those in flight finish for up to ``grace_s``, answering the rest 503
+(:mod:`vitserve.deployments.lifecycle`); then the cluster this process started is shut down
+as a whole. Serve's own shutdown is skipped for such a cluster: it closes the HTTP proxy under
+the requests in flight and took 5-60 s (its controller's shutdown timing out at 30 s), while
+the cluster's processes, and every store entry held in them, end with ``ray.shutdown``
+anyway. Measured on a 2-vCPU EPYC: ``ray.shutdown`` of the demo's cluster ~1.4 s.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 from vitserve.deployments.config import VitserveConfig
@@ -19,6 +28,10 @@ PREFILL_APP_NAME = "vitserve-prefill"
 # driver only waits), and at nice 15 every bit of background activity preempted the encoder's
 # compute threads: 448px forwards measured ~10% slower in a replica than in-process.
 LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0}
+#: how long a stop lets the requests in flight finish before answering them 503
+DEFAULT_GRACE_S = 5.0
+# What this process started: its own cluster (True) or joined one, and the stop signal.
+_started: dict[str, Any] = {"own_cluster": False, "stop_signal": None}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -37,6 +50,7 @@ def start_ray(num_cpus: int | None = None) -> None:
     import ray
 
     if not ray.is_initialized():
+        _started["own_cluster"] = True
         # address="local": always a new cluster of this process, never someone else's.
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
                  logging_level="warning", log_to_driver=False,
@@ -76,6 +90,11 @@ def start_local(cfg: VitserveConfig, *, num_cpus: int | None = None,
             update={"encoder_app": APP_NAME, "encoder_url": None})})  # fmt: skip
         chat = build_prefill_application(cfg)
     start_ray(num_cpus)
+    if _started["own_cluster"] and _started["stop_signal"] is None:
+        # before the applications, so that their replicas find it (one per cluster)
+        from vitserve.deployments.lifecycle import open_stop_signal
+
+        _started["stop_signal"] = open_stop_signal()
     url = start_serve(cfg.http_host, cfg.http_port, access_log=cfg.access_log)
     serve_app(app, access_log=cfg.access_log)
     if chat is not None:
@@ -84,12 +103,29 @@ def start_local(cfg: VitserveConfig, *, num_cpus: int | None = None,
     return url
 
 
-def stop_local() -> None:
+def stop_local(grace_s: float = DEFAULT_GRACE_S) -> dict[str, Any]:
+    """Stop what :func:`start_local` started, gracefully (see the module docstring): drain the
+    HTTP ingresses for up to ``grace_s`` (0: no drain), then shut the cluster down. Returns
+    the drain's counts (``finished``, ``cut``, ``refused`` requests, ``replicas`` drained,
+    ``missing`` replicas that did not report) and ``seconds`` the whole stop took."""
     import ray
     from ray import serve
 
-    serve.shutdown()
+    started = time.monotonic()
+    counts: dict[str, Any] = {}
+    signal, _started["stop_signal"] = _started["stop_signal"], None
+    if signal is not None and grace_s > 0 and ray.is_initialized():
+        from vitserve.deployments.lifecycle import drain_all
+
+        try:
+            counts = drain_all(signal, grace_s)
+        except Exception as exc:  # a drain that fails must not keep the process up
+            counts = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    if not _started["own_cluster"]:
+        serve.shutdown()  # a cluster someone else runs outlives this process: clean up Serve
     ray.shutdown()
+    _started["own_cluster"] = False
+    return {**counts, "seconds": round(time.monotonic() - started, 2)}
 
 
 def local_config(overrides: dict[str, Any]) -> VitserveConfig:

@@ -15,6 +15,11 @@ Routes (under the config's ``prefill.route_prefix``, default ``/prefill``):
   {"type", "message", ...}}``), with 503 + ``Retry-After`` when the encoder or the store cannot
   answer after the client's retries.
 * ``GET /healthz``: the model, the chunk size and where the encoder is reached.
+
+With the config's ``auth`` on, the chat route needs ``Authorization: Bearer <token>`` (401
+otherwise) and calls the encoder with the caller's token, through one client per tenant (made
+at its first request, kept): a chat sees only its tenant's images, so another tenant's
+``vitserve://<key>`` is a miss (404). ``/healthz`` and ``/metrics`` stay open.
 * ``GET /metrics``: this node's ``vitserve_*`` metrics (both applications').
 
 ``serve run vitserve.deployments.prefill:build_app model=demo`` starts it alone (against a
@@ -23,7 +28,6 @@ running encoder application named by ``prefill.encoder_app``, or ``prefill.encod
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations at run time.
-import json
 import logging
 import threading
 from collections.abc import Mapping
@@ -35,14 +39,17 @@ from ray import serve
 from starlette.concurrency import run_in_threadpool
 
 from vitserve.deployments import metrics
+from vitserve.deployments import requests as parse
+from vitserve.deployments.auth import Authenticator, Tenant, bearer_token
 from vitserve.deployments.config import VitserveConfig
-from vitserve.deployments.responses import error_response, metrics_response
-from vitserve.errors import (
-    LimitExceededError,
-    MalformedRequestError,
-    ServiceUnavailableError,
-    VitserveError,
+from vitserve.deployments.lifecycle import Draining
+from vitserve.deployments.responses import (
+    error_response,
+    error_responses,
+    install_error_handlers,
+    metrics_response,
 )
+from vitserve.errors import ServiceUnavailableError, VitserveError
 
 log = logging.getLogger("ray.serve")
 INGRESS_DEPLOYMENT = "Ingress"  # the encoder application's ingress, reached by its handle
@@ -52,26 +59,29 @@ api = FastAPI(
     summary="Chat completions over a language model fed image embeddings from vitserve.",
     version="0.1.0",
 )
+install_error_handlers(api)  # every error answer in the encoder API's shape (responses.py)
+api.add_middleware(Draining)  # graceful stop: drain, then 503 (lifecycle.py)
 
 
-def make_client(cfg: VitserveConfig) -> Any:
+def make_client(cfg: VitserveConfig, token: str | None = None) -> Any:
     """The client SDK as the prefill replicas use it: the encoder by handle (or URL), rows read
-    from the store directly unless ``prefill.direct_store`` is off."""
+    from the store directly (``prefill.store``, else ``store``) unless ``prefill.direct_store``
+    is off; ``token``: the bearer token it calls the encoder with (auth on)."""
     from vitserve.client import EncoderClient, RetryPolicy
 
     p = cfg.prefill
-    store = cfg.store if p.direct_store else None
+    store = (p.store or cfg.store) if p.direct_store else None  # p.store: a read-only user
     retry = RetryPolicy(attempts=p.encoder_attempts, backoff_s=0.05, max_backoff_s=1.0,
                         max_retry_after_s=1.0)  # fmt: skip
     if p.encoder_url:
-        return EncoderClient(p.encoder_url, store=store, retry=retry)
+        return EncoderClient(p.encoder_url, store=store, token=token, retry=retry)
     from ray.serve.exceptions import RayServeException
 
     try:
         handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=p.encoder_app)
     except (RayServeException, KeyError) as exc:  # the encoder app is not (yet) running
         raise ServiceUnavailableError(f"encoder application {p.encoder_app!r}", str(exc)) from None
-    return EncoderClient(handle=handle, store=store, retry=retry)
+    return EncoderClient(handle=handle, store=store, token=token, retry=retry)
 
 
 @serve.deployment
@@ -85,25 +95,36 @@ class PrefillServer:
         # the encoder application does (it answers 503 until then).
         self.service = ChatService(self.cfg, client=None)
         self._client_lock = threading.Lock()
+        self.auth = Authenticator.from_config(self.cfg)  # None: auth off
+        self._clients: dict[str, Any] = {}  # auth on: tenant -> its client
 
-    def _prepare(self, body: Any) -> Any:
+    def _prepare(self, body: Any, tenant: Tenant | None, token: str | None) -> Any:
+        return self.service.prepare(body, client=self._client(tenant, token))
+
+    def _client(self, tenant: Tenant | None, token: str | None) -> Any:
+        """The encoder client of ``tenant`` (made with its token at its first request), or the
+        one client (auth off)."""
         with self._client_lock:
-            if self.service.client is None:
-                self.service.client = make_client(self.cfg)
-        return self.service.prepare(body)
+            if tenant is None or tenant.name is None:
+                if self.service.client is None:
+                    self.service.client = make_client(self.cfg)
+                return self.service.client
+            client = self._clients.get(tenant.name)
+            if client is None:
+                client = self._clients[tenant.name] = make_client(self.cfg, token)
+            return client
 
-    @api.post("/v1/chat/completions", summary="OpenAI-style chat completion (stream or not)")
+    @api.post("/v1/chat/completions", summary="OpenAI-style chat completion (stream or not)",
+              responses=error_responses(400, 401, 404, 413, 415, 422, 503))  # fmt: skip
     async def completions(self, request: Request) -> Response:
         try:
-            raw = await request.body()
-            if len(raw) > self.cfg.limits.max_request_bytes:
-                raise LimitExceededError("max_request_bytes", len(raw),
-                                         self.cfg.limits.max_request_bytes)  # fmt: skip
-            try:
-                body = json.loads(raw)
-            except ValueError as exc:
-                raise MalformedRequestError(f"the body is not JSON: {exc}") from None
-            prepared = await run_in_threadpool(self._prepare, body)
+            token = bearer_token(request.headers.get("authorization"))
+            tenant = None if self.auth is None else self.auth.tenant(token)  # before the body
+            # refused while read past max_request_bytes; JSON nested too deeply is a 422
+            parse.json_type(request.headers.get("content-type"))
+            raw = await parse.read_body(request, self.cfg.limits.max_request_bytes)
+            body = parse.json_body(raw)
+            prepared = await run_in_threadpool(self._prepare, body, tenant, token)
         except VitserveError as exc:
             self._count(exc.http_status)
             return error_response(exc)

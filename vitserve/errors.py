@@ -130,6 +130,26 @@ class LimitExceededError(RequestError):
         self.allowed = allowed
 
 
+class AuthenticationError(RequestError):
+    """A request without a bearer token, or with one the service does not know (HTTP 401,
+    answered with ``WWW-Authenticate: Bearer``). ``reason``: ``missing`` or ``invalid``."""
+
+    http_status = 401
+
+    def __init__(self, reason: str, message: str = "") -> None:
+        super().__init__(message or ("this service needs a bearer token (Authorization: Bearer "
+                                     "<token>)" if reason == "missing" else
+                                     "the bearer token is not valid here"))  # fmt: skip
+        self.reason = reason
+
+    @property
+    def challenge(self) -> str:
+        """The ``WWW-Authenticate`` header of the answer (RFC 6750)."""
+        if self.reason == "missing":
+            return 'Bearer realm="vitserve"'
+        return 'Bearer realm="vitserve", error="invalid_token"'
+
+
 class PromptTooLongError(RequestError):
     """The prompt (with the completion asked for) does not fit the model's context."""
 
@@ -175,6 +195,15 @@ class ApiError(VitserveError):
         self.http_status = status
         self.type_name = type_name
         self.retryable = status in (429, 503)
+
+
+class InternalError(VitserveError):
+    """An unexpected failure inside the service (a bug, never the caller's input): the API's
+    500, in its error shape, logged with its traceback where it happened."""
+
+    def __init__(self, exception: str) -> None:
+        super().__init__(f"internal error ({exception}); the service's log has the traceback")
+        self.exception = exception
 
 
 def actor_unavailable_errors() -> tuple[type[BaseException], ...]:

@@ -377,7 +377,7 @@ def test_a_store_outage_is_reported_as_such_and_recovers(make_client, deploy, sp
 
 
 def _outage(make_client, app, server) -> None:
-    fast = RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.05)
+    fast = RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.05, max_retry_after_s=0.05)
     direct = make_client(app.url, store=server.url, retry=fast)
     via_http = make_client(app.url, retry=fast)
     images = fresh_images(2)

@@ -21,7 +21,7 @@ from vitserve.encoder.images import ALLOWED_FORMATS
 from vitserve.encoder.testimages import make_image
 
 TARGET = Path(__file__).with_name("atheris_images.py")
-FUZZ_SECONDS = int(os.environ.get("VITSERVE_ATHERIS_SECONDS", "20"))
+FUZZ_SECONDS = int(os.environ.get("VITSERVE_ATHERIS_SECONDS", "12"))
 HANG_S = 10  # libFuzzer's -timeout: one input running this long is a hang (a crash)
 
 # (format, modes): every allowed format, in the modes its encoder writes

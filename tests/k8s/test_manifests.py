@@ -35,7 +35,10 @@ CUSTOM_KINDS = {"RayService", "PodMonitor"}  # no schema in kubernetes-validate'
 ENCODER_APP_IMPORT = "vitserve.deployments.app:build_app"
 PREFILL_APP_IMPORT = "vitserve.deployments.prefill:build_app"
 WORK_POLICY_IMPORT = "vitserve.deployments.autoscaling:work_policy"
-PASSWORD = "s3cr3t"
+# Stand-ins for the Redis Secrets' passwords (Secret name -> value of its key `password`).
+SECRETS = {"vitserve-redis-writer": "wr1ter-s3cr3t", "vitserve-redis-reader": "r3ader-s3cr3t"}
+WRITER_URL = f"redis://vitserve-writer:{SECRETS['vitserve-redis-writer']}@vitserve-redis:6379/0"
+READER_URL = f"redis://vitserve-reader:{SECRETS['vitserve-redis-reader']}@vitserve-redis:6379/0"
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -56,11 +59,9 @@ def pod_templates(rayservice: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return templates
 
 
-def pod_environ(objects: list[dict[str, Any]], template: dict[str, Any]) -> dict[str, str]:
-    """The ``VITSERVE_*`` environment a Ray pod's container gets: its ConfigMaps (envFrom),
-    then its own env with ``$(VAR)`` references expanded as the kubelet does (the Redis
-    password stands in for the Secret)."""
-    (container,) = template["spec"]["containers"]
+def container_environ(objects: list[dict[str, Any]], container: dict[str, Any]) -> dict[str, str]:
+    """The environment a container gets: its ConfigMaps (envFrom), then its own env with
+    ``$(VAR)`` references expanded as the kubelet does (SECRETS stand in for the Secrets)."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         name = source["configMapRef"]["name"]
@@ -68,14 +69,38 @@ def pod_environ(objects: list[dict[str, Any]], template: dict[str, Any]) -> dict
     for var in container.get("env", []):
         if "valueFrom" in var:
             ref = var["valueFrom"]["secretKeyRef"]
-            assert (ref["name"], ref["key"]) == ("vitserve-redis", "password")
-            env[var["name"]] = PASSWORD
+            assert ref["name"] in SECRETS and ref["key"] == "password", ref
+            env[var["name"]] = SECRETS[ref["name"]]
         else:
-            value = var["value"]
-            for name, known in env.items():
-                value = value.replace(f"$({name})", known)
-            env[var["name"]] = value
+            env[var["name"]] = expand(var["value"], env)
+    return env
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """``$(VAR)`` references in ``value`` replaced as the kubelet does (unknown ones kept)."""
+    for name, known in env.items():
+        value = value.replace(f"$({name})", known)
+    return value
+
+
+def pod_environ(objects: list[dict[str, Any]], template: dict[str, Any]) -> dict[str, str]:
+    """The ``VITSERVE_*`` environment a Ray pod's container gets (see container_environ)."""
+    (container,) = template["spec"]["containers"]
+    env = container_environ(objects, container)
     return {k: v for k, v in env.items() if k.startswith("VITSERVE_")}
+
+
+def redis_directives(args: list[str]) -> list[list[str]]:
+    """redis-server's command line as config directives: ``[--name, value, ...]`` each (a
+    directive's values run up to the next ``--name``)."""
+    directives: list[list[str]] = []
+    for arg in args:
+        if arg.startswith("--"):
+            directives.append([arg])
+        else:
+            assert directives, f"a value before any --directive: {arg!r}"
+            directives[-1].append(arg)
+    return directives
 
 
 def serve_config(rayservice: dict[str, Any]) -> dict[str, Any]:
@@ -210,10 +235,12 @@ def test_serve_applications_load_with_the_strict_config(render: Render, target: 
     for group, template in pod_templates(rayservice).items():
         environ = pod_environ(objects, template)
         for app in (encoder_app, prefill_app):
-            # The store URL carries the password: from the Secret, never in the CR's args.
+            # The store URLs carry passwords: from the Secrets, never in the CR's args. The
+            # encoder side writes as the writer, the prefill reads as the reader.
             assert "store" not in app["args"], app["name"]
+            assert "store" not in app["args"].get("prefill", {}), app["name"]
             cfg = VitserveConfig.load(app["args"], environ=environ)
-            assert cfg.store == f"redis://:{PASSWORD}@vitserve-redis:6379/0", group
+            assert (cfg.store, cfg.prefill.store) == (WRITER_URL, READER_URL), group
         cfg = VitserveConfig.load(prefill_app["args"], environ=environ)
         assert cfg.prefill.encoder_app == encoder_app["name"]
         assert cfg.prefill.chunk_size == 512
@@ -313,12 +340,13 @@ def test_cpu_dev_is_one_cpu_node(render: Render) -> None:
 def test_redis_is_a_bounded_cache_with_auth(render: Render, target: str) -> None:
     redis = one(render(target), "Deployment", "vitserve-redis")
     (container,) = redis["spec"]["template"]["spec"]["containers"]
-    args = container["args"]
-    flags = dict(zip(args[::2], args[1::2], strict=True))
-    assert flags["--requirepass"] == "$(REDIS_PASSWORD)"
-    assert flags["--maxmemory-policy"] == "allkeys-lru"
-    assert flags["--save"] == "" and flags["--appendonly"] == "no"
+    flags = {name: values for name, *values in redis_directives(container["args"])}
+    assert "--requirepass" not in flags  # ACL users instead (tests/k8s/test_redis_acl.py)
+    assert flags["--maxmemory-policy"] == ["allkeys-lru"]
+    assert flags["--save"] == [""] and flags["--appendonly"] == ["no"]
     env = {e["name"]: e for e in container["env"]}
-    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "vitserve-redis"
+    for var, secret in (("REDIS_WRITER_PASSWORD", "vitserve-redis-writer"),
+                        ("REDIS_READER_PASSWORD", "vitserve-redis-reader")):  # fmt: skip
+        assert env[var]["valueFrom"]["secretKeyRef"]["name"] == secret
     maxmemory = env["REDIS_MAXMEMORY"]["value"]
     assert maxmemory.endswith(("mb", "gb")) and container["resources"]["limits"]["memory"]

@@ -1,0 +1,261 @@
+"""Reading the HTTP API's requests: from a body (or a parsed JSON value) to what a route works
+on, or the error naming what is wrong. No Ray and no store: the ingress and the prefill
+application call these, and tests drive them alone (``tests/fuzz/test_request_parsing.py``).
+
+Invariants:
+
+* Whatever the input (any bytes, any JSON value, any query value), each function returns what
+  it documents or raises :class:`~vitserve.errors.MalformedRequestError` (422; 415 for a content
+  type) or :class:`~vitserve.errors.LimitExceededError` (413), naming the problem; never another
+  exception (a JSON document nested too deeply is a 422, not Python's ``RecursionError``).
+* Limits are checked before the work they bound: a body is refused while it is read, once it
+  passes ``max_request_bytes`` (a chunked body without ``Content-Length`` included), and an
+  item count before any item is decoded (a 10k-image JSON request costs a ``len``).
+* A key is 64 lowercase hex characters; a row range is ``[start, end)`` with
+  ``0 <= start < end`` (integers, never booleans); whether ``end`` is past the image's tokens
+  only the store's header can say.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from typing import Any, Protocol
+
+from vitserve.errors import LimitExceededError, MalformedRequestError
+
+KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+KEY_SCHEMA = {"type": "string", "pattern": KEY_RE.pattern}
+
+Item = bytes | str  # an image's bytes, or the key of an image the caller believes held
+Read = tuple[str, int, int]  # (key, start, end): rows [start, end) of one image
+
+
+class Limits(Protocol):
+    """The request limits these functions check (``config.LimitsConfig`` has them)."""
+
+    max_images_per_request: int
+    max_request_bytes: int
+
+
+# -- bodies ---------------------------------------------------------------------------------
+def content_length(header: str | None, limit: int) -> None:
+    """Refuse a declared ``Content-Length`` over ``limit`` (or one that is not a count)."""
+    if header is None:
+        return
+    if not re.fullmatch(r"[0-9]+", header.strip()):
+        raise MalformedRequestError(f"Content-Length {header[:40]!r} is not a byte count", 400)
+    if int(header) > limit:
+        raise LimitExceededError("max_request_bytes", int(header), limit)
+
+
+async def read_body(request: Any, limit: int) -> bytes:
+    """The body of a Starlette ``request``, refused (413) as soon as it passes ``limit`` bytes,
+    declared or read: a chunked body without ``Content-Length`` is never buffered whole."""
+    from starlette.requests import ClientDisconnect
+
+    content_length(request.headers.get("content-length"), limit)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise LimitExceededError("max_request_bytes", size, limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise MalformedRequestError("the client disconnected before the body ended", 400) from None
+    return b"".join(chunks)
+
+
+def is_json_type(ctype: str) -> bool:
+    """``application/json`` (with parameters) or a ``+json`` type."""
+    mime = ctype.split(";", 1)[0].strip().lower()
+    return mime == "application/json" or (
+        mime.startswith("application/") and mime.endswith("+json")
+    )
+
+
+def json_type(ctype: str | None) -> None:
+    """A JSON route takes a JSON content type, or none named: 415 for any other."""
+    if ctype and not is_json_type(ctype):
+        raise MalformedRequestError(f"unsupported content type {ctype[:80]!r}; send JSON "
+                                    "(application/json)", 415)  # fmt: skip
+
+
+def json_body(body: bytes) -> Any:
+    """The JSON value of a body (422 naming why it is not one)."""
+    if not body.strip():
+        raise MalformedRequestError("empty request body; expected a JSON document")
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise MalformedRequestError("invalid JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int digits over the limit
+        raise MalformedRequestError(f"invalid JSON: {str(exc)[:200]}") from None
+
+
+def multipart_parts(body: bytes, ctype: str) -> int:
+    """How many parts a multipart ``body`` holds, counted by its boundary (0 without one):
+    what a request refused at the image limit's next file really sent."""
+    match = re.search(r'boundary="?([^";]+)"?', ctype)
+    if match is None:
+        return 0
+    return max(body.count(b"--" + match.group(1).encode("latin-1", "replace")) - 1, 0)
+
+
+# -- /v1/encode ------------------------------------------------------------------------------
+ENCODE_SHAPE = '{"images": [{"data": "<base64>"} | {"key": "<64 hex>"}, ...]}'
+
+
+def _count(items: Any, limit: int, name: str = "max_images_per_request") -> None:
+    if len(items) > limit:
+        raise LimitExceededError(name, len(items), limit)
+
+
+def encode_json(doc: Any, max_images: int) -> list[Item]:
+    """``/v1/encode``'s JSON document -> its items (image bytes or keys), in order; the image
+    count checked before any base64 is decoded."""
+    if not isinstance(doc, dict) or set(doc) != {"images"} or not isinstance(doc["images"], list):
+        raise MalformedRequestError(f"expected {ENCODE_SHAPE}")
+    _count(doc["images"], max_images)
+    items: list[Item] = []
+    for i, item in enumerate(doc["images"]):
+        if isinstance(item, dict) and set(item) == {"data"} and isinstance(item["data"], str):
+            try:
+                items.append(base64.b64decode(item["data"], validate=True))
+            except (binascii.Error, ValueError):
+                raise MalformedRequestError(f"images[{i}].data is not base64") from None
+        elif isinstance(item, dict) and set(item) == {"key"} and isinstance(item["key"], str):
+            items.append(key(item["key"], f"images[{i}].key"))
+        else:
+            raise MalformedRequestError(f'images[{i}] must be {{"data": ...}} or {{"key": ...}}')
+    return items
+
+
+def encode_payload(payload: Any, max_images: int) -> list[Item]:
+    """``Ingress.call("encode", ...)``'s payload ``{"images": [bytes | key, ...]}`` -> items."""
+    images = payload.get("images") if isinstance(payload, dict) else None
+    if not isinstance(images, list) or set(payload) != {"images"}:
+        raise MalformedRequestError('expected {"images": [bytes | 64-hex key, ...]}')
+    _count(images, max_images)
+    for i, item in enumerate(images):
+        if isinstance(item, str):
+            key(item, f"images[{i}]")
+        elif not isinstance(item, bytes):
+            raise MalformedRequestError(f"images[{i}] must be bytes or a 64-hex key")
+    return images
+
+
+def check_items(items: list[Item], limits: Limits) -> None:
+    """The request-level limits of an encode: at least one image, the image count, the total
+    bytes (each image's own byte and pixel limits are the image header's to check)."""
+    if not items:
+        raise MalformedRequestError("no images in the request")
+    _count(items, limits.max_images_per_request)
+    total = sum(len(i) for i in items if isinstance(i, bytes))
+    if total > limits.max_request_bytes:
+        raise LimitExceededError("max_request_bytes", total, limits.max_request_bytes)
+
+
+# -- keys, /v1/probe, /v1/rows, row ranges ---------------------------------------------------
+def key(value: Any, where: str = "key") -> str:
+    """A 64-hex key, or 422 naming ``where`` it was."""
+    if not isinstance(value, str) or not KEY_RE.match(value):
+        raise MalformedRequestError(f"{where} is not a 64-hex key (64 characters 0-9a-f)")
+    return value
+
+
+def probe(doc: Any, max_keys: int) -> tuple[list[str], bool]:
+    """``{"keys": [...], "headers": false}`` -> ``(keys, headers)``."""
+    if not isinstance(doc, dict) or not set(doc) <= {"keys", "headers"} or "keys" not in doc:
+        raise MalformedRequestError('expected {"keys": [...], "headers": false}')
+    keys, with_headers = doc["keys"], doc.get("headers", False)
+    if not isinstance(keys, list):
+        raise MalformedRequestError("keys must be a list of 64-hex keys")
+    if not isinstance(with_headers, bool):
+        raise MalformedRequestError("headers must be true or false")
+    _count(keys, max_keys, "max_keys_per_probe")
+    return [key(k, f"keys[{i}]") for i, k in enumerate(keys)], with_headers
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def row_range(start: Any, end: Any) -> tuple[int, int | None]:
+    """A fetch's ``?start=&end=`` (None: absent) -> ``(start, end)``, ``end`` None for the
+    image's last row."""
+    if any(v is not None and not _int(v) for v in (start, end)):
+        raise MalformedRequestError("start and end must be integers")
+    start = start or 0
+    if start < 0:
+        raise MalformedRequestError(f"start {start} is negative")
+    if end is not None and end <= start:
+        raise MalformedRequestError(f"row range [{start}, {end}) is empty or reversed")
+    return start, end
+
+
+def rows(doc: Any, max_reads: int) -> list[Read]:
+    """``{"reads": [[key, start, end], ...]}`` -> the reads (each range as ``row_range``)."""
+    reads = doc.get("reads") if isinstance(doc, dict) else None
+    if not isinstance(reads, list) or set(doc) != {"reads"}:
+        raise MalformedRequestError('expected {"reads": [[key, start, end], ...]}')
+    _count(reads, max_reads, "max_keys_per_probe")
+    out: list[Read] = []
+    for i, read in enumerate(reads):
+        if not isinstance(read, (list, tuple)) or len(read) != 3:
+            raise MalformedRequestError(f"reads[{i}] must be [key, start, end]")
+        if not _int(read[1]) or not _int(read[2]):
+            raise MalformedRequestError(f"reads[{i}]: start and end must be integers")
+        try:
+            start, end = row_range(read[1], read[2])
+        except MalformedRequestError as exc:
+            raise MalformedRequestError(f"reads[{i}]: {exc.reason}") from None
+        out.append((key(read[0], f"reads[{i}][0]"), start, end))  # type: ignore[arg-type]
+    return out
+
+
+# -- OpenAPI: request bodies of the routes that read their body themselves ---------------------
+def _json_body(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+ENCODE_OPENAPI = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": {
+        "type": "object", "required": ["images"], "additionalProperties": False,
+        "properties": {"images": {"type": "array", "minItems": 1, "items": {"oneOf": [
+            {"type": "object", "required": ["data"], "additionalProperties": False,
+             "properties": {"data": {"type": "string", "format": "byte",
+                                     "description": "the image file, base64"}}},
+            {"type": "object", "required": ["key"], "additionalProperties": False,
+             "properties": {"key": {**KEY_SCHEMA, "description": "an image already encoded"}}},
+        ]}}},
+    }},
+    "multipart/form-data": {"schema": {
+        "type": "object", "required": ["images"],
+        "properties": {"images": {"type": "array", "minItems": 1,
+                                  "items": {"type": "string", "format": "binary"}}},
+    }},
+}}}  # fmt: skip
+PROBE_OPENAPI = {"requestBody": _json_body({
+    "type": "object", "required": ["keys"], "additionalProperties": False,
+    "properties": {"keys": {"type": "array", "items": KEY_SCHEMA},
+                   "headers": {"type": "boolean", "default": False}},
+})}  # fmt: skip
+ROWS_OPENAPI = {"requestBody": _json_body({
+    "type": "object", "required": ["reads"], "additionalProperties": False,
+    "properties": {"reads": {"type": "array", "items": {
+        "type": "array", "minItems": 3, "maxItems": 3,
+        "prefixItems": [KEY_SCHEMA, {"type": "integer", "minimum": 0},
+                        {"type": "integer", "minimum": 1}],
+        "items": False, "description": "[key, start, end]: rows [start, end) of one image",
+    }}},
+})}  # fmt: skip
+
+
+__all__ = ["ENCODE_OPENAPI", "KEY_RE", "PROBE_OPENAPI", "ROWS_OPENAPI", "check_items",
+           "content_length", "encode_json", "encode_payload", "is_json_type", "json_body",
+           "json_type", "key", "multipart_parts", "probe", "read_body", "row_range",
+           "rows"]  # fmt: skip

@@ -1,0 +1,414 @@
+"""Bearer-token auth and tenant isolation (vitserve.deployments.auth).
+
+First the token check alone (fast, no Ray). Then a real vitserve application with two tenants,
+alice and bob (real Serve, real HTTP, the suite's Redis), with a prefill application beside it,
+reached over HTTP, through the ingress's Serve handle, through the SDK (both clients, both
+transports, with and without a direct store) and through the chat route. Auth off, the
+default, is what every other test of the suite runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from vitserve.client import AsyncEncoderClient, EncoderClient
+from vitserve.deployments import auth
+from vitserve.deployments.auth import Authenticator, Tenant, bearer_token, read_tokens_file
+from vitserve.deployments.config import VitserveConfig
+from vitserve.encoder.testimages import make_image
+from vitserve.errors import AuthenticationError, CacheMissError, ConfigError
+from vitserve.keys import content_key
+
+ALICE = "alice-token-0123456789abcdef"
+ALICE_2 = "alice-rotated-token-9876543210"  # a second token of the same tenant
+BOB = "bob-token-fedcba9876543210xyz"
+TOKENS = [{"tenant": "alice", "token": ALICE}, {"tenant": "alice", "token": ALICE_2},
+          {"tenant": "bob", "token": BOB}]  # fmt: skip
+# Authorization headers that must not pass: none, other schemes, empty, near misses
+BAD_HEADERS: list[str | None] = [
+    None, "", "Basic YWxpY2U6eA==", "Bearer", f"Bearer {ALICE[:-1]}",
+    f"Bearer {ALICE}x", f"Token {ALICE}", f"Bearer {ALICE.upper()}", "Bearer unknown-0123456789xyz",
+]  # fmt: skip
+BAD_TOKENS: list[str | None] = [None, "", ALICE[:-1], ALICE + "x", "unknown-token-0123456789"]
+
+
+# -- the token check alone -----------------------------------------------------------------------
+def test_the_token_check() -> None:
+    a = Authenticator([(t["tenant"], t["token"]) for t in TOKENS], prefix="prod")
+    assert a.tenant(ALICE) == a.tenant(ALICE_2) == Tenant("alice", "prod.alice")
+    assert a.tenant(BOB) == Tenant("bob", "prod.bob")
+    assert Authenticator([("bob", BOB)]).tenant(BOB).namespace == "bob"  # no prefix
+    with pytest.raises(AuthenticationError) as missing:
+        a.tenant(None)
+    assert (missing.value.reason, missing.value.http_status) == ("missing", 401)
+    assert missing.value.challenge == 'Bearer realm="vitserve"'
+    for token in ["", ALICE[:-1], ALICE + "x", ALICE.upper(), " " + ALICE, BOB[::-1]]:
+        with pytest.raises(AuthenticationError) as wrong:
+            a.tenant(token)
+        assert wrong.value.reason == "invalid" and 'error="invalid_token"' in wrong.value.challenge
+    assert bearer_token(f"Bearer {ALICE}") == bearer_token(f"bearer  {ALICE} ") == ALICE
+    no_token = (None, "", "Bearer", "Bearer  ", f"Basic {ALICE}")
+    assert all(bearer_token(h) is None for h in no_token)
+    with pytest.raises(ConfigError):
+        Authenticator([])
+    with pytest.raises(ConfigError):
+        Authenticator([("alice", ALICE), ("bob", ALICE)])
+
+
+def test_every_configured_token_is_compared_whatever_matches(monkeypatch) -> None:
+    """No early exit: the same number of constant-time comparisons for the first token, the
+    last, and none, over equal-length digests."""
+    tokens = [(f"t{i}", f"token-number-{i:04d}-abcdefgh") for i in range(50)]
+    a = Authenticator(tokens)
+    calls: list[tuple[int, int]] = []
+    real = auth.hmac.compare_digest
+
+    def counting(x: bytes, y: bytes) -> bool:
+        calls.append((len(x), len(y)))
+        return real(x, y)
+
+    monkeypatch.setattr(auth.hmac, "compare_digest", counting)
+    for token in (tokens[0][1], tokens[-1][1], "no-such-token-anywhere-000"):
+        calls.clear()
+        with contextlib.suppress(AuthenticationError):
+            a.tenant(token)
+        assert len(calls) == len(tokens)
+        assert {c for c in calls} == {(32, 32)}  # digests: the length of a token never shows
+
+
+def test_tokens_from_a_mounted_secret_file(tmp_path) -> None:
+    path = tmp_path / "tokens"
+    path.write_text(f"# rotated monthly\nalice:{ALICE}\n\n  bob : {BOB}  \n")
+    assert read_tokens_file(str(path)) == [("alice", ALICE), ("bob", BOB)]
+    cfg = VitserveConfig.load({"namespace": "p", "auth.tokens_file": str(path)})
+    assert cfg.auth.enabled and Authenticator.from_config(cfg).tenant(BOB).namespace == "p.bob"
+    path.write_text(f"alice:{ALICE}\nbob {BOB}\n")
+    with pytest.raises(ConfigError, match="line 2") as bad:
+        read_tokens_file(str(path))
+    assert BOB not in str(bad.value)  # the error names the line, never the secret
+    with pytest.raises(ConfigError):
+        read_tokens_file(str(tmp_path / "absent"))
+    assert Authenticator.from_config(VitserveConfig.load({})) is None  # off by default
+
+
+def test_tokens_come_from_the_environment_and_never_show_in_the_config_log() -> None:
+    env = {"VITSERVE_AUTH__TOKENS": json.dumps([{"tenant": "alice", "token": ALICE}])}
+    cfg = VitserveConfig.load(environ=env)
+    assert cfg.auth.tokens[0].token.get_secret_value() == ALICE
+    dumps = [cfg.model_dump_json(), repr(cfg), str(cfg.model_dump())]
+    if hasattr(cfg, "effective_json"):  # what the service logs
+        dumps.append(cfg.effective_json())
+    assert all(ALICE not in d for d in dumps)
+    with pytest.raises(ConfigError, match="at least"):
+        VitserveConfig.load({"auth.tokens": [{"tenant": "alice", "token": "short"}]})
+    with pytest.raises(ConfigError, match="tenant"):
+        VitserveConfig.load({"auth.tokens": [{"tenant": "a.b", "token": ALICE}]})
+
+
+# -- a service with two tenants ------------------------------------------------------------------
+_seed = iter(range(70_000, 10**9))
+
+
+def fresh_image() -> bytes:
+    return make_image(64, 48, seed=next(_seed))
+
+
+@pytest.fixture(scope="module")
+def services(deploy, deploy_prefill, redis_url) -> Iterator[tuple[Any, Any]]:
+    """The encoder application with auth on (tenant namespaces ``t-auth.alice`` and
+    ``t-auth.bob``, Redis store) and a prefill application over it."""
+    encoder = deploy("auth", store=redis_url, auth={"tokens": TOKENS})
+    chat = deploy_prefill("auth-llm", encoder)
+    yield encoder, chat
+    deploy_prefill.remove(chat.name)
+    deploy.remove(encoder.name)
+
+
+def _headers(token_or_header: str | None, raw: bool = False) -> dict[str, str]:
+    if token_or_header is None:
+        return {}
+    return {"Authorization": token_or_header if raw else f"Bearer {token_or_header}"}
+
+
+def _ingress(app: Any) -> Any:
+    from ray import serve
+
+    return serve.get_deployment_handle("Ingress", app_name=app.name)
+
+
+def _call(app: Any, route: str, payload: Any, token: str | None) -> tuple[int, Any]:
+    kwargs = {} if token is None else {"token": token}
+    return _ingress(app).call.remote(route, payload, **kwargs).result(timeout_s=60)
+
+
+def _encode(app: Any, image: bytes, token: str) -> dict[str, Any]:
+    r = app.client.post(f"{app.url}/v1/encode", headers=_headers(token),
+                        files=[("images", ("0.png", image, "image/png"))])  # fmt: skip
+    assert r.status_code == 200, r.text
+    return r.json()["items"][0]
+
+
+def _http_requests(app: Any, key: str, image: bytes) -> list[tuple[str, str, dict[str, Any]]]:
+    """(method, url, httpx kwargs) of every route that reads or writes embeddings."""
+    u = app.url
+    data = base64.b64encode(image).decode()
+    return [
+        ("POST", f"{u}/v1/encode", {"files": [("images", ("0.png", image, "image/png"))]}),
+        ("POST", f"{u}/v1/encode", {"json": {"images": [{"data": data}]}}),
+        ("POST", f"{u}/v1/encode", {"json": {"images": [{"key": key}]}}),
+        ("POST", f"{u}/v1/probe", {"json": {"keys": [key]}}),
+        ("POST", f"{u}/v1/probe", {"json": {"keys": [key], "headers": True}}),
+        ("POST", f"{u}/v1/rows", {"json": {"reads": [[key, 0, 1]]}}),
+        ("GET", f"{u}/v1/embeddings/{key}", {}),
+        ("GET", f"{u}/v1/embeddings/{key}?start=0&end=1", {}),
+    ]
+
+
+def _handle_calls(key: str, image: bytes) -> list[tuple[str, Any]]:
+    return [("encode", {"images": [image]}), ("encode", {"images": [key]}),
+            ("probe", {"keys": [key], "headers": True}),
+            ("rows", {"reads": [[key, 0, 1]]})]  # fmt: skip
+
+
+def _chat_body(key: str) -> dict[str, Any]:
+    parts = [{"type": "text", "text": "what is this?"},
+             {"type": "image_url", "image_url": {"url": f"vitserve://{key}"}}]  # fmt: skip
+    return {"messages": [{"role": "user", "content": parts}], "temperature": 0, "max_tokens": 1}
+
+
+class Tally:
+    """Requests sent and how they were answered, for a reliability row."""
+
+    def __init__(self) -> None:
+        self.tried = self.failed = self.wrong = 0
+
+    def add(self, status: int, leaked: bool) -> None:
+        self.tried += 1
+        self.failed += status >= 500
+        self.wrong += leaked
+
+
+class Blocking:
+    """An AsyncEncoderClient driven call by call on one private event loop."""
+
+    def __init__(self, client: AsyncEncoderClient) -> None:
+        self.client = client
+        self.loop = asyncio.new_event_loop()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.client, name)
+        return lambda *args: self.loop.run_until_complete(method(*args))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.close())
+        self.loop.close()
+
+
+def _client(flavor: str, target: dict[str, Any], **kw: Any) -> Any:
+    return EncoderClient(**target, **kw) if flavor == "sync" else Blocking(
+        AsyncEncoderClient(**target, **kw))  # fmt: skip
+
+
+def _clients(app: Any, **kw: Any) -> list[tuple[str, Any]]:
+    """An EncoderClient and an AsyncEncoderClient per transport."""
+    return [(f"{flavor}-{name}", _client(flavor, target, **kw)) for flavor in ("sync", "async")
+            for name, target in (("http", {"url": app.url}),
+                                 ("handle", {"handle": _ingress(app)}))]  # fmt: skip
+
+
+def _run(client: Any, method: str, *args: Any) -> Any:
+    """``client.method(*args)``, then the client closed."""
+    try:
+        return getattr(client, method)(*args)
+    finally:
+        client.close()
+
+
+def test_requests_without_a_valid_token_are_refused(services, reliability) -> None:
+    """No token, another scheme or an unknown token: 401 in the error shape with
+    ``WWW-Authenticate: Bearer`` on every route that needs a token (HTTP, the ingress's handle,
+    the SDK over both transports, the chat route), and nothing is encoded or read."""
+    app, chat = services
+    image = fresh_image()
+    held = _encode(app, image, ALICE)["key"]  # alice's entry, probed for with bad tokens
+    before = app.counters()["images"]
+    tally = Tally()
+    for header in BAD_HEADERS:
+        for method, url, kwargs in _http_requests(app, held, fresh_image()):
+            r = app.client.request(method, url, headers=_headers(header, raw=True), **kwargs)
+            tally.add(r.status_code, r.status_code != 401)
+            assert r.status_code == 401, (method, url, header, r.text)
+            assert r.json()["error"]["type"] == "AuthenticationError"
+            assert r.headers["www-authenticate"].startswith("Bearer realm=")
+        r = chat.client.post(f"{chat.url}/v1/chat/completions", json=_chat_body(held),
+                             headers=_headers(header, raw=True))  # fmt: skip
+        tally.add(r.status_code, r.status_code != 401)
+        assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer"), r.text
+    for token in BAD_TOKENS:
+        for route, payload in _handle_calls(held, fresh_image()):
+            status, body = _call(app, route, payload, token)
+            tally.add(status, status != 401)
+            assert status == 401 and body["error"]["type"] == "AuthenticationError", (route, body)
+        for _, client in _clients(app, token=token, store=None):
+            with pytest.raises(AuthenticationError):
+                _run(client, "encode", [fresh_image()])
+            tally.tried += 1
+    # healthz: liveness without a token, nothing about the model or a namespace; 401 with a
+    # wrong one. /metrics stays open for Prometheus.
+    r = app.client.get(f"{app.url}/healthz")
+    assert r.status_code == 200 and r.json() == {"status": "ok", "auth": "bearer"}
+    r = app.client.get(f"{app.url}/healthz", headers=_headers(BOB[:-1]))
+    tally.add(r.status_code, r.status_code != 401)
+    assert r.status_code == 401
+    assert _call(app, "healthz", None, None) == (200, {"status": "ok", "auth": "bearer"})
+    status, _ = _call(app, "healthz", None, "wrong-token-0123456789")
+    tally.add(status, status != 401)
+    assert status == 401
+    assert app.client.get(f"{app.url}/metrics").status_code == 200
+    assert app.counters()["images"] == before  # nothing reached the encoder
+    # alice's entry is intact
+    lost = int(_call(app, "probe", {"keys": [held]}, ALICE)[1]["exists"] != [True])
+    assert lost == 0
+    reliability.record("Auth: requests with no or a wrong token", tried=tally.tried,
+                       failed=tally.failed, wrong=tally.wrong, lost=lost,
+                       note="HTTP, handle, SDK and chat routes")  # fmt: skip
+
+
+def _same_answer(a: str, b: str, key_a: str, key_b: str) -> bool:
+    """Whether two answers are the same once each names its own key."""
+
+    def norm(text: str, key: str) -> str:
+        return re.sub(f"{key}|{key[:16]}", "KEY", text)
+
+    return norm(a, key_a) == norm(b, key_b)
+
+
+def test_a_tenant_cannot_probe_or_read_another_tenants_keys(services, redis_url,
+                                                            reliability) -> None:  # fmt: skip
+    """bob knows alice's key: every probe and read answers a miss, the same answer as for a key
+    never stored (HTTP, handle, SDK on both transports with and without a direct store, chat)."""
+    from vitserve.cache.codec import unpack_records
+
+    app, chat = services
+    image = fresh_image()
+    item = _encode(app, image, ALICE)
+    key = item["key"]
+    never = content_key(fresh_image(), "0" * 64, "nowhere")
+    tally = Tally()
+
+    # HTTP: bob with alice's key, then with a key never stored: the same answers
+    for method, url, kwargs in _http_requests(app, key, image)[2:]:  # the key-only routes
+        got = app.client.request(method, url, headers=_headers(BOB), **kwargs)
+        ref = app.client.request(method, url.replace(key, never), headers=_headers(BOB),
+                                 **json.loads(json.dumps(kwargs).replace(key, never)))  # fmt: skip
+        leaked = got.status_code == 200 and (
+            b"true" in got.content or (url.endswith("/rows") and unpack_records(got.content)[0]
+                                       is not None))  # fmt: skip
+        if "/v1/embeddings/" in url:
+            leaked = got.status_code != 404
+        tally.add(got.status_code, leaked or got.status_code != ref.status_code)
+        assert not leaked and got.status_code == ref.status_code, (url, got.text)
+        if got.headers.get("content-type", "").startswith("application/json"):
+            assert _same_answer(got.text, ref.text, key, never), (got.text, ref.text)
+        else:
+            assert got.content == ref.content
+    r = app.client.post(f"{app.url}/v1/encode", headers=_headers(BOB),
+                        json={"images": [{"key": key}]})  # fmt: skip
+    assert r.json()["items"][0]["error"]["type"] == "CacheMissError"
+
+    # the ingress's handle
+    for route, payload in _handle_calls(key, image)[1:]:  # the key-only calls
+        status, body = _call(app, route, payload, BOB)
+        _, ref = _call(app, route, json.loads(json.dumps(payload).replace(key, never)), BOB)
+        leaked = status != 200 or body != json.loads(json.dumps(ref).replace(never, key))
+        if route == "encode":
+            leaked = status != 200 or "error" not in body["items"][0]
+        tally.add(status, leaked)
+        assert not leaked, (route, body)
+
+    # the SDK: probes miss, fetches of alice's handle fail as a miss, with a direct store too
+    from vitserve.client import ImageHandle
+
+    handle = ImageHandle.from_item(item)  # no image bytes: a miss cannot be re-encoded
+    for store in (None, redis_url):
+        for name, client in _clients(app, token=BOB, store=store):
+            found = _run(client, "probe", [key])
+            tally.add(200, found != [None])
+            assert found == [None], name
+        for _, client in _clients(app, token=BOB, store=store):
+            with pytest.raises(CacheMissError):
+                _run(client, "fetch", [handle])
+            tally.tried += 1
+
+    # a chat of bob's naming alice's image is refused as a miss; alice's own is answered
+    r = chat.client.post(f"{chat.url}/v1/chat/completions", json=_chat_body(key),
+                         headers=_headers(BOB))  # fmt: skip
+    tally.add(r.status_code, r.status_code != 404)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "CacheMissError", r.text
+    r = chat.client.post(f"{chat.url}/v1/chat/completions", json=_chat_body(key),
+                         headers=_headers(ALICE_2))  # fmt: skip
+    assert r.status_code == 200, r.text
+
+    lost = int(_call(app, "probe", {"keys": [key]}, ALICE)[1]["exists"] != [True])
+    assert lost == 0
+    reliability.record("Tenant isolation: B probing and reading A's keys", tried=tally.tried,
+                       failed=tally.failed, wrong=tally.wrong, lost=lost,
+                       note="HTTP, handle, SDK with and without a direct store, chat")  # fmt: skip
+
+
+def test_the_same_image_is_each_tenants_own_entry(services) -> None:
+    app, _ = services
+    image = fresh_image()
+    health = app.client.get(f"{app.url}/healthz", headers=_headers(ALICE)).json()
+    assert (health["tenant"], health["namespace"]) == ("alice", "t-auth.alice")
+    fp = health["fingerprint"]
+    a = _encode(app, image, ALICE)
+    before = app.counters()["images"]
+    b = _encode(app, image, BOB)
+    assert a["key"] == content_key(image, fp, "t-auth.alice")
+    assert b["key"] == content_key(image, fp, "t-auth.bob") != a["key"]
+    assert not b["cached"] and app.counters()["images"] == before + 1  # bob's own entry
+    assert _encode(app, image, ALICE_2)["cached"]  # alice's other token: her namespace
+    for token, mine, theirs in ((ALICE, a, b), (BOB, b, a)):
+        r = app.client.post(f"{app.url}/v1/probe", headers=_headers(token),
+                            json={"keys": [mine["key"], theirs["key"]]})  # fmt: skip
+        assert r.json()["exists"] == [True, False]
+
+
+@pytest.mark.parametrize("transport", ["http", "handle"])
+@pytest.mark.parametrize("flavor", ["sync", "async"])
+def test_the_sdk_keys_and_reads_in_its_tenants_namespace(services, redis_url, flavor,
+                                                         transport) -> None:  # fmt: skip
+    """The SDK learns its namespace from /healthz, so the keys it computes are the service's;
+    its direct store is opened under that namespace and reads the tenant's own rows."""
+    import numpy as np
+
+    app, _ = services
+    target: dict[str, Any] = {"url": app.url} if transport == "http" else {
+        "handle": _ingress(app)}  # fmt: skip
+    image = fresh_image()
+    client = _client(flavor, target, token=BOB, store=redis_url)
+    try:
+        model = client.describe()
+        handles = client.encode([image])
+        records = client.fetch(handles)
+        core = client.core if flavor == "sync" else client.client.core
+        assert core.store.namespace == "t-auth.bob"  # the direct store: bob's namespace
+    finally:
+        client.close()
+    assert (model["namespace"], model["tenant"]) == ("t-auth.bob", "bob")
+    assert handles[0].key == content_key(image, model["fingerprint"], "t-auth.bob")
+    with httpx.Client(timeout=60) as http:  # the same rows over HTTP, as bob
+        r = http.get(f"{app.url}/v1/embeddings/{handles[0].key}", headers=_headers(BOB))
+    from vitserve.cache.codec import decode_record
+
+    assert np.array_equal(decode_record(r.content).embedding, records[0].embedding)

@@ -1,0 +1,428 @@
+"""Injected faults survived, against a real Ray Serve app, real redis-servers and real HTTP.
+
+1. Redis killed in the middle of a load and restarted on the same port: every request
+   succeeds (the tiered store's node tier, or recomputing), every embedding equals the
+   in-process engine's, and new images land in Redis again once it is back.
+2. An encoder replica, then a preprocess replica, killed mid-load: Serve restarts it, the
+   SDK's default retries carry what was in flight; nothing lost, one embedding per key.
+3. The prefill's store reads failing mid-prefill (entries evicted, the store down): the chat
+   request recovers with the undisturbed run's logits and completion, or fails with a clear
+   error (404/503, the project's error shape); it never prefills with missing or wrong rows.
+4. Entries corrupted in the store (a payload byte flipped, truncated, a header of another
+   fingerprint): a fetch is a miss, never the bad bytes; the next encode re-encodes, equal to
+   the engine's. The node tier refuses a corrupt value outright.
+
+Two applications serve them all: ``faults-tiered`` (node tier in front of a private Redis) and
+``faults-redis`` (a private Redis alone, ``preprocess_at: deployment``).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import App, RedisServer
+from tests.reliability.faults import (
+    CORRUPTIONS,
+    Load,
+    check_answers,
+    fresh_image,
+    kill_while_busy,
+    redis_value_key,
+    replicas,
+    wait_for_replacement,
+)
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 0.5  # the apps' Redis timeout: a dead server costs each call at most this
+
+
+def ensure_up(server: RedisServer) -> None:
+    """(Re)start ``server`` on its port if a test left it down."""
+    if server.proc is None or server.proc.poll() is not None:
+        port = server.port
+        server.start()
+        assert server.port == port, "redis-server could not take its port again"
+
+
+@pytest.fixture(scope="module")
+def redis_a() -> Iterator[RedisServer]:
+    server = RedisServer()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def redis_b() -> Iterator[RedisServer]:
+    server = RedisServer()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def tiered_app(deploy: Callable[..., App], redis_a: RedisServer) -> Iterator[App]:
+    from vitserve.cache.urls import tiered_url
+
+    store = tiered_url("node://", f"{redis_a.url}?timeout_s={TIMEOUT_S}")
+    app = deploy("faults-tiered", store=store, batching={"batch_wait_timeout_s": 0.02})
+    yield app
+    deploy.remove(app.name)
+
+
+@pytest.fixture(scope="module")
+def redis_app(deploy: Callable[..., App], redis_b: RedisServer) -> Iterator[App]:
+    app = deploy("faults-redis", store=f"{redis_b.url}?timeout_s={TIMEOUT_S}",
+                 preprocess_at="deployment", batching={"batch_wait_timeout_s": 0.02})  # fmt: skip
+    yield app
+    deploy.remove(app.name)
+
+
+def sleep_until(t: float) -> None:
+    time.sleep(max(0.0, t - time.monotonic()))
+
+
+def missing_at_the_end(app: App, keys: set[str]) -> list[str]:
+    """Keys answered during a load that the service no longer holds (data lost)."""
+    held = app.client.post(f"{app.url}/v1/probe", json={"keys": sorted(keys)})
+    assert held.status_code == 200, held.text
+    return [k for k, e in zip(sorted(keys), held.json()["exists"], strict=True) if not e]
+
+
+# -- 1. Redis killed and restarted -------------------------------------------------------------
+def test_redis_killed_mid_load_and_restarted(tiered_app: App, redis_a: RedisServer, engines,
+                                             reliability) -> None:  # fmt: skip
+    import redis
+
+    from vitserve.cache.redis_store import RedisStore
+    from vitserve.client import EncoderClient
+
+    ensure_up(redis_a)
+    ns = tiered_app.config.namespace
+    load = Load(tiered_app.url, threads=3).start()
+    t0 = time.monotonic()
+    sleep_until(t0 + 3)
+    redis_a.kill()
+    down_at = time.monotonic()
+    sleep_until(t0 + 6)
+    ensure_up(redis_a)
+    up_at = time.monotonic()
+    sleep_until(t0 + 11)
+    unanswered = load.stop()
+
+    with EncoderClient(tiered_app.url) as client:  # recovered on its own: a new image lands
+        [after] = client.encode([fresh_image()])
+    direct = RedisStore(redis_a.url, namespace=ns, timeout_s=2)
+    try:
+        late = [a.key for a in load.answers if not a.cached and a.started >= up_at + 1.5]
+        in_redis = direct.exists_many([after.key, *late])
+    finally:
+        direct.close()
+    during = [a for a in load.answers if down_at <= a.started < up_at]
+    wrong, differing = check_answers(load.answers, engines["qwen2_vl"])
+    gone = missing_at_the_end(tiered_app, {a.key for a in load.answers})
+
+    assert load.failures == [], load.failures[:5]
+    assert unanswered == 0
+    assert during and any(not a.cached for a in during), "no new image answered while down"
+    assert wrong == [] and differing == []
+    assert gone == []
+    assert not after.cached and all(in_redis), (len(late), in_redis)
+    # the outage was real: Redis came back empty, then filled with the new images only
+    assert redis.Redis.from_url(redis_a.url).dbsize() >= 1
+    reliability.record(
+        "Redis killed mid-load and restarted (tiered store)",
+        tried=load.tried, failed=len(load.failures), wrong=len(wrong) + len(differing),
+        lost=unanswered + len(gone),
+        note=f"3 SDK clients for 11 s, Redis down {up_at - down_at:.0f} s; "
+             f"{len(during)} answered while it was down, {load.retries} retries",
+    )  # fmt: skip
+
+
+# -- 2. replicas killed ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "app_fixture, deployment",
+    [("tiered_app", "EncoderDeployment"), ("redis_app", "PreprocessDeployment")],
+    ids=["encoder", "preprocess"],
+)
+def test_a_replica_killed_mid_load(app_fixture: str, deployment: str, request, engines,
+                                   reliability) -> None:  # fmt: skip
+    app: App = request.getfixturevalue(app_fixture)
+    ensure_up(request.getfixturevalue("redis_a" if app_fixture == "tiered_app" else "redis_b"))
+    load = Load(app.url, threads=3).start()
+    assert load.wait(lambda: len(load.answers) >= 3, 60), load.failures[:3]
+    [(name, actor)] = replicas(app.name, deployment)
+    busy = kill_while_busy(actor)
+    killed_at = time.monotonic()
+    assert wait_for_replacement(app.name, deployment, name, 60)
+    replaced_at = time.monotonic()
+    answered = load.wait(lambda: load.answered_since(replaced_at) >= 6, 60)
+    unanswered = load.stop()
+
+    wrong, differing = check_answers(load.answers, engines["qwen2_vl"])
+    gone = missing_at_the_end(app, {a.key for a in load.answers})
+
+    # A request was in the replica when it died: Serve's router retries some such requests
+    # itself, the others reach the SDK as 503s and are retried there (``load.retries``).
+    assert busy, "no request was in flight when the replica died"
+    assert answered, f"{load.answered_since(replaced_at)} answers after the restart"
+    assert load.failures == [], load.failures[:5]
+    assert unanswered == 0
+    assert wrong == [] and differing == []
+    assert gone == []
+    kind = deployment.removesuffix("Deployment").lower()
+    reliability.record(
+        f"{kind.capitalize()} replica killed mid-load (ray.kill)",
+        tried=load.tried, failed=len(load.failures), wrong=len(wrong) + len(differing),
+        lost=unanswered + len(gone),
+        note=f"3 SDK clients, default retries ({load.retries} made); restarted in "
+             f"{replaced_at - killed_at:.0f} s",
+    )  # fmt: skip
+
+
+# -- 3. the prefill's reads failing --------------------------------------------------------------
+def _data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def _chat_body(urls: list[str]) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": "compare:"}]
+    parts += [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return {"messages": [{"role": "user", "content": parts}], "temperature": 0, "max_tokens": 4}
+
+
+LABELS = {
+    "same": "recovered with the undisturbed logits and completion",
+    "CacheMissError": "refused 404 CacheMissError (named by key, gone everywhere)",
+    "StoreUnavailableError": "refused 503 StoreUnavailableError (the only store down)",
+}
+
+
+class FaultyReads:
+    """The client's direct store with ``fault()`` run once, just before its ``at``-th row read
+    (the first chunk's rows are already in the prefill by then)."""
+
+    def __init__(self, store: Any, fault: Callable[[], None], at: int = 2) -> None:
+        self.calls = 0
+        real = store.get_rows_many
+
+        def get_rows_many(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            if self.calls == at:
+                fault()
+            return real(*args, **kwargs)
+
+        store.get_rows_many = get_rows_many
+
+
+@pytest.fixture(scope="module")
+def chat_service(tiered_app: App) -> Any:
+    """The prefill replicas' code in-process (its client set per case), 16-token chunks."""
+    from vitserve.deployments.chat_service import ChatService
+
+    prefill = tiered_app.config.prefill.model_copy(update={"chunk_size": 16})
+    return ChatService(tiered_app.config.model_copy(update={"prefill": prefill}), client=None)
+
+
+def _prefill(service: Any, body: dict[str, Any]) -> tuple[Any, str]:
+    prepared = service.prepare(body, keep_logits=True)
+    return prepared.prefilled.all_logits, service.complete(prepared)["choices"][0]["message"][
+        "content"
+    ]
+
+
+def _client(app: App, server: RedisServer) -> Any:
+    from vitserve.client import EncoderClient, RetryPolicy
+
+    retry = RetryPolicy(attempts=3, backoff_s=0.05, max_backoff_s=0.2, max_retry_after_s=0.2)
+    return EncoderClient(app.url, store=f"{server.url}?timeout_s={TIMEOUT_S}", retry=retry)
+
+
+def test_prefill_store_reads_failing_mid_prefill(chat_service, tiered_app, redis_a, redis_app,
+                                                 redis_b, reliability) -> None:  # fmt: skip
+    """Each case: an undisturbed prefill of two images, then the same prompt with a fault
+    injected between the first chunk's read and the next (the client reads Redis directly,
+    as an LLM server on another node would)."""
+    import redis
+
+    from vitserve.deployments.responses import error_response
+    from vitserve.errors import CacheMissError, StoreUnavailableError, VitserveError
+
+    outcomes: dict[str, list[str]] = {"evicted": [], "down": []}
+    wrong = 0
+
+    def case(app: App, server: RedisServer, kind: str, by_key: bool = False) -> str:
+        """``"same"`` (recovered, equal to the undisturbed run) or the error's type."""
+        nonlocal wrong
+        ensure_up(server)
+        images = [fresh_image((96, 72)), fresh_image((64, 48))]
+        with _client(app, server) as client:
+            chat_service.client = client
+            body = _chat_body([_data_url(i) for i in images])
+            want_logits, want_text = _prefill(chat_service, body)
+            if by_key:  # the images named by key: the client holds no bytes to re-encode
+                body = _chat_body([f"vitserve://{h.key}" for h in client.encode(images)])
+            keys = [h.key for h in client.encode(images)]
+            ns = app.config.namespace
+            raw = redis.Redis.from_url(server.url)
+
+            def evict() -> None:
+                raw.delete(*(redis_value_key(ns, k) for k in keys))
+
+            FaultyReads(client.core.store, evict if kind == "evicted" else server.kill)
+            try:
+                logits, text = _prefill(chat_service, body)
+            except VitserveError as exc:
+                answer = error_response(exc)
+                doc = json.loads(answer.body)["error"]
+                assert doc["type"] == type(exc).__name__ and doc["message"]
+                assert answer.status_code in (404, 503), answer.status_code
+                if isinstance(exc, CacheMissError):
+                    assert set(exc.keys) <= set(keys)
+                else:
+                    assert isinstance(exc, StoreUnavailableError), exc
+                outcomes[kind].append(doc["type"])
+                return doc["type"]
+            finally:
+                raw.close()
+            same = text == want_text and torch.allclose(logits, want_logits, atol=1e-5)
+            wrong += not same
+            outcomes[kind].append("same" if same else "WRONG")
+            return "same" if same else "wrong"
+
+    # The tiered app's node tier still holds the rows: evicted or down, a prefill recovers.
+    assert case(tiered_app, redis_a, "evicted") == "same"
+    assert case(tiered_app, redis_a, "down") == "same"
+    assert case(tiered_app, redis_a, "evicted", by_key=True) == "same"
+    # Redis alone: evicted rows are re-encoded from the request's images; named by key they
+    # cannot be (a clear 404); the store down is a 503.
+    assert case(redis_app, redis_b, "evicted") == "same"
+    assert case(redis_app, redis_b, "evicted", by_key=True) == "CacheMissError"
+    assert case(redis_app, redis_b, "down") == "StoreUnavailableError"
+    ensure_up(redis_a)
+    ensure_up(redis_b)
+    assert wrong == 0
+    for kind, label in (("evicted", "entries evicted"), ("down", "the store down")):
+        results = outcomes[kind]
+        reliability.record(
+            f"Prefill: {label} mid-prefill", tried=len(results), failed=0, wrong=wrong, lost=0,
+            note=", ".join(f"{results.count(r)} {LABELS.get(r, r)}" for r in sorted(set(results))),
+        )  # fmt: skip
+
+
+# -- 4. corrupted entries ----------------------------------------------------------------------
+def _fetch_is_never_bad(app: App, key: str, want: torch.Tensor) -> int:
+    """GET the embedding: a miss (404) or the right rows; the status."""
+    from vitserve.cache.codec import decode_record
+    from vitserve.encoder.engine import BATCH_TOLERANCE_ULPS, ulps_apart
+
+    response = app.client.get(f"{app.url}/v1/embeddings/{key}")
+    if response.status_code == 200:
+        got = torch.from_numpy(np.array(decode_record(response.content, key=key).embedding))
+        assert got.shape == want.shape and ulps_apart(got, want) <= BATCH_TOLERANCE_ULPS["fp32"]
+    else:
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["type"] == "CacheMissError"
+    return response.status_code
+
+
+def test_corrupted_entries_are_misses_and_re_encoded(tiered_app, redis_a, redis_app, redis_b,
+                                                     engines, reliability) -> None:  # fmt: skip
+    import redis
+    from prometheus_client import CollectorRegistry
+
+    from vitserve.cache.codec import encode_record, unpack_records
+    from vitserve.cache.node import NodeStore
+    from vitserve.client import EncoderClient
+    from vitserve.deployments.encoder import embedding_record
+
+    engine = engines["qwen2_vl"]
+    requests = 0
+
+    def corrupt_and_recover(app: App, server: RedisServer, corrupt: Callable[[Any, str], None],
+                            before: Callable[[str], None] = lambda key: None) -> None:  # fmt: skip
+        nonlocal requests
+        ensure_up(server)
+        image = fresh_image()
+        want = engine.encode([image])[0]
+        key = app.encode([image]).json()["items"][0]["key"]
+        raw = redis.Redis.from_url(server.url)
+        before(key)
+        corrupt(raw, redis_value_key(app.config.namespace, key))
+        raw.close()
+        assert _fetch_is_never_bad(app, key, want.tensor) == 404  # detected: a miss
+        rows = app.client.post(f"{app.url}/v1/rows", json={"reads": [[key, 0, 2]]})
+        assert rows.status_code == 200 and unpack_records(rows.content) == [None]
+        images = app.counters()["images"]
+        again = app.encode([image]).json()["items"][0]
+        assert again["key"] == key and again["cached"] is False  # re-encoded
+        assert app.counters()["images"] == images + 1
+        assert _fetch_is_never_bad(app, key, want.tensor) == 200
+        requests += 5
+
+    for corrupt in CORRUPTIONS.values():  # Redis alone
+        corrupt_and_recover(redis_app, redis_b, corrupt)
+
+    # The tiered store: the bad value is the shared tier's (this node's tier lost its copy).
+    ns = tiered_app.config.namespace
+    node = NodeStore(namespace=ns, read_cache_bytes=0)
+    for corrupt in CORRUPTIONS.values():
+        corrupt_and_recover(tiered_app, redis_a, corrupt, before=lambda key: node.delete(key))
+
+    # The SDK re-encodes a corrupt entry it meets in a fetch, in the same call.
+    registry = CollectorRegistry()
+    with EncoderClient(tiered_app.url, registry=registry) as client:
+        image = fresh_image()
+        [handle] = client.encode([image])
+        node.delete(handle.key)
+        raw = redis.Redis.from_url(redis_a.url)
+        CORRUPTIONS["payload byte flipped"](raw, redis_value_key(ns, handle.key))
+        raw.close()
+        [record] = client.fetch([handle])
+        assert np.array_equal(record.embedding, engine.encode([image])[0].tensor.numpy())
+        assert registry.get_sample_value("vitserve_client_reencoded_total") == 1
+        requests += 2
+
+    # The node tier checks every value in full when it is put: a corrupt one is refused.
+    image = fresh_image()
+    [emb] = engine.encode([image])
+    value = bytearray(encode_record(embedding_record(emb, engine.fingerprint)))
+    value[-9] ^= 0xFF
+    rejected = node.stats()["rejected"]
+    node.put_values([(emb.key, bytes(value))])
+    assert node.stats()["rejected"] == rejected + 1
+    assert node.get(emb.key) is None
+    node.close()
+    requests += 1
+    reliability.record(
+        "Store entries corrupted (payload byte flipped, truncated, another model's header)",
+        tried=requests,
+        failed=0,
+        wrong=0,
+        lost=0,
+        note="Redis alone and tiered; every corrupt read a miss, then re-encoded",
+    )
+
+
+def test_an_upstream_replica_death_is_a_retryable_503() -> None:
+    """Serve's own error for a call whose argument's replica (the preprocess) died, caused by
+    Ray's ActorDiedError, is the ingress's 503; other errors are not."""
+    from ray.exceptions import ActorDiedError
+    from ray.serve.exceptions import RayServeException
+
+    from vitserve.deployments.encode_flow import unavailable
+
+    upstream = RayServeException("an upstream actor died before finishing a dependent task")
+    upstream.__cause__ = ActorDiedError()
+    err = unavailable(upstream)
+    assert err is not None and err.http_status == 503 and err.retryable
+    assert "ActorDiedError upstream" in str(err)
+    assert unavailable(RayServeException("a deployment's own bug")) is None
+    assert unavailable(ValueError("no")) is None

@@ -1,0 +1,188 @@
+"""Graceful stop of ``vitserve serve``: SIGTERM (what Kubernetes and systemd send, then wait
+30 s) and Ctrl-C (SIGINT to the terminal's whole process group) with requests in flight.
+
+The service runs as a user runs it (the console script, the demo model in fp32, its own local
+Ray cluster) with a private redis-server as its store, so that what it published can be read
+after it is gone. Requests that are in flight at the signal must be answered 200 or 503 (never a
+dropped connection), requests sent while it drains get 503, requests after it exited find the
+port closed; the process exits 0 within 10 s; every record in the store is whole (checksum) and
+every image answered 200 is there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import RedisServer
+from vitserve.encoder.testimages import make_image
+
+VITSERVE = str(Path(sys.executable).parent / "vitserve")
+STOP_LIMIT_S = 10.0  # the brief: Kubernetes and systemd wait 30 s; we promise 10
+IN_FLIGHT = 6  # new 448px images, each its own request: several seconds of work on a CPU
+RESET = ("ConnectError", "ReadError", "RemoteProtocolError")
+
+
+@pytest.fixture(scope="module")
+def user_cache() -> Path:
+    """The user's cache folder, holding the demo model (built there once, as ``vitserve
+    serve --model demo`` would)."""
+    from vitserve.deployments.app import resolve_model
+    from vitserve.encoder.testmodels import cache_dir
+
+    resolve_model("demo")
+    return cache_dir()
+
+
+def _env(cache: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("VITSERVE_", "REDIS", "RAY_ADDRESS"))}  # fmt: skip
+    return {**env, "VITSERVE_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}  # fmt: skip
+
+
+def _post(url: str, image: bytes, timeout: float = 60) -> tuple[str, httpx.Response | None]:
+    """``("answered", response)`` or ``(exception class name, None)``."""
+    try:
+        response = httpx.post(f"{url}/v1/encode", timeout=timeout,
+                              files=[("images", ("i.png", image, "image/png"))])  # fmt: skip
+        return "answered", response
+    except httpx.HTTPError as exc:
+        return type(exc).__name__, None
+
+
+def _wait_up(proc: subprocess.Popen, url: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"vitserve serve did not answer within {timeout} s")
+
+
+def _check_store(server: RedisServer, answered: list[str]) -> tuple[int, int, int, int]:
+    """(records, bad records, keys answered 200 but missing, claims left) in the store."""
+    import redis
+
+    from vitserve.cache.codec import decode_record
+    from vitserve.errors import RecordFormatError
+
+    client = redis.Redis.from_url(server.url, socket_timeout=5)
+    records = bad = 0
+    held = set()
+    for name in client.scan_iter(match="*:v:*", count=1000):
+        key = name.decode().partition(":v:")[2].rpartition("/")[2]  # prefix:v:[namespace/]key
+        held.add(key)
+        records += 1
+        try:
+            decode_record(client.get(name), key=key, verify=True)
+        except RecordFormatError:
+            bad += 1
+    claims = sum(1 for _ in client.scan_iter(match="*:c:*", count=1000))
+    client.close()
+    return records, bad, len(set(answered) - held), claims
+
+
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+def test_serve_stops_within_10s_answering_every_request_in_flight(
+    how: str, user_cache: Path, spawn_redis, reliability
+) -> None:
+    from vitserve.deployments.local import free_port
+
+    server = spawn_redis()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [VITSERVE, "serve", "--model", "demo", "--dtype", "fp32", "--port", str(port),
+         "--store", server.url],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(user_cache),
+        start_new_session=True,  # its own process group, as a shell runs a command
+    )  # fmt: skip
+    try:
+        _wait_up(proc, url)
+        warm = _post(url, make_image(64, 64, seed=8_100_000))[1]
+        assert warm is not None and warm.status_code == 200, warm
+
+        in_flight: list[tuple[str, httpx.Response | None, float]] = []
+
+        def send(i: int) -> None:
+            status, response = _post(url, make_image(448, 448, seed=8_100_001 + i))
+            in_flight.append((status, response, time.monotonic()))
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(IN_FLIGHT)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # all sent; the encoder works through them one forward at a time
+        signalled = time.monotonic()
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:  # Ctrl-C: the terminal signals the whole foreground process group
+            os.killpg(proc.pid, signal.SIGINT)
+
+        late: list[tuple[str, httpx.Response | None]] = []  # sent after the signal
+        while proc.poll() is None and time.monotonic() - signalled < STOP_LIMIT_S + 5:
+            late.append(_post(url, make_image(32, 32, seed=8_100_100 + len(late)), timeout=10))
+            time.sleep(0.3)
+        try:
+            code = proc.wait(timeout=max(0.1, signalled + STOP_LIMIT_S + 5 - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            code = None
+        stopped_s = time.monotonic() - signalled
+        for t in threads:
+            t.join(timeout=30)
+        after = _post(url, make_image(32, 32, seed=8_100_099), timeout=5)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    out = proc.stdout.read() if proc.stdout else ""
+
+    assert code == 0, out[-3000:]
+    assert stopped_s < STOP_LIMIT_S, (stopped_s, out[-3000:])
+    assert "stopped in" in out, out[-3000:]
+    # Every request in flight got an answer: its own (200) or a 503 in the error shape.
+    assert len(in_flight) == IN_FLIGHT
+    statuses = [r.status_code if r is not None else status for status, r, _ in in_flight]
+    assert all(s in (200, 503) for s in statuses), statuses
+    for _, r, _ in in_flight:
+        if r is not None and r.status_code == 503:
+            assert r.json()["error"]["type"] == "ServiceUnavailableError", r.text
+            assert r.headers["retry-after"]
+    # The drain was tested: some request was still in flight when the signal came.
+    assert any(t > signalled for _, _, t in in_flight)
+    # Sent while it drained: 503; after it exited: the port is closed.
+    # (The last may instead meet the proxy as it goes away: a reset connection.)
+    late_statuses = [r.status_code if r is not None else status for status, r in late]
+    late_ok = [s in (503, "ConnectError") or (i == len(late) - 1 and s in RESET)
+               for i, s in enumerate(late_statuses)]  # fmt: skip
+    assert all(late_ok), late_statuses
+    assert after[0] == "ConnectError", after
+    # Nothing half-published: every record whole, every image answered 200 in the store.
+    answered = [r.json()["items"][0]["key"] for _, r, _ in in_flight
+                if r is not None and r.status_code == 200]  # fmt: skip
+    records, bad, missing, claims = _check_store(server, answered)
+    assert bad == 0 and missing == 0, (records, bad, missing)
+    assert records >= 1 + len(answered)
+
+    finished = statuses.count(200)
+    failed = sum(s not in (200, 503) for s in statuses) + late_ok.count(False)
+    reliability.record(
+        f"graceful stop of `vitserve serve` ({'SIGTERM' if how == 'sigterm' else 'Ctrl-C'}) "
+        "with requests in flight",
+        tried=IN_FLIGHT + len(late), failed=failed, wrong=bad, lost=missing,
+        note=f"stopped in {stopped_s:.1f} s; in flight: {finished} finished, "
+        f"{IN_FLIGHT - finished} answered 503; {len(late)} sent while stopping: 503 or refused; "
+        f"{records} records whole, {claims} claims left to expire",
+    )  # fmt: skip
