@@ -31,9 +31,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from vitserve.encoder.testimages import make_image
 
 # Examples per (operation, generation mode); hypothesis stops early where a space is exhausted.
-INGRESS = {"POST /v1/encode": 450, "POST /v1/probe": 250, "POST /v1/rows": 250,
-           "GET /v1/embeddings/{key}": 300, "GET /healthz": 20}  # fmt: skip
-PREFILL = {"POST /v1/chat/completions": 250, "GET /healthz": 20}
+INGRESS = {"POST /v1/encode": 400, "POST /v1/probe": 200, "POST /v1/rows": 200,
+           "GET /v1/embeddings/{key}": 250, "GET /healthz": 20}  # fmt: skip
+PREFILL = {"POST /v1/chat/completions": 200, "GET /healthz": 20}
 MODES = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
 THREADS = 6
 
