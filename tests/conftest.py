@@ -243,18 +243,65 @@ def serve_url(ray_cluster) -> Iterator[str]:
     serve.shutdown()
 
 
+# The applications the running test module deployed, as (remove, name): deleted when the module
+# ends (``_remove_module_apps``), so that a module never finds the session cluster's 2 CPUs
+# taken by the applications of the modules before it. ``keep=True`` exempts the session's
+# shared applications (``main_app``).
+_MODULE_APPS: list[tuple[Callable[[str], None], str]] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_module_apps() -> Iterator[None]:
+    start = len(_MODULE_APPS)
+    yield
+    for remove, name in reversed(_MODULE_APPS[start:]):  # a prefill before its encoder
+        remove(name)
+    del _MODULE_APPS[start:]
+
+
+def _cpus(section: Any) -> float:
+    """The CPUs one deployment's replicas reserve (at least one replica)."""
+    replicas = section.autoscaling.min_replicas if section.autoscaling else section.num_replicas
+    return section.num_cpus * max(replicas, 1)
+
+
+def _wait_for_cpus(name: str, needed: float, timeout: float = 30) -> None:
+    """Fail at once, naming the applications up, when ``name``'s replicas cannot be placed:
+    Serve would otherwise wait for the CPUs forever. (A deleted application's CPUs come back
+    a moment after ``serve.delete``: wait ``timeout`` for them first.)"""
+    import ray
+    from ray import serve
+
+    deadline = time.monotonic() + timeout
+    while (free := ray.available_resources().get("CPU", 0.0)) + 1e-6 < needed:
+        if time.monotonic() > deadline:
+            up = sorted(serve.status().applications)
+            pytest.fail(f"application {name!r} needs {needed:g} CPUs, the session cluster has "
+                        f"{free:g} free; applications up: {up} (remove what a module no longer "
+                        "needs: deploy.remove)")  # fmt: skip
+        time.sleep(0.5)
+
+
 def _with_remove(deploy_fn: Callable[..., Any], apps: dict[str, Any]) -> Iterator[Any]:
     """Yield ``deploy_fn`` with a ``remove(name)`` that deletes an application now: its CPU
-    share is free for the tests after it (the session's cluster has 2 CPUs; replicas that do not
-    fit wait for one, forever). The applications still up are deleted at the end."""
+    share is free for the tests after it (the session's cluster has 2 CPUs). An application is
+    deleted at the end of the module that deployed it, unless deployed with ``keep=True``
+    (then at the session's end)."""
     from ray import serve
 
     def remove(name: str) -> None:
         if apps.pop(name, None) is not None:
             serve.delete(name)
 
-    deploy_fn.remove = remove  # type: ignore[attr-defined]
-    yield deploy_fn
+    def deploy(name: str, *args: Any, keep: bool = False, **overrides: Any) -> Any:
+        new = name not in apps
+        app = deploy_fn(name, *args, **overrides)
+        if new and not keep:
+            _MODULE_APPS.append((remove, name))
+        return app
+
+    deploy.remove = remove  # type: ignore[attr-defined]
+    yield deploy
     for name in list(apps):
         serve.delete(name)
 
@@ -286,6 +333,8 @@ def deploy(serve_url: str, tiny_models: dict[str, Path],
             "ingress.num_cpus": 0.05,
         }
         cfg = VitserveConfig.load({**base, **overrides})  # a section given merges
+        preprocess = _cpus(cfg.preprocess) if cfg.preprocess_at == "deployment" else 0.0
+        _wait_for_cpus(name, _cpus(cfg.encoder) + _cpus(cfg.ingress) + preprocess)
         serve_app(build_application(cfg), name=name, route_prefix=f"/{name}")
         apps[name] = App(name, f"{serve_url}/{name}", cfg)
         return apps[name]
@@ -299,6 +348,7 @@ def main_app(deploy: Callable[..., App]) -> App:
     reliably meet), limits small enough to test cheaply."""
     return deploy(
         "main",
+        keep=True,
         batching={"batch_wait_timeout_s": 0.2},
         limits={"max_images_per_request": 8, "max_request_bytes": 3 * 2**20,
                 "max_image_bytes": 2 * 2**20, "max_image_pixels": 4_000_000},
@@ -344,6 +394,7 @@ def deploy_prefill(deploy: Callable[..., App]) -> Iterator[Callable[..., ChatApp
                         "num_cpus": 0.05, "chunk_size": 16},
         }  # fmt: skip
         cfg = VitserveConfig.load({**base, **overrides})
+        _wait_for_cpus(name, _cpus(cfg.prefill))
         serve_app(build_prefill_application(cfg), name=name, route_prefix=f"/{name}")
         base_url = encoder.url.rsplit("/", 1)[0]
         apps[name] = ChatApp(name, f"{base_url}/{name}", encoder, cfg)
