@@ -7,7 +7,9 @@ YAML file, a ``serve run`` argument or an environment variable is an error at st
 Environment: ``VITSERVE_<FIELD>`` for top-level fields and ``VITSERVE_<SECTION>__<FIELD>`` for
 nested ones (``VITSERVE_MODEL=demo``, ``VITSERVE_LIMITS__MAX_IMAGES_PER_REQUEST=16``); values
 are parsed as JSON when they parse, else taken as strings. Precedence: explicit arguments, then
-environment, then defaults. An unknown ``VITSERVE_*`` variable is an error too.
+environment, then defaults. An unknown ``VITSERVE_*`` variable is an error too, but for the
+few that are not settings (``VITSERVE_CACHE``, the CPU-profile overrides) and the test suite's
+own, ``VITSERVE_TEST_*``.
 """
 
 from __future__ import annotations
@@ -123,10 +125,18 @@ class PrefillConfig(DeploymentConfig):
 
     @field_validator("store")
     @classmethod
-    def _shared_store(cls, value: str | None) -> str | None:
-        if value is not None and value.startswith("memory:"):
-            raise ValueError("memory:// is private to one process; use the service's store")
-        return value
+    def _store(cls, value: str | None) -> str | None:
+        return None if value is None else shared_store(value)
+
+
+def shared_store(url: str) -> str:
+    """``url``, if a store the service's processes can share (not ``memory://``)."""
+    if url.startswith("memory:"):
+        raise ValueError(
+            "memory:// is private to one process; the service's replicas share a store: "
+            "use node:// (the embedded default), redis://... or tiered://"
+        )
+    return url
 
 
 class SingleFlightConfig(_Strict):
@@ -209,12 +219,7 @@ class VitserveConfig(_Strict):
     @field_validator("store")
     @classmethod
     def _store(cls, value: str) -> str:
-        if value.startswith("memory:"):
-            raise ValueError(
-                "memory:// is private to one process; the service's replicas share a store: "
-                "use node:// (the embedded default), redis://... or tiered://"
-            )
-        return value
+        return shared_store(value)
 
     @field_validator("dtype")
     @classmethod
@@ -234,7 +239,7 @@ class VitserveConfig(_Strict):
         """
         data: dict[str, Any] = cls().model_dump()
         for name, raw in (os.environ if environ is None else environ).items():
-            if name.startswith(ENV_PREFIX) and name not in _NOT_CONFIG:
+            if name.startswith(ENV_PREFIX) and not _not_config(name):
                 _assign(data, name[len(ENV_PREFIX) :].lower().split("__"), parse_value(raw))
         for name, value in (overrides or {}).items():
             _assign(data, name.split("."), value)
@@ -270,7 +275,12 @@ class VitserveConfig(_Strict):
 
 
 # Environment variables that share the prefix but are not config fields.
-_NOT_CONFIG = {"VITSERVE_CACHE", "VITSERVE_TEST_REDIS", *HOST_OVERRIDE_VARS}
+_NOT_CONFIG = {"VITSERVE_CACHE", *HOST_OVERRIDE_VARS}
+TEST_PREFIX = "VITSERVE_TEST_"  # the test suite's own variables (tests/)
+
+
+def _not_config(name: str) -> bool:
+    return name in _NOT_CONFIG or name.startswith(TEST_PREFIX)
 
 
 def parse_value(raw: str) -> Any:

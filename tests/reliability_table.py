@@ -3,7 +3,7 @@
 A test that injects a fault or tries a class of bad input records one row through the
 ``reliability`` fixture (``tests/conftest.py``) *after* its assertions: a row exists only when
 its test passed. At the end of the session the rows are printed in pytest's summary and written
-to ``build/reliability.md`` (or ``$VITSERVE_RELIABILITY_REPORT``) as the Markdown table the
+to ``build/reliability.md`` (or ``$VITSERVE_TEST_RELIABILITY_REPORT``) as the Markdown table the
 README quotes.
 
 Columns: *cases tried* (requests sent, or inputs fuzzed), *requests failed* (answered 5xx, lost
@@ -59,4 +59,5 @@ def render(rows: list[Row]) -> str:
 
 
 def report_path(root: Path) -> Path:
-    return Path(os.environ.get("VITSERVE_RELIABILITY_REPORT", root / "build" / "reliability.md"))
+    default = root / "build" / "reliability.md"
+    return Path(os.environ.get("VITSERVE_TEST_RELIABILITY_REPORT", default))

@@ -68,6 +68,11 @@ def test_overrides_take_dotted_names_and_sections_together() -> None:
 def test_an_unknown_environment_variable_with_the_prefix_is_an_error() -> None:
     with pytest.raises(ConfigError, match="max_imagse"):
         VitserveConfig.load(environ={"VITSERVE_LIMITS__MAX_IMAGSE": "3"})
+    # but for the variables that are not settings: the model cache, the test suite's own
+    other = {"VITSERVE_CACHE": "/tmp/c", "VITSERVE_TEST_LARGE": "1",
+             "VITSERVE_TEST_RELIABILITY_REPORT": "/tmp/r.md"}  # fmt: skip
+    cfg = VitserveConfig.load(environ=other)
+    assert cfg == VitserveConfig.load(environ={})
 
 
 def test_config_is_frozen() -> None:

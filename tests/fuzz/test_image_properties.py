@@ -36,8 +36,8 @@ from vitserve.encoder.images import ALLOWED_FORMATS, ImageLimits, decode_image, 
 from vitserve.errors import ImageDecodeError, ImageError, ImageTooLargeError
 
 EXAMPLE_BOUND_S = 10  # far above any one example here (milliseconds): only a hang reaches it
-# more with VITSERVE_FUZZ_EXAMPLES=N (the suite runs 1000 per property)
-EXAMPLES = int(os.environ.get("VITSERVE_FUZZ_EXAMPLES", "1000"))
+# more with VITSERVE_TEST_FUZZ_EXAMPLES=N (the suite runs 1000 per property)
+EXAMPLES = int(os.environ.get("VITSERVE_TEST_FUZZ_EXAMPLES", "1000"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 

@@ -16,18 +16,17 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.k8s.conftest import TARGETS
 from vitserve.deployments.config import VitserveConfig
 from vitserve.errors import ConfigError
 
 Render = Callable[[str], list[dict[str, Any]]]
 
-TARGETS = ["base", "cpu-dev", "gpu-prod"]
 K8S_VERSION = "1.32.0"
-# KubeRay's CRDs are shared data, never copied in: $VITSERVE_KUBERAY_CRDS, else beside the
+# KubeRay's CRDs are shared data, never copied in: $VITSERVE_TEST_KUBERAY_CRDS, else beside the
 # checkout (../shared/kuberay/crds), else the workspace's (/work/shared/kuberay/crds).
-_CRD_PLACES = (
-    [Path(os.environ["VITSERVE_KUBERAY_CRDS"])] if "VITSERVE_KUBERAY_CRDS" in os.environ else []
-)
+_CRD_ENV = "VITSERVE_TEST_KUBERAY_CRDS"
+_CRD_PLACES = [Path(os.environ[_CRD_ENV])] if _CRD_ENV in os.environ else []
 _CRD_PLACES += [Path(__file__).resolve().parents[3] / "shared" / "kuberay" / "crds",
                 Path("/work/shared/kuberay/crds")]  # fmt: skip
 CRDS = next((p for p in _CRD_PLACES if p.is_dir()), _CRD_PLACES[0])
@@ -149,7 +148,7 @@ def rayservice_validator() -> jsonschema.protocols.Validator:
     if not crd_file.is_file():
         pytest.skip(
             f"KubeRay CRDs not found at {', '.join(map(str, _CRD_PLACES))} (shared data; "
-            "set VITSERVE_KUBERAY_CRDS)"
+            "set VITSERVE_TEST_KUBERAY_CRDS)"
         )
     crd = yaml.safe_load(crd_file.read_text())
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
