@@ -259,12 +259,16 @@ def encode_record(record: EmbeddingRecord) -> memoryview:
         start = payload_offset + entry["offset"]
         body[start : start + a.nbytes] = a.reshape(-1).view(np.uint8)
     doc["sum"] = _digest(memoryview(out)[payload_offset:])
-    header = msgpack.packb(doc)
+    _write_head(out, msgpack.packb(doc), payload_offset)
+    return memoryview(out).toreadonly()
+
+
+def _write_head(out: bytearray, header: bytes, payload_offset: int) -> None:
+    """The prefix, ``header`` (msgpack) and the checksum of both, at the start of ``out``."""
     PREFIX.pack_into(out, 0, MAGIC, FORMAT_VERSION, 0, len(header), payload_offset)
     end = PREFIX.size + len(header)
     out[PREFIX.size : end] = header
     out[end : end + SUM_BYTES] = _digest(memoryview(out)[:end])
-    return memoryview(out).toreadonly()
 
 
 def header_bytes_needed(prefix: bytes | memoryview) -> int:

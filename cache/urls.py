@@ -145,10 +145,8 @@ def open_store(url: str, **overrides: Any) -> EmbeddingStore:
     if scheme in ("redis", "rediss"):
         from vitserve.cache.redis_store import RedisStore
 
-        if scheme == "redis" and any(name.startswith("ssl_") for name, _ in parse_qsl(parts.query)):
-            raise ConfigError(f"TLS options need a rediss:// URL: {redact_url(url)!r}")
-        allowed = {**_REDIS, **_TLS} if scheme == "rediss" else _REDIS
-        opts = _options(url, parts.query, allowed, overrides)
+        # TLS options on a redis:// URL: the store refuses them (they need rediss://)
+        opts = _options(url, parts.query, {**_REDIS, **_TLS}, overrides)
         server = urlunsplit((parts.scheme, parts.netloc, parts.path or "/0", "", ""))
         return RedisStore(server, **opts)
     if scheme == "tiered":

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vitserve.deployments.config import MIN_TOKEN_CHARS, TENANT_RE, VitserveConfig
+from vitserve.deployments.config import MIN_TOKEN_CHARS, TENANT_RE, TokenConfig, VitserveConfig
 from vitserve.errors import AuthenticationError, ConfigError
 
 SCHEME = "bearer"
@@ -66,9 +66,8 @@ def bearer_token(authorization: str | None) -> str | None:
 
 def read_tokens_file(path: str) -> list[tuple[str, str]]:
     """``(tenant, token)`` of each ``tenant:token`` line of ``path`` (blank lines and ``#``
-    comments skipped); a malformed line is a ConfigError naming its number, not its text."""
-    import re
-
+    comments skipped), checked as the config's ``auth.tokens`` entries are (``TokenConfig``);
+    a malformed line is a ConfigError naming its number, not its text."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
@@ -79,10 +78,14 @@ def read_tokens_file(path: str) -> list[tuple[str, str]]:
         if not line or line.startswith("#"):
             continue
         tenant, sep, token = (part.strip() for part in line.partition(":"))
-        if not sep or not re.match(TENANT_RE, tenant) or len(token) < MIN_TOKEN_CHARS:
+        try:
+            if not sep:
+                raise ValueError("no ':'")
+            TokenConfig(tenant=tenant, token=token)  # type: ignore[arg-type]
+        except ValueError:  # pydantic's ValidationError included
             raise ConfigError(f"auth.tokens_file {path!r} line {number}: expected "
                               f"'tenant:token' (tenant {TENANT_RE}, token of at least "
-                              f"{MIN_TOKEN_CHARS} characters)")  # fmt: skip
+                              f"{MIN_TOKEN_CHARS} characters)") from None  # fmt: skip
         out.append((tenant, token))
     return out
 
@@ -101,7 +104,6 @@ class Authenticator:
             raise ConfigError("a token is configured twice (each names one tenant)")
         self._entries = [(d, Tenant(tenant, tenant_namespace(prefix, tenant)))
                          for d, (tenant, _) in zip(digests, tokens, strict=True)]  # fmt: skip
-        self.tenants = sorted({t.name for _, t in self._entries if t.name})
 
     @classmethod
     def from_config(cls, cfg: VitserveConfig) -> Authenticator | None:
@@ -128,10 +130,6 @@ class Authenticator:
         if found is None:
             raise AuthenticationError("invalid")
         return found
-
-    def from_header(self, authorization: str | None) -> Tenant:
-        """The tenant of an ``Authorization`` header (as :meth:`tenant`)."""
-        return self.tenant(bearer_token(authorization))
 
 
 def _digest(token: str) -> bytes:

@@ -4,7 +4,7 @@ A request can cost 100x another (one 224px thumbnail: 256 patches; 32 720p frame
 Serve's default signal, ongoing requests per replica, sizes the encoder pool by the wrong unit.
 Here each encoder replica reports, through Serve's ``record_autoscaling_stats`` hook
 (``EncoderDeployment.record_autoscaling_stats``), its queued and running patches, its patch
-throughput while busy and its busy fraction (:data:`METRICS`); Serve averages each over
+throughput while busy and its busy fraction (the four names below); Serve averages each over
 ``look_back_period_s`` and hands them to :func:`work_policy` in ``ctx.aggregated_metrics``.
 
 :func:`decide` is the whole decision, pure and I/O-free; :func:`work_policy` adapts Serve's
@@ -27,7 +27,6 @@ QUEUED_PATCHES = "queued_patches"  # patches waiting for the device
 RUNNING_PATCHES = "running_patches"  # patches of the device step now running
 PATCHES_PER_S = "patches_per_s"  # patches per busy device-second, recent window (0: none ran)
 BUSY_FRACTION = "busy_fraction"  # share of the recent window the device was busy
-METRICS = (QUEUED_PATCHES, RUNNING_PATCHES, PATCHES_PER_S, BUSY_FRACTION)
 
 #: The window a replica measures its throughput and busy fraction over.
 STATS_WINDOW_S = 10.0
@@ -94,7 +93,7 @@ def decide(stats: WorkStats, state: Mapping[str, Any], params: WorkParams,
         raw = min(max(by_queue, by_busy, lo), hi)
     else:
         raw = target
-    new: dict[str, Any] = {"patches_per_s": tput, "raw": raw}
+    new: dict[str, Any] = {"patches_per_s": tput}
     direction = (raw > target) - (raw < target)
     if direction == 0:
         return target, new
@@ -125,7 +124,7 @@ def stats_from_metrics(target: int, metrics: Mapping[str, Mapping[Any, float]]) 
 
 
 def params_from(kwargs: Mapping[str, Any], min_replicas: int, max_replicas: int) -> WorkParams:
-    names = ("target_queue_delay_s", "upscale_delay_s", "downscale_delay_s", "target_utilization")
+    names = ("target_queue_delay_s", "upscale_delay_s", "downscale_delay_s")
     known = {k: kwargs[k] for k in names if k in kwargs}
     return WorkParams(min_replicas=min_replicas, max_replicas=max_replicas, **known)
 

@@ -42,7 +42,7 @@ class Work:
 
     prepared: Any
     arrived: float
-    release: Any
+    publish: Any
     future: asyncio.Future = field(repr=False)
 
 
@@ -63,12 +63,13 @@ class DeviceQueue:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
 
-    async def submit(self, prepared: Sequence[Any], releases: Sequence[Any]) -> list[Any]:
-        """Queue images; their results in order (an image's step error is raised here)."""
+    async def submit(self, prepared: Sequence[Any], publish: Sequence[Any]) -> list[Any]:
+        """Queue images (with what publishing each needs); their results in order (an image's
+        step error is raised here)."""
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
-        work = [Work(p, now, r, loop.create_future())
-                for p, r in zip(prepared, releases, strict=True)]  # fmt: skip
+        work = [Work(p, now, w, loop.create_future())
+                for p, w in zip(prepared, publish, strict=True)]  # fmt: skip
         self._queued.extend(work)
         self._wakeup.set()
         if self._task is None or self._task.done():
@@ -81,7 +82,7 @@ class DeviceQueue:
 
     def _full(self) -> bool:
         cap = self.max_batch_patches
-        return cap is not None and sum(w.prepared.patches for w in self._queued) >= cap
+        return cap is not None and self.queued_patches() >= cap
 
     def _take(self) -> list[Work]:
         """The next step: the oldest queued images up to the patch cap (at least one)."""

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 from ray import serve
 
-from vitserve.deployments import metrics
+from vitserve.deployments import autoscaling, metrics
 from vitserve.deployments.config import VitserveConfig
 from vitserve.deployments.device_queue import DeviceQueue, Work
 from vitserve.errors import ImageError, StoreError, VitserveError
@@ -236,18 +236,16 @@ class EncoderDeployment:
         ``STATS_WINDOW_S`` the patches per busy device-second (0 when nothing ran) and the
         busy fraction. See vitserve.deployments.autoscaling. Runs on the event loop, like
         the queue's updates, so it reads them without locks."""
-        from vitserve.deployments import autoscaling as a
-
         now = time.perf_counter()
-        while self._steps and self._steps[0][0] < now - a.STATS_WINDOW_S:
+        while self._steps and self._steps[0][0] < now - autoscaling.STATS_WINDOW_S:
             self._steps.popleft()
         done = sum(p for _, _, p in self._steps)
         rate_busy = sum(s for _, s, _ in self._steps)  # the finished steps' device time
         busy = rate_busy + (now - self._running_since if self._running_patches else 0.0)
-        return {a.QUEUED_PATCHES: float(self.queue.queued_patches()),
-                a.RUNNING_PATCHES: float(self._running_patches),
-                a.PATCHES_PER_S: done / rate_busy if rate_busy > 0 else 0.0,
-                a.BUSY_FRACTION: min(1.0, busy / a.STATS_WINDOW_S)}  # fmt: skip
+        return {autoscaling.QUEUED_PATCHES: float(self.queue.queued_patches()),
+                autoscaling.RUNNING_PATCHES: float(self._running_patches),
+                autoscaling.PATCHES_PER_S: done / rate_busy if rate_busy > 0 else 0.0,
+                autoscaling.BUSY_FRACTION: min(1.0, busy / autoscaling.STATS_WINDOW_S)}  # fmt: skip
 
     # -- encoding ------------------------------------------------------------------------------
     async def encode(self, batch: EncodeBatch, prepared: list[Any] | None = None) -> list[dict]:
@@ -311,10 +309,7 @@ class EncoderDeployment:
         """The store of a batch's namespace (None: the config's): this replica's store for its
         own, else a view of it (auth on: the store has no namespace, the tenants' views add
         theirs)."""
-        namespace = self.cfg.namespace if namespace is None else namespace
-        if namespace == self.store.namespace:
-            return self.store
-        return self._views.get(namespace)
+        return self._views.get(self.cfg.namespace if namespace is None else namespace)
 
     def _start_flight(self, key: str) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
@@ -386,9 +381,13 @@ class EncoderDeployment:
         in the step (one, unless tenants share it) that also releases their claims. A failed
         step releases them too (off the path)."""
         items = [w.prepared for w in work]
-        groups: dict[int, tuple[Any, list[int]]] = {}  # id(store) -> (store, work indices)
+        # id(store) -> (store, indices of its work, the claims its publish releases)
+        groups: dict[int, tuple[Any, list[int], list[tuple[str, str]]]] = {}
         for i, w in enumerate(work):
-            groups.setdefault(id(w.release.store), (w.release.store, []))[1].append(i)
+            group = groups.setdefault(id(w.publish.store), (w.publish.store, [], []))
+            group[1].append(i)
+            if w.publish.release is not None:
+                group[2].append(w.publish.release)
         start = time.perf_counter()
         for w in work:
             metrics.observe("stage_seconds", start - w.arrived, stage="queue_wait")
@@ -400,8 +399,7 @@ class EncoderDeployment:
             )
         except Exception:
             log.exception("encoding %d images failed", len(items))
-            for store, indices in groups.values():
-                releases = [r for i in indices if (r := work[i].release.release) is not None]
+            for store, _, releases in groups.values():
                 if releases:
                     self._release_later(store, releases)
             raise
@@ -413,9 +411,8 @@ class EncoderDeployment:
         metrics.observe("stage_seconds", encoded - start, stage="forward")
         self._record_forwards(items, plan)
         metrics.inc("images_encoded_total", len(items))
-        for store, indices in groups.values():
+        for store, indices, releases in groups.values():
             mine = [values[i] for i in indices]
-            releases = [r for i in indices if (r := work[i].release.release) is not None]
             try:
                 with metrics.timed("store_round_trip_seconds", op="put"):
                     await asyncio.to_thread(store.put_values, mine, None, releases)

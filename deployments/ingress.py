@@ -72,7 +72,6 @@ from vitserve.errors import (
 )
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
-KEY_RE = parse.KEY_RE
 
 api = FastAPI(
     title="vitserve",

@@ -27,19 +27,32 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from vitserve.cache.node import RAY_NAMESPACE
 from vitserve.errors import ServiceUnavailableError
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
 
-#: the stop signal of a local run: one per Ray cluster, in vitserve's Ray namespace
+#: the stop signal of a local run: one per Ray cluster, in vitserve's Ray namespace (the node
+#: stores' namespace)
 STOP_SIGNAL_NAME = "vitserve-stop"
-RAY_NAMESPACE = "vitserve"
 #: after the cut, how long the answers of the cut requests get to leave the replica
 SETTLE_S = 0.5
+
+
+async def _wait_until(done: Callable[[], bool], changed: asyncio.Event, deadline: float) -> None:
+    """Return once ``done()`` holds or the monotonic ``deadline`` has passed; ``changed`` is
+    set by whoever changes what ``done`` reads."""
+    while not done() and (left := deadline - time.monotonic()) > 0:
+        changed.clear()
+        try:
+            await asyncio.wait_for(changed.wait(), left)
+        except asyncio.TimeoutError:
+            return
 
 
 class DrainGate:
@@ -58,6 +71,9 @@ class DrainGate:
         if self._changed is None or self._cut is None:  # bound to the replica's loop on use
             self._changed, self._cut = asyncio.Event(), asyncio.Event()
         return self._changed, self._cut
+
+    def _idle(self) -> bool:
+        return self.inflight == 0
 
     def enter(self) -> None:
         self.inflight += 1
@@ -80,22 +96,10 @@ class DrainGate:
         changed, cut = self._events()
         started = time.monotonic()
         self.stopping = True
-        deadline = started + max(0.0, grace_s)
-        while self.inflight and (left := deadline - time.monotonic()) > 0:
-            changed.clear()
-            try:
-                await asyncio.wait_for(changed.wait(), left)
-            except asyncio.TimeoutError:
-                break
+        await _wait_until(self._idle, changed, started + max(0.0, grace_s))
         if self.inflight:
             cut.set()
-            settle = time.monotonic() + SETTLE_S
-            while self.inflight and (left := settle - time.monotonic()) > 0:
-                changed.clear()
-                try:
-                    await asyncio.wait_for(changed.wait(), left)
-                except asyncio.TimeoutError:
-                    break
+            await _wait_until(self._idle, changed, time.monotonic() + SETTLE_S)
         return {"pid": os.getpid(), "finished": self.finished, "cut": self.cut,
                 "refused": self.refused, "streaming": self.inflight,
                 "seconds": round(time.monotonic() - started, 3)}  # fmt: skip
@@ -208,13 +212,8 @@ class StopSignal:
         """Once every registered watcher reported (or ``timeout_s`` passed): the reports and
         the watchers that did not report."""
         _, reported = self._events()
-        deadline = time.monotonic() + timeout_s
-        while set(self.reports) < self.watchers and (left := deadline - time.monotonic()) > 0:
-            reported.clear()
-            try:
-                await asyncio.wait_for(reported.wait(), left)
-            except asyncio.TimeoutError:
-                break
+        await _wait_until(lambda: set(self.reports) >= self.watchers, reported,
+                          time.monotonic() + timeout_s)  # fmt: skip
         return {"reports": dict(self.reports),
                 "missing": sorted(self.watchers - set(self.reports))}  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""Simulate the encoder pool under the work policy and under Serve's request-count policy.
+"""Simulate the encoder pool under the work policy and under the request-count policy.
 
 A time-stepped model (``DT`` s): requests of mixed sizes arrive (Poisson), each goes to one of
 the ready replicas (Serve's power of two choices on ongoing requests) and waits there in FIFO;
@@ -7,8 +7,10 @@ for. Every ``TICK_S`` the autoscaler sees the metrics averaged over ``LOOK_BACK_
 
 * work: :func:`vitserve.deployments.autoscaling.decide` itself, fed what the replicas report
   (queued + running patches, patches per busy second, busy fraction over the last 10 s);
-* requests: Serve's default, desired = ceil(ongoing requests / target_ongoing_requests), with
-  its upscale/downscale delays (a change applied once wanted for the delay), clamped.
+* requests: Serve's request-count policy as vitserve's ``policy: requests`` configures it
+  (``target_ongoing_requests`` 8, not Serve's default 2; the same delays as the work policy,
+  not Serve's default 30 s / 600 s): desired = ceil(ongoing requests /
+  target_ongoing_requests), a change applied once wanted for its delay, clamped.
 
 Queue delay = the time from a request's arrival to the start of its work. Writes
 ``loadtest/results/autoscaling-sim.md`` and ``.png``::
@@ -150,7 +152,7 @@ def _tput(ready: list[Replica]) -> float | None:
 
 
 def _request_policy(ongoing: float, target: int, st: dict, now: float) -> tuple[int, dict]:
-    """Serve's default policy and delay logic (ray.serve.autoscaling_policy, 2.60)."""
+    """Serve's request-count policy and delay logic (ray.serve.autoscaling_policy, 2.60)."""
     desired = min(max(math.ceil(ongoing / TARGET_ONGOING_REQUESTS), MIN_REPLICAS), MAX_REPLICAS)
     direction = (desired > target) - (desired < target)
     if direction == 0:
@@ -210,7 +212,8 @@ def write_report(results, out_dir: Path) -> None:
         f"{MIN_REPLICAS}, max {MAX_REPLICAS} replicas; upscale delay {UPSCALE_DELAY_S:g} s, "
         f"downscale delay {DOWNSCALE_DELAY_S:g} s (both policies); metrics averaged over "
         f"{LOOK_BACK_S:g} s, a decision every {TICK_S:g} s. Work policy: target queue delay "
-        f"{TARGET_QUEUE_DELAY_S:g} s. Request policy (Serve's default): "
+        f"{TARGET_QUEUE_DELAY_S:g} s. Request policy (vitserve's `requests`: Serve's "
+        "request-count policy): "
         f"target_ongoing_requests {TARGET_ONGOING_REQUESTS:g}.",
         "",
         "Requests, each a third of the patch load: "

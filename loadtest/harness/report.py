@@ -262,9 +262,8 @@ def plots(stats: dict[str, Any], out_dir: Path) -> list[str]:
     return made
 
 
-def write(stats: dict[str, Any], out_dir: Path, *, with_plots: bool = True) -> str:
-    if with_plots:
-        stats["plots"] = plots(stats, out_dir)
+def write(stats: dict[str, Any], out_dir: Path) -> str:
+    stats["plots"] = plots(stats, out_dir)
     text = markdown(stats)
     (out_dir / "report.md").write_text(text)
     (out_dir / "stats.json").write_text(json.dumps(stats, indent=1, default=str))

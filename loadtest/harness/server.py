@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
 class Server:
     """A ``vitserve serve`` subprocess (own session, so it and Ray's processes stop together)."""
 
-    def __init__(self, port: int, extra: list[str], out_dir: Path, prefill: bool = False) -> None:
+    def __init__(self, port: int, extra: list[str], out_dir: Path) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.replicas_log = out_dir / "replicas.jsonl"
         self.log = open(out_dir / "server.log", "w")  # noqa: SIM115 (closed in stop)
@@ -78,7 +78,7 @@ class Server:
             "--port",
             str(port),
             *extra,
-        ] + (["--prefill"] if prefill else [])
+        ]
         env = dict(os.environ, LOADTEST_REPLICAS_LOG=str(self.replicas_log))
         env.setdefault("RAY_AUTH_MODE", "disabled")
         self.proc = subprocess.Popen(

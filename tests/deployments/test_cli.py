@@ -15,12 +15,10 @@ one 448px image, so a batching check that leaned on the host's default fails the
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,9 +27,9 @@ import httpx
 import pytest
 import torch
 
+from tests.cli_process import VITSERVE, cli_env
 from vitserve.encoder.device import (
     BF16_ENV,
-    HOST_OVERRIDE_VARS,
     LLC_ENV,
     default_max_batch_patches,
 )
@@ -39,7 +37,6 @@ from vitserve.encoder.testimages import make_image
 
 pytestmark = pytest.mark.cpu_profile  # CI runs it again as on each CPU profile
 
-VITSERVE = str(Path(sys.executable).parent / "vitserve")
 SMALL_CACHE_PROFILE = {LLC_ENV: "8MiB", BF16_ENV: "0"}
 DEMO_MLP_WIDTH = 3072  # the demo model's ViT-B tower
 # What every test that needs batching sets (not the host's cache or free memory): room for the
@@ -48,18 +45,10 @@ CAP = "batching.max_batch_patches=4096"
 BUDGET = f"budget_bytes={2 * 2**30}"
 
 
-def _env(cache: Path, profile: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("VITSERVE_", "REDIS", "RAY_ADDRESS"))
-           or k in HOST_OVERRIDE_VARS}  # fmt: skip
-    return {**env, **(profile or {}), "VITSERVE_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}  # fmt: skip
-
-
 def _run(*args: str, cache: Path, timeout: float = 600,
          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
     return subprocess.run([VITSERVE, *args], capture_output=True, text=True,
-                          env=env or _env(cache), timeout=timeout)  # fmt: skip
+                          env=env or cli_env(cache), timeout=timeout)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +88,7 @@ def test_serve_demo_with_prefill_then_encode_and_chat_through_http_then_ctrl_c(
     proc = subprocess.Popen([VITSERVE, "serve", "--model", "demo", "--port", str(port),
                              "--dtype", "fp32", "--prefill"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**_env(user_cache), "RAY_TMPDIR": str(ray_tmp)})  # fmt: skip
+                            env={**cli_env(user_cache), "RAY_TMPDIR": str(ray_tmp)})  # fmt: skip
     try:
         lines = []
         deadline = time.monotonic() + 300
@@ -185,7 +174,7 @@ def test_demo_serves_encodes_twice_and_the_second_pass_comes_from_the_store(
     monkeypatch.setenv("VITSERVE_CACHE", str(user_cache))
     built_before = is_cached(DEMO_FAMILY, DEMO_PRESET)
     proc = _run("demo", "--dtype", "fp32", "--set", CAP, "--set", BUDGET, cache=user_cache,
-                env=_env(user_cache, profile))  # fmt: skip
+                env=cli_env(user_cache, profile))  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "store node://" in out
@@ -220,7 +209,7 @@ def test_the_demo_says_where_its_default_batch_cap_comes_from(monkeypatch) -> No
 def test_demo_with_a_missing_model_fails_clearly_before_starting_anything(tmp_path) -> None:
     ray_tmp = tmp_path / "ray-tmp"
     ray_tmp.mkdir()
-    env = {**_env(tmp_path), "RAY_TMPDIR": str(ray_tmp)}
+    env = {**cli_env(tmp_path), "RAY_TMPDIR": str(ray_tmp)}
     proc = _run("demo", "--model", str(tmp_path / "missing"), cache=tmp_path, env=env)
     assert proc.returncode == 2
     assert "vitserve: error: cannot load model" in proc.stderr

