@@ -309,7 +309,8 @@ class EncoderDeployment:
         """The store of a batch's namespace (None: the config's): this replica's store for its
         own, else a view of it (auth on: the store has no namespace, the tenants' views add
         theirs)."""
-        return self._views.get(self.cfg.namespace if namespace is None else namespace)
+        namespace = self.cfg.namespace if namespace is None else namespace
+        return self.store if namespace == self.store.namespace else self._views.get(namespace)
 
     def _start_flight(self, key: str) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
@@ -344,7 +345,9 @@ class EncoderDeployment:
 
     async def _encode_busy(self, store: Any, prepared: Any, i: int, results: list[Any]) -> None:
         """An image another caller claimed: wait for its publish and read it back; encode it
-        here only if the claimant gave up (claiming it first, when the store answers)."""
+        here only if the claimant gave up (claiming it first, when the store answers), and
+        not if this replica is encoding it by then (the claimant's encode may run here, or the
+        store went down during the wait): join that instead."""
         key = prepared.key
         metrics.inc("single_flight_joins_total", scope="remote")
         sf = self.cfg.single_flight
@@ -355,10 +358,27 @@ class EncoderDeployment:
             if headers[0] is not None:
                 results[i] = describe_header(headers[0])
                 return
+        pending = self._inflight.get(key)
+        if pending is not None:
+            metrics.inc("single_flight_joins_total", scope="local")
+            results[i] = await asyncio.shield(pending)
+            return
         won = await self._store_call("claim", store.claim, key, sf.claim_ttl_s,
                                      default=False)  # fmt: skip
+        if (pending := self._inflight.get(key)) is not None:  # started during the claim
+            if won:
+                self._release_later(store, [(key, store.token)])
+            results[i] = await asyncio.shield(pending)
+            return
         release = (key, store.token) if won else None
-        [results[i]] = await self.queue.submit([prepared], [Publish(store, release)])
+        future = self._start_flight(key)
+        try:
+            [results[i]] = await self.queue.submit([prepared], [Publish(store, release)])
+            self._settle(future, results[i])
+        finally:
+            self._settle(future, error=RuntimeError("the encode this image joined stopped"))
+            if self._inflight.get(key) is future:
+                del self._inflight[key]
 
     def _release_later(self, store: Any, releases: list[tuple[str, str]]) -> None:
         """Release claims off the answer's path (one store call for them all)."""

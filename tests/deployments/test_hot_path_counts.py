@@ -244,3 +244,53 @@ def test_concurrent_requests_sharing_an_image(service: Service) -> None:
     # publish through the store (wait_for + one header read)
     assert c["store.put_values"] <= 2 and c["store.wait_for"] <= 1, c
     assert service.counts.serve() == 2 * _serve_calls_per_request(service), c
+
+
+class StoreDownForWaits(CountingStore):
+    """The real store, but its single-flight wait and claim fail as a store that went down
+    does (``StoreUnavailableError``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in ("wait_for", "claim"):
+            return super().__getattr__(name)
+
+        def down(*args: Any, **kwargs: Any) -> Any:
+            from vitserve.errors import StoreUnavailableError
+
+            self._counts.calls[f"store.{name}"] += 1
+            raise StoreUnavailableError("test", "down")
+
+        return down
+
+
+def test_a_busy_image_encoding_here_is_joined_when_the_store_fails_the_wait(
+    loop, engine_cfg, store_url
+) -> None:
+    """An image claimed by another request (``BUSY``) whose encode runs on this replica, and
+    the store goes down during the wait: the waiter joins the encode in flight here instead of
+    encoding the image a second time (which could answer the same key with other bits)."""
+    from vitserve.deployments.encoder import prepare_all
+
+    service = Service(loop, engine_cfg, store_url, "encoder")
+    encoder = service.encoder
+    store = StoreDownForWaits(encoder.store, service.counts)
+    image = _images(1, seed=500)[0]
+    [key] = service.keys([image])
+    [prepared] = prepare_all(encoder.preprocessor, [image], [key], [0])
+    results: list[Any] = [None]
+    joined = {"key": key, "from": "the encode in flight"}
+
+    async def run() -> None:
+        in_flight = encoder._start_flight(key)  # this replica encodes the image now
+        busy = asyncio.ensure_future(encoder._encode_busy(store, prepared, 0, results))
+        await asyncio.sleep(0.2)  # its wait fails at once: it must not go and encode
+        assert not busy.done()
+        encoder._settle(in_flight, joined)
+        await busy
+        del encoder._inflight[key]
+
+    before = service.images_encoded()
+    loop.run_until_complete(run())
+    assert results[0] == joined
+    assert service.images_encoded() == before
+    assert service.counts.calls["store.wait_for"] == 1
