@@ -131,7 +131,7 @@ def _certificates(folder: Path) -> dict[str, Path]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.datetime.now(datetime.UTC)
+    now = datetime.datetime.now(datetime.timezone.utc)
     files: dict[str, Path] = {}
 
     def write(name: str, data: bytes) -> None:

@@ -5,7 +5,6 @@ in-process store, a real Redis and the node store (on the session's Ray cluster)
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -63,7 +62,8 @@ def test_claims_and_waits_are_per_namespace(root: EmbeddingStore) -> None:
     woke: list[bool] = []
     waiter = threading.Thread(target=lambda: woke.append(a.wait_for(key, 10.0)))
     waiter.start()
-    time.sleep(0.05)
+    waiter.join(0.2)
+    assert waiter.is_alive()  # waiting on the claim, not answered by a value already there
     a.put_values([(key, encode_record(record))], release=[(key, "t1")])
     waiter.join(10)
     assert woke == [True]

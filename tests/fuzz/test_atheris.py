@@ -2,7 +2,7 @@
 
 The target runs in a subprocess (libFuzzer owns its process: it exits on the first crash),
 seeded with small valid images of every allowed format, for ``VITSERVE_TEST_ATHERIS_SECONDS``
-(default 20). The test passes when libFuzzer ends by its time limit with no crash, hang or
+(default 12). The test passes when libFuzzer ends by its time limit with no crash, hang or
 out-of-memory artifact, and records the number of inputs it ran.
 """
 

@@ -33,8 +33,11 @@ class CountedRetries(RetryPolicy):
 
     granted: list[int] = field(default_factory=lambda: [0], compare=False)
 
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False)
+
     def delay(self, attempt: int, retry_after: float | None = None) -> float:
-        self.granted[0] += 1
+        with self._lock:  # the load's threads share the policy
+            self.granted[0] += 1
         return RetryPolicy.delay(self, attempt, retry_after)
 
 
@@ -101,9 +104,17 @@ class Load:
     def retries(self) -> int:
         return self.retry.granted[0]
 
-    def answered_since(self, t: float) -> int:
+    def answered_since(self, t: float, *, new: bool = False) -> int:
+        """Answers to operations started at ``t`` or later (``new``: of images the service
+        did not hold)."""
         with self._lock:
-            return sum(1 for a in self.answers if a.started >= t)
+            return sum(1 for a in self.answers if a.started >= t and not (new and a.cached))
+
+    def repeats_answered(self) -> bool:
+        """Whether each of the repeated images has been answered once."""
+        with self._lock:
+            seen = {a.image for a in self.answers}
+        return all(r in seen for r in self.repeats)
 
     def wait(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

@@ -76,19 +76,21 @@ def _check_store(server: RedisServer, answered: list[str]) -> tuple[int, int, in
 
 @pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
 def test_serve_stops_within_10s_answering_every_request_in_flight(
-    how: str, user_cache: Path, spawn_redis, reliability
+    how: str, user_cache: Path, spawn_redis, reliability, tmp_path: Path
 ) -> None:
     from vitserve.deployments.local import free_port
 
     server = spawn_redis()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [VITSERVE, "serve", "--model", "demo", "--dtype", "fp32", "--port", str(port),
-         "--store", server.url],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(user_cache),
-        start_new_session=True,  # its own process group, as a shell runs a command
-    )  # fmt: skip
+    log = tmp_path / "serve.log"  # a file, not a pipe: Ray's forwarded logs never block it
+    with log.open("w") as sink:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [VITSERVE, "serve", "--model", "demo", "--dtype", "fp32", "--port", str(port),
+             "--store", server.url],
+            stdout=sink, stderr=subprocess.STDOUT, env=cli_env(user_cache),
+            start_new_session=True,  # its own process group, as a shell runs a command
+        )  # fmt: skip
     try:
         wait_healthy(proc, url)
         warm = _post(url, make_image(64, 64, seed=8_100_000))[1]
@@ -126,7 +128,7 @@ def test_serve_stops_within_10s_answering_every_request_in_flight(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-    out = proc.stdout.read() if proc.stdout else ""
+    out = log.read_text()
 
     assert code == 0, out[-3000:]
     assert stopped_s < STOP_LIMIT_S, (stopped_s, out[-3000:])
@@ -142,11 +144,11 @@ def test_serve_stops_within_10s_answering_every_request_in_flight(
     # The drain was tested: some request was still in flight when the signal came.
     assert any(t > signalled for _, _, t in in_flight)
     # Sent while it drained: 503; after it exited: the port is closed.
-    # (The last may instead meet the proxy as it goes away: a reset connection.)
+    # (One may instead meet the proxy as it goes away: a reset connection.)
     late_statuses = [r.status_code if r is not None else status for status, r in late]
-    late_ok = [s in (503, "ConnectError") or (i == len(late) - 1 and s in RESET)
-               for i, s in enumerate(late_statuses)]  # fmt: skip
-    assert all(late_ok), late_statuses
+    resets = sum(s in RESET and s != "ConnectError" for s in late_statuses)
+    late_ok = [s in (503, *RESET) for s in late_statuses]
+    assert all(late_ok) and resets <= 1, late_statuses
     assert after[0] == "ConnectError", after
     # Nothing half-published: every record whole, every image answered 200 in the store.
     answered = [r.json()["items"][0]["key"] for _, r, _ in in_flight
