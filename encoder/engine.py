@@ -17,12 +17,13 @@ Invariants:
   (measured: Qwen's patch-embedding convolution in bf16 on an AMX CPU, and MKL's fp32
   small-matrix path, both give row results that depend on how many rows share the call).
   The promise, in ulps of the embedding's largest magnitude (:func:`ulps_apart`), is
-  :data:`BATCH_TOLERANCE_ULPS`: 4 in fp32, 2 in bf16, tested per family on the depth-2 test
+  :data:`BATCH_TOLERANCE_ULPS`: 8 in fp32, 2 in bf16, tested per family on the depth-2 test
   models (deeper towers compound rounding over their layers). Measured there on an AMX Xeon:
-  0 in fp32; in bf16 0 for LLaVA and Gemma 3 and up to 0.7 for the Qwen families (earlier test
-  models were bit-equal in fp32 on the two other CPUs seen, an 8 MiB AVX2 EPYC and a 32 MiB
-  AVX512-BF16 CPU). The same shapes give the same bits: an image alone, or the same batch, run
-  again.
+  in fp32 0 for a mixed set of sizes, but 4.2-5.3 ulps for the Qwen families on a batch of
+  sixteen 64x48 images (1 or 2 threads), 0 for LLaVA and Gemma 3; in bf16 0 for LLaVA and
+  Gemma 3 and up to 0.7 for the Qwen families (earlier test models were bit-equal in fp32 on
+  the two other CPUs seen, an 8 MiB AVX2 EPYC and a 32 MiB AVX512-BF16 CPU). The same shapes
+  give the same bits: an image alone, or the same batch, run again.
 * No copy of pixels or embeddings on the hot path beyond the one pack of each batch's pixels
   into the tower's input buffer: the processor's numpy output is used as is, and each
   embedding is a contiguous row slice of its batch's output.
@@ -54,7 +55,7 @@ from vitserve.errors import ConfigError, ImageError
 from vitserve.keys import content_key, model_fingerprint
 
 # What batching may change an embedding by, per dtype, in ulps of its largest magnitude.
-BATCH_TOLERANCE_ULPS = {"fp32": 4.0, "bf16": 2.0}
+BATCH_TOLERANCE_ULPS = {"fp32": 8.0, "bf16": 2.0}
 
 
 def ulps_apart(a: Any, b: Any) -> float:
