@@ -296,10 +296,7 @@ class EncoderDeployment:
             await asyncio.gather(*tasks)
         finally:
             for i, future in futures.items():
-                # cancelled before settling: whoever joined it learns so
-                self._settle(future, error=RuntimeError("the encode this image joined stopped"))
-                if self._inflight.get(batch.keys[i]) is future:
-                    del self._inflight[batch.keys[i]]
+                self._end_flight(batch.keys[i], future)
         for i, pending in joins.items():
             results[i] = await asyncio.shield(pending)
         metrics.observe("encode_latency_seconds", time.perf_counter() - started)
@@ -316,6 +313,13 @@ class EncoderDeployment:
         future = asyncio.get_running_loop().create_future()
         self._inflight[key] = future
         return future
+
+    def _end_flight(self, key: str, future: asyncio.Future) -> None:
+        """Forget ``key``'s flight ``future``; if it ended before settling (cancelled, or its
+        step raised past it), whoever joined it learns so."""
+        self._settle(future, error=RuntimeError("the encode this image joined stopped"))
+        if self._inflight.get(key) is future:
+            del self._inflight[key]
 
     @staticmethod
     def _settle(future: asyncio.Future, result: Any = None,
@@ -376,9 +380,7 @@ class EncoderDeployment:
             [results[i]] = await self.queue.submit([prepared], [Publish(store, release)])
             self._settle(future, results[i])
         finally:
-            self._settle(future, error=RuntimeError("the encode this image joined stopped"))
-            if self._inflight.get(key) is future:
-                del self._inflight[key]
+            self._end_flight(key, future)
 
     def _release_later(self, store: Any, releases: list[tuple[str, str]]) -> None:
         """Release claims off the answer's path (one store call for them all)."""
