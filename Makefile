@@ -12,8 +12,7 @@ PY := $(VENV)/bin/python
 # with an 8 MiB L3 and AVX2 only, a CPU with a 32 MiB L3 and AVX512-BF16, an AMX Xeon reporting
 # a 480 MiB L3. `make test-profiles` runs the tests marked cpu_profile (batching, the service,
 # the CLI) under each, as if on that CPU (VITSERVE_CPU_LLC_BYTES / VITSERVE_CPU_BF16, see
-# encoder/device.py), so an outcome that leans on the host fails on every machine. The demo
-# test's small-cache case forces its own profile, so it runs once, in `make test`.
+# encoder/device.py), so an outcome that leans on the host fails on every machine.
 CPU_PROFILES ?= 8MiB:0 32MiB:1 480MiB:1
 
 .PHONY: install demo test test-profiles lint bench
@@ -40,7 +39,7 @@ test-profiles: install
 	  llc=$${profile%%:*}; bf16=$${profile##*:}; \
 	  echo "== CPU profile: last-level cache $$llc, native bf16 $$bf16"; \
 	  VITSERVE_CPU_LLC_BYTES=$$llc VITSERVE_CPU_BF16=$$bf16 \
-	    $(PY) -m pytest -q -m cpu_profile -k "not small-cache"; \
+	    $(PY) -m pytest -q -m cpu_profile; \
 	done
 
 lint: install

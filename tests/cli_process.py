@@ -16,14 +16,14 @@ from vitserve.encoder.device import HOST_OVERRIDE_VARS
 VITSERVE = str(Path(sys.executable).parent / "vitserve")
 
 
-def cli_env(cache: Path, profile: dict[str, str] | None = None) -> dict[str, str]:
+def cli_env(cache: Path) -> dict[str, str]:
     """This process's environment for the console script, offline, with the model cache
     ``cache``: no ``VITSERVE_*``, ``REDIS*`` or ``RAY_ADDRESS`` of the test session (but the
-    CPU-profile overrides a run may set), plus ``profile``."""
+    CPU-profile overrides a run may set)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("VITSERVE_", "REDIS", "RAY_ADDRESS"))
            or k in HOST_OVERRIDE_VARS}  # fmt: skip
-    return {**env, **(profile or {}), "VITSERVE_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
+    return {**env, "VITSERVE_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}  # fmt: skip
 
 

@@ -213,24 +213,38 @@ class App:
         text = self.client.get(f"{self.url}/metrics").text
         return [s for s in parse_metrics(text) if s[1].get("application") == self.name]
 
+    def page(self) -> Callable[..., float]:
+        """One fetch of /metrics: ``value(name, **labels)``, the sum of this application's
+        samples of ``name`` that match ``labels`` (a page is ~2 MB late in the suite: Ray keeps
+        the series of every application it served, so read several values from one)."""
+        samples = self.samples()
+
+        def value(name: str, **labels: str) -> float:
+            wanted = labels.items()
+            return sum(v for n, lab, v in samples
+                       if n == name and all(lab.get(k) == w for k, w in wanted))  # fmt: skip
+
+        return value
+
     def metric(self, name: str, **labels: str) -> float:
         """The sum of this application's samples of ``name`` that match ``labels``."""
-        return sum(
-            value
-            for n, lab, value in self.samples()
-            if n == name and all(lab.get(k) == v for k, v in labels.items())
-        )
+        return self.page()(name, **labels)
+
+    def wait_page(self, predicate: Callable[[Callable[..., float]], bool],
+                  timeout: float = 20) -> Callable[..., float]:  # fmt: skip
+        """Poll /metrics until ``predicate(page)`` holds (Ray reports every second here); the
+        last page either way."""
+        deadline = time.monotonic() + timeout
+        while True:
+            page = self.page()
+            if predicate(page) or time.monotonic() > deadline:
+                return page
+            time.sleep(0.5)
 
     def wait_metric(self, name: str, predicate: Callable[[float], bool], timeout: float = 20,
                     **labels: str) -> float:  # fmt: skip
-        """Poll /metrics until ``predicate(value)`` holds (Ray reports every second here);
-        the last value either way."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = self.metric(name, **labels)
-            if predicate(value) or time.monotonic() > deadline:
-                return value
-            time.sleep(0.5)
+        """``wait_page`` for one value; the last value either way."""
+        return self.wait_page(lambda page: predicate(page(name, **labels)), timeout)(name, **labels)
 
 
 @pytest.fixture(scope="session")
@@ -243,19 +257,33 @@ def serve_url(ray_cluster) -> Iterator[str]:
     serve.shutdown()
 
 
-# The applications the running test module deployed, as (remove, name): deleted when the module
-# ends (``_remove_module_apps``), so that a module never finds the session cluster's 2 CPUs
+# The applications the running test module deployed, as (registry, name): deleted when the
+# module ends (``_remove_module_apps``), so that a module never finds the session cluster's 2 CPUs
 # taken by the applications of the modules before it. ``keep=True`` exempts the session's
 # shared applications (``main_app``).
-_MODULE_APPS: list[tuple[Callable[[str], None], str]] = []
+_MODULE_APPS: list[tuple[dict[str, Any], str]] = []
+
+
+def _delete_apps(names: list[str], timeout: float = 120) -> None:
+    """Delete the applications ``names`` together and return once Serve has removed them (one
+    by one, each ``serve.delete`` waits ~3 s for its replicas to stop)."""
+    from ray import serve
+
+    for name in names:
+        serve.delete(name, _blocking=False)
+    deadline = time.monotonic() + timeout
+    while left := set(names) & set(serve.status().applications):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"applications not deleted after {timeout} s: {sorted(left)}")
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _remove_module_apps() -> Iterator[None]:
     start = len(_MODULE_APPS)
     yield
-    for remove, name in reversed(_MODULE_APPS[start:]):  # a prefill before its encoder
-        remove(name)
+    _delete_apps([name for registry, name in _MODULE_APPS[start:]
+                  if registry.pop(name, None) is not None])  # fmt: skip
     del _MODULE_APPS[start:]
 
 
@@ -283,27 +311,24 @@ def _wait_for_cpus(name: str, needed: float, timeout: float = 30) -> None:
 
 
 def _with_remove(deploy_fn: Callable[..., Any], apps: dict[str, Any]) -> Iterator[Any]:
-    """Yield ``deploy_fn`` with a ``remove(name)`` that deletes an application now: its CPU
+    """Yield ``deploy_fn`` with a ``remove(*names)`` that deletes applications now: their CPU
     share is free for the tests after it (the session's cluster has 2 CPUs). An application is
     deleted at the end of the module that deployed it, unless deployed with ``keep=True``
     (then at the session's end)."""
-    from ray import serve
 
-    def remove(name: str) -> None:
-        if apps.pop(name, None) is not None:
-            serve.delete(name)
+    def remove(*names: str) -> None:
+        _delete_apps([name for name in names if apps.pop(name, None) is not None])
 
     def deploy(name: str, *args: Any, keep: bool = False, **overrides: Any) -> Any:
         new = name not in apps
         app = deploy_fn(name, *args, **overrides)
         if new and not keep:
-            _MODULE_APPS.append((remove, name))
+            _MODULE_APPS.append((apps, name))
         return app
 
     deploy.remove = remove  # type: ignore[attr-defined]
     yield deploy
-    for name in list(apps):
-        serve.delete(name)
+    _delete_apps(list(apps))
 
 
 @pytest.fixture(scope="session")
@@ -353,6 +378,27 @@ def main_app(deploy: Callable[..., App]) -> App:
         limits={"max_images_per_request": 8, "max_request_bytes": 3 * 2**20,
                 "max_image_bytes": 2 * 2**20, "max_image_pixels": 4_000_000},
     )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def family_apps(deploy: Callable[..., App], tiny_models: dict[str, Path]) -> dict[str, App]:
+    """family -> an application serving that family's tiny model (fp32), for the modules that
+    need every family (``test_adapters``, ``test_prefill``): started at once (each takes seconds,
+    mostly its replicas' start-up) and kept for the session, so they start once."""
+    import concurrent.futures as cf
+
+    from vitserve.encoder.loading import load_preprocessor
+    from vitserve.encoder.testmodels import FAMILIES
+
+    for family in FAMILIES:  # transformers resolves classes lazily, not thread safe
+        load_preprocessor(str(tiny_models[family]))
+
+    def start(family: str) -> App:  # the smallest CPU shares: they hold them to the end
+        return deploy(f"fam-{family}", keep=True, model=str(tiny_models[family]),
+                      **{"encoder.num_cpus": 0.01, "ingress.num_cpus": 0.01})  # fmt: skip
+
+    with cf.ThreadPoolExecutor(len(FAMILIES)) as pool:
+        return dict(zip(FAMILIES, pool.map(start, FAMILIES), strict=True))
 
 
 @dataclass

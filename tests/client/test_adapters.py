@@ -21,12 +21,10 @@ deepstack features generate cannot pass).
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import io
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -76,29 +74,10 @@ def _fetch(app: Any) -> list[EmbeddingRecord]:
 
 
 @pytest.fixture(scope="module")
-def served(deploy, tiny_models) -> Iterator[dict[str, list[EmbeddingRecord]]]:
-    """family -> the two images' records, encoded and fetched through the client SDK from a
-    vitserve application serving that family's tiny model (fp32).
-
-    The five applications start at once (each takes seconds, mostly its replicas' start-up).
-    transformers resolves classes lazily, and that is not thread safe, so each model's config
-    and processor are read here first, as deploying does.
-    """
-    from vitserve.encoder.loading import load_preprocessor
-
-    for family in FAMILIES:
-        load_preprocessor(str(tiny_models[family]))
-
-    def start(family: str) -> list[EmbeddingRecord]:
-        app = deploy(f"adapt-{family}", model=str(tiny_models[family]),
-                     **{"encoder.num_cpus": 0.05, "ingress.num_cpus": 0.02})  # fmt: skip
-        return _fetch(app)
-
-    with cf.ThreadPoolExecutor(len(FAMILIES)) as pool:
-        records = dict(zip(FAMILIES, pool.map(start, FAMILIES), strict=True))
-    yield records
-    for family in FAMILIES:  # give later modules the cluster's CPU shares back
-        deploy.remove(f"adapt-{family}")
+def served(family_apps) -> dict[str, list[EmbeddingRecord]]:
+    """family -> the two images' records, encoded and fetched through the client SDK from the
+    session's application serving that family's tiny model (fp32)."""
+    return {family: _fetch(app) for family, app in family_apps.items()}
 
 
 def _model(path: Path, family: str) -> Any:

@@ -407,16 +407,9 @@ def _encoder_replicas(app_name: str) -> list[Any]:
 
 
 def test_an_encoder_restart_between_calls_is_retried(make_client, deploy) -> None:
-    app = deploy("client-restart")
-    try:
-        _restart(make_client, app)
-    finally:
-        deploy.remove(app.name)
-
-
-def _restart(make_client, app) -> None:
     import ray
 
+    app = deploy("client-restart")  # both client flavors kill its replica in turn
     patient = RetryPolicy(attempts=40, backoff_s=0.1, max_backoff_s=1.0, max_retry_after_s=1.0)
     client = make_client(app.url, retry=patient)
     first = client.encode(fresh_images(1))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import base64
 import concurrent.futures as cf
 import io
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,24 +67,16 @@ def chat_body(images: list[bytes], **extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def pairs(deploy, deploy_prefill, tiny_models) -> Iterator[dict[str, Any]]:
-    """family -> its prefill application (with its encoder application), started at once."""
-    from vitserve.encoder.loading import load_preprocessor
-
-    for family in FAMILIES:  # transformers resolves classes lazily, not thread safe
-        load_preprocessor(str(tiny_models[family]))
+def pairs(family_apps, deploy_prefill) -> dict[str, Any]:
+    """family -> its prefill application (over the session's encoder application of that
+    family), started at once."""
 
     def start(family: str) -> Any:
-        encoder = deploy(f"pfe-{family}", model=str(tiny_models[family]),
-                         **{"encoder.num_cpus": 0.05, "ingress.num_cpus": 0.02})  # fmt: skip
-        return deploy_prefill(f"pf-{family}", encoder, **{"prefill.num_cpus": 0.05})
+        return deploy_prefill(f"pf-{family}", family_apps[family], **{"prefill.num_cpus": 0.05})
 
     with cf.ThreadPoolExecutor(len(FAMILIES)) as pool:
         apps = dict(zip(FAMILIES, pool.map(start, FAMILIES), strict=True))
-    yield apps
-    for family in FAMILIES:
-        deploy_prefill.remove(f"pf-{family}")
-        deploy.remove(f"pfe-{family}")
+    return apps  # removed with the module, all five at once
 
 
 # -- the reference: the monolithic model on the pixels ------------------------------------------

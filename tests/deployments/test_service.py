@@ -12,6 +12,7 @@ import io
 import itertools
 import time
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -394,17 +395,20 @@ def test_metrics_route_exposes_the_service_metrics_and_they_move(main_app) -> No
     main_app.client.get(f"{main_app.url}/v1/embeddings/{key}")
     main_app.wait_metric("vitserve_bytes_fetched_total", lambda v: v > 0)
     time.sleep(3)  # idle for longer than Ray keeps a gauge nobody refreshes (2 intervals)
-    page = main_app.client.get(f"{main_app.url}/metrics")
-    assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
-    assert "ray_vitserve" not in page.text and "# TYPE vitserve_images_encoded_total" in page.text
+    response = main_app.client.get(f"{main_app.url}/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    assert "ray_vitserve" not in response.text
+    assert "# TYPE vitserve_images_encoded_total" in response.text
     names = {n for n, _, _ in main_app.samples()}
     assert set(METRICS) <= names, set(METRICS) - names
 
-    before = {n: main_app.metric(n) for n in METRICS}
+    page = main_app.page()
+    before = {n: page(n) for n in METRICS}
     stage_count = "vitserve_stage_seconds_count"
     store_count = "vitserve_store_round_trip_seconds_count"
-    stages = {s: main_app.metric(stage_count, stage=s) for s in STAGES}
-    store_ops = {op: main_app.metric(store_count, op=op) for op in STORE_OPS}
+    stages = {s: page(stage_count, stage=s) for s in STAGES}
+    store_ops = {op: page(store_count, op=op) for op in STORE_OPS}
     images = [fresh(448, 448), fresh(320, 240), fresh(200, 120)]
     keys = [i["key"] for i in main_app.encode(images).json()["items"]]
     main_app.encode(images[:1])  # a cache hit
@@ -412,14 +416,19 @@ def test_metrics_route_exposes_the_service_metrics_and_they_move(main_app) -> No
         main_app.client.get(f"{main_app.url}/v1/embeddings/{key}")
     moving = [n for n in METRICS if n not in ("vitserve_cache_evictions",
                                               "vitserve_single_flight_joins_total")]  # fmt: skip
-    after = {n: main_app.wait_metric(n, lambda v, n=n: v > before[n]) for n in moving}
-    after[METRICS[0]] = main_app.wait_metric(METRICS[0], lambda v: v >= before[METRICS[0]] + 3)
-    assert after["vitserve_images_encoded_total"] == before["vitserve_images_encoded_total"] + 3
-    stuck = [n for n, v in after.items() if v <= before[n]]
-    assert not stuck, stuck
-    # every stage of a new image's path and every store call on it is timed
-    for stage, was in stages.items():
-        assert main_app.wait_metric(stage_count, lambda v, w=was: v > w, stage=stage) > was, stage
-    for op, was in store_ops.items():
-        assert main_app.wait_metric(store_count, lambda v, w=was: v > w, op=op) > was, op
-    assert main_app.metric("vitserve_requests_total", route="encode", status="200") > 0
+
+    def stuck(page: Callable[..., float]) -> list[str]:
+        """What has not moved yet: every stage of a new image's path and every store call on
+        it is timed."""
+        return ([n for n in moving if page(n) <= before[n]]
+                + [s for s, w in stages.items() if page(stage_count, stage=s) <= w]
+                + [op for op, w in store_ops.items() if page(store_count, op=op) <= w])  # fmt: skip
+
+    def encoded(page: Callable[..., float]) -> float:
+        return page(METRICS[0]) - before[METRICS[0]]
+
+    # one /metrics fetch per poll for every value (a fetch takes ~1 s late in the suite)
+    page = main_app.wait_page(lambda page: not stuck(page) and encoded(page) >= 3)
+    assert not stuck(page), stuck(page)
+    assert encoded(page) == 3
+    assert page("vitserve_requests_total", route="encode", status="200") > 0
