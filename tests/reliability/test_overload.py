@@ -292,9 +292,9 @@ def test_64_images_at_2k_encode_within_the_activation_budget(
     """Engine level, in a fresh process with an encoder replica's allocator settings
     (``WORKER_ENV``, and the engine's own tuning): every image is encoded in several forwards;
     one forward (measured alone) stays within the budget and some slack (a 2-image forward
-    measured +215 to +500 MiB on the AMX Xeon, its estimate 434); the whole run's peak stays within the budget, the outputs and what the tuned
-    allocator keeps (``RETAINED_BYTES``) -- far from the ~14 GiB estimated for the 64 images in
-    one forward."""
+    measured +215 to +500 MiB on the AMX Xeon, its estimate 434); the whole run's peak stays
+    within the budget, the outputs and what the tuned allocator keeps (``RETAINED_BYTES``) --
+    far from the ~14 GiB estimated for the 64 images in one forward."""
     import json
 
     from vitserve.deployments.app import WORKER_ENV
