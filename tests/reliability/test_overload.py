@@ -277,8 +277,8 @@ print(json.dumps({"seconds": seconds, "forwards": len(plan.batches), "before": b
                   "output_bytes": sum(e.tensor.nbytes for e in out)}))
 """
 #: what the tuned allocator may keep beyond one forward's activations over a whole run: freed
-#: buffers stranded between forwards (this run measured +458 to +881 MiB over the inputs in
-#: nine runs on a 2-vCPU AMX Xeon, budget 512 MiB, outputs 30 MiB; +272 and +382 MiB on a
+#: buffers stranded between forwards (this run measured +362 to +881 MiB over the inputs in
+#: eleven runs on a 2-vCPU AMX Xeon, budget 512 MiB, outputs 30 MiB; +272 and +382 MiB on a
 #: 2-vCPU EPYC, one image per forward)
 RETAINED_BYTES = LARGE_BUDGET
 
