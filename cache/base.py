@@ -22,6 +22,10 @@ Invariants:
   Redis stores do): ``lookup_or_claim`` answers per key with its header, or else claims it
   (``WON``) or finds it claimed (``BUSY``); ``put_values(..., release=...)`` publishes and
   drops the claims in the same call.
+* ``lookup_states`` is how single flight watches keys others claimed: per key its header, or
+  whether someone holds its claim (:class:`Pending`), in one backend round trip for any number
+  of keys where the backend allows (node and Redis stores do); it claims nothing and counts no
+  miss.
 * A store that cannot reach its backend raises ``StoreUnavailableError`` (retryable) within its
   configured timeout; it never hangs.
 """
@@ -57,6 +61,13 @@ class Claim(enum.Enum):
 
     WON = "won"  # the caller's token now holds the claim: encode, then publish and release
     BUSY = "busy"  # someone else holds it: wait for their publish (``wait_for``)
+
+
+class Pending(enum.Enum):
+    """``lookup_states``' answer for a key the store does not hold."""
+
+    CLAIMED = "claimed"  # someone holds its claim: its value may still come
+    FREE = "free"  # nobody does (released or expired): nothing comes unless someone claims it
 
 
 def buffer_nbytes(value: Buffer) -> int:
@@ -257,6 +268,31 @@ class EmbeddingStore(ABC):
         default makes one call per missing key; remote backends override it with one."""
         heads = self._get_heads(full_keys)
         return [head if head is not None else self._claim(fk, ttl_s, token)
+                for fk, head in zip(full_keys, heads, strict=True)]  # fmt: skip
+
+    def lookup_states(self, keys: Sequence[str]) -> list[Header | Pending]:
+        """Per key, in one backend round trip where the backend allows: the header of the value
+        the store holds, else whether someone holds a claim on it (:class:`Pending`). Claims
+        nothing; a held value that fails the header checks counts as an integrity miss and
+        answers as an absent one."""
+        full_keys = [self.full_key(k) for k in keys]
+        out: list[Header | Pending] = []
+        for key, fk, answer in zip(keys, full_keys, self._lookup_states(full_keys), strict=True):
+            if isinstance(answer, bool):
+                out.append(Pending.CLAIMED if answer else Pending.FREE)
+                continue
+            header = self._header_of(key, answer)
+            if header is None:  # an invalid value (dropped where the store can): not there
+                header = Pending.CLAIMED if self._claimed(fk) else Pending.FREE
+            out.append(header)
+        return out
+
+    def _lookup_states(self, full_keys: list[str]) -> list[Buffer | bool]:
+        """Per key its head bytes (as ``_get_heads``), else whether anyone holds an unexpired
+        claim on it. This default makes one call per missing key; remote backends override it
+        with one."""
+        heads = self._get_heads(full_keys)
+        return [head if head is not None else self._claimed(fk)
                 for fk, head in zip(full_keys, heads, strict=True)]  # fmt: skip
 
     def _get_heads(self, full_keys: list[str]) -> list[Buffer | None]:

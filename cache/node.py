@@ -268,6 +268,13 @@ class NodeStoreActor:
                            self._claim(fk, ttl_s, token, give_up_at))  # fmt: skip
             return out
 
+    def states(self, full_keys: list[str]) -> list[bytes | bool]:
+        """Per key its header bytes (marking it used), else whether a live claim holds it."""
+        with self._lock:
+            now = time.monotonic()
+            return [held.head if (held := self._lru.get(fk, now)) is not None else
+                    self._live_claim(fk, now) is not None for fk in full_keys]  # fmt: skip
+
     def exists(self, full_keys: list[str]) -> list[bool]:
         with self._lock:
             now = time.monotonic()
@@ -603,6 +610,9 @@ class NodeStore(EmbeddingStore):
     def _lookup_or_claim(self, full_keys: list[str], ttl_s: float,
                          token: str) -> list[Buffer | bool]:  # fmt: skip
         return self._claiming("lookup_or_claim", full_keys, ttl_s, token)
+
+    def _lookup_states(self, full_keys: list[str]) -> list[Buffer | bool]:
+        return self._call("states", lambda a: a.states.remote(full_keys))
 
     def _delete(self, full_keys: list[str]) -> int:
         with self._kept_lock:

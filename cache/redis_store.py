@@ -305,6 +305,29 @@ class RedisStore(EmbeddingStore):
         return heads
 
     @_guarded
+    def _lookup_states(self, full_keys: list[str]) -> list[Buffer | bool]:
+        """One pipeline: GETRANGE of each value's first 4 KiB and EXISTS of its claim."""
+        if not full_keys:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        for fk in full_keys:
+            pipe.getrange(self._vkey(fk), 0, HEAD_READ - 1)
+            pipe.exists(self._ckey(fk))
+        answers = pipe.execute()
+        out: list[Buffer | bool] = []
+        for i, fk in enumerate(full_keys):
+            head, claimed = answers[2 * i], answers[2 * i + 1]
+            if not head:
+                out.append(bool(claimed))
+                continue
+            try:
+                long_header = header_bytes_needed(head) > len(head) == HEAD_READ
+            except RecordFormatError:
+                long_header = False
+            out.append(self._get_head(fk) or head if long_header else head)
+        return out
+
+    @_guarded
     def _get_spans_many(self, items: list[tuple[str, list[RowSpan]]]
                         ) -> list[list[Buffer] | None]:  # fmt: skip
         """Every span of every value in one pipeline of GETRANGE."""

@@ -131,6 +131,23 @@ class TieredStore(EmbeddingStore):
                 answers[i] = answer
         return answers  # type: ignore[return-value]
 
+    def _lookup_states(self, full_keys: list[str]) -> list[Buffer | bool]:
+        """The local tier's heads; the rest in one call to the shared tier (its header, or
+        whether its claim is held), falling back to the local tier's claims (those taken while
+        the shared tier was down) when it is unavailable."""
+        answers: list[Buffer | bool | None] = list(self.local._get_heads(full_keys))
+        missing = [i for i, a in enumerate(answers) if a is None]
+        if missing:
+            fks = [full_keys[i] for i in missing]
+            try:
+                shared = self.shared._lookup_states(fks)
+            except StoreUnavailableError:
+                self._count("shared_unavailable")
+                shared = [self.local._claimed(fk) for fk in fks]
+            for i, answer in zip(missing, shared, strict=True):
+                answers[i] = answer
+        return answers  # type: ignore[return-value]
+
     def _put_and_release(self, items: list[tuple[str, Buffer]], ttl_s: float | None,
                          releases: list[tuple[str, str]]) -> None:  # fmt: skip
         try:

@@ -89,6 +89,9 @@ class NamespaceView(EmbeddingStore):
                          token: str) -> list[Buffer | bool]:  # fmt: skip
         return self.root._lookup_or_claim(full_keys, ttl_s, token)
 
+    def _lookup_states(self, full_keys: list[str]) -> list[Buffer | bool]:
+        return self.root._lookup_states(full_keys)
+
     def _delete(self, full_keys: list[str]) -> int:
         return self.root._delete(full_keys)
 

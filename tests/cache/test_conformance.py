@@ -231,6 +231,28 @@ def test_lookup_or_claim_answers_headers_or_claims_and_publish_releases(make_sto
     assert ingress.lookup_or_claim([bad], ttl_s=10) == [Claim.WON]
 
 
+def test_lookup_states_answers_headers_or_whether_a_claim_is_held(make_store) -> None:
+    """What single flight polls: held -> its header; claimed -> CLAIMED until the claim is
+    released or expires -> FREE; claims nothing itself and counts no miss."""
+    from vitserve.cache.base import Pending
+
+    a = make_store()
+    b = make_store.peer(a)
+    held, claimed, free, expiring = make_record(rows=4, seed=41), new_key(), new_key(), new_key()
+    a.put_many([held])
+    assert b.claim(claimed, ttl_s=10, token="t") and b.claim(expiring, ttl_s=0.3, token="t")
+    misses = a.stats()["misses"]
+    answers = a.lookup_states([held.key, claimed, free, expiring])
+    assert answers[0].key == held.key and answers[0].num_tokens == 4
+    assert answers[1:] == [Pending.CLAIMED, Pending.FREE, Pending.CLAIMED]
+    assert a.stats()["misses"] == misses  # a poll is not a lookup
+    assert a.claim(free, ttl_s=10)  # lookup_states claimed nothing
+    b.release(claimed, token="t")
+    time.sleep(0.6)
+    assert a.lookup_states([claimed, expiring]) == [Pending.FREE, Pending.FREE]
+    assert a.lookup_states([]) == []
+
+
 def test_namespaces_are_isolated(make_store) -> None:
     tenant_a = make_store(namespace="tenant-a-" + new_key()[:8])
     tenant_b = make_store(namespace="tenant-b-" + new_key()[:8])
