@@ -37,6 +37,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from vitserve.encoder.device import (
     default_budget_bytes,
     default_dtype,
@@ -51,9 +53,11 @@ from vitserve.encoder.images import DEFAULT_LIMITS, ImageLimits
 from vitserve.encoder.loading import LoadReport, load_vision
 from vitserve.encoder.planner import Plan, PlanItem, plan_batches
 from vitserve.encoder.preprocess import Preprocessor
+from vitserve.encoder.work import Capacity, Terms
 from vitserve.errors import ConfigError, ImageError
 from vitserve.keys import content_key, model_fingerprint
 
+_EMPTY = np.empty(0, np.float32)
 # What batching may change an embedding by, per dtype, in ulps of its largest magnitude.
 BATCH_TOLERANCE_ULPS = {"fp32": 8.0, "bf16": 2.0}
 
@@ -231,6 +235,27 @@ class EncoderEngine:
             for i, p in enumerate(prepared)
         ]
         return plan_batches(items, self.budget_bytes, max_batch_patches=self.max_batch_patches)
+
+    def terms(self, *, max_image_pixels: int, max_patches: int | None = None,
+              max_bytes: int | None = None) -> Terms:  # fmt: skip
+        """What a service admits of this engine's work (``vitserve.encoder.work``): the
+        family's resize rule, the default :class:`Capacity` (from the activation budget and
+        the costliest image of ``max_image_pixels``; ``max_patches`` / ``max_bytes`` replace
+        it) and the bytes of one output row."""
+        rule = self.adapter.resize_rule()
+        largest = rule.largest(max_image_pixels)
+        patches = max(largest.patches, 1)  # its sequence: the patches, and a CLS row at most
+        probe = PreparedImage(key="", pixels=_EMPTY, grid=None, num_tokens=0, patches=patches,
+                              seq_len=patches + 1, bucket=None)  # fmt: skip
+        act = max(1, self.adapter.activation_bytes(probe))
+        forward = max(1, self.budget_bytes // act) * probe.patches
+        if self.max_batch_patches is not None:  # the CPU cap (one image over it runs alone)
+            forward = min(forward, max(self.max_batch_patches, probe.patches))
+        capacity = Capacity.derived(budget_bytes=self.budget_bytes, forward_patches=forward,
+                                    largest=largest, max_patches=max_patches,
+                                    max_bytes=max_bytes)  # fmt: skip
+        row = sum(self.adapter.output_widths().values()) * self.dtype.itemsize
+        return Terms(rule=rule, capacity=capacity, row_bytes=row)
 
     def run(self, prepared: Sequence[PreparedImage], plan: Plan | None = None) -> list[Embedding]:
         """Encode prepared images: one forward per planned batch; results in input order."""

@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_LIMITS",
     "ImageLimits",
     "decode_image",
+    "image_header",
     "image_size",
 ]
 
@@ -116,13 +117,25 @@ def image_size(
     errors) but decodes no pixels. The EXIF orientation is taken into account as far as the
     header tells it (a PNG ``eXIf`` chunk placed after the pixel data is not seen).
     """
+    width, height, _ = image_header(data, index=index, limits=limits)
+    return width, height
+
+
+def image_header(
+    data: bytes | bytearray | memoryview,
+    *,
+    index: int = 0,
+    limits: ImageLimits = DEFAULT_LIMITS,
+) -> tuple[int, int, str]:
+    """``(width, height, mode)``: :func:`image_size` and the PIL mode of the stored pixels
+    (what decoding them costs depends on it), from the header only, with the same checks."""
     with _open_checked(data, index, limits) as im:
         width, height = im.size
         # Image.Image.getexif reads the parsed header metadata; PngImageFile.getexif would load
         # the pixels to look for a trailing eXIf chunk.
         if _orientation(im, Image.Image.getexif) in _EXIF_TRANSPOSED:
-            return height, width
-        return width, height
+            return height, width, im.mode
+        return width, height, im.mode
 
 
 def _open_checked(

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from vitserve.encoder.work import ResizeRule
+
 if TYPE_CHECKING:
     import torch
     from PIL import Image
@@ -133,6 +135,16 @@ class FamilyAdapter(ABC):
         """One tower forward and one projector/merger call over ``batch`` (one bucket)."""
 
     # -- description -------------------------------------------------------------------------
+    @abstractmethod
+    def resize_rule(self) -> ResizeRule:
+        """How this family's image processor sizes an image (what an image costs, from its
+        header alone: ``vitserve.encoder.work``)."""
+
+    @abstractmethod
+    def output_widths(self) -> dict[str, int]:
+        """The width of each tensor of an image's output, by record name (``embedding``, then
+        the extras): what one row of its record holds."""
+
     @property
     @abstractmethod
     def tower_shape(self) -> TowerShape:

@@ -25,6 +25,7 @@ from vitserve.encoder.families.base import (
     TowerShape,
     pack_rows,
 )
+from vitserve.encoder.work import ResizeRule
 from vitserve.errors import ModelLoadError
 
 # Hub checkpoints put the tower and projector at the top level (and the tower's weights under
@@ -75,6 +76,18 @@ class FixedSizeAdapter(FamilyAdapter):
 
     def num_tokens(self, patches: int) -> int:
         return patches
+
+    def resize_rule(self) -> ResizeRule:
+        """Every image becomes one array of the processor's output size: read off a blank
+        image once (no weights needed)."""
+        from PIL import Image
+
+        channels, height, width = self.preprocess(Image.new("RGB", (8, 8)), "").pixels.shape
+        return ResizeRule(patch_size=int(self.config.vision_config.patch_size),
+                          channels=int(channels), fixed=(int(height), int(width)))  # fmt: skip
+
+    def output_widths(self) -> dict[str, int]:
+        return {"embedding": int(self.config.text_config.hidden_size)}  # the projector's out
 
     def preprocess(self, image: Any, key: str) -> PreparedImage:
         out = self.processor(images=[image], return_tensors="np")

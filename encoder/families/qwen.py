@@ -25,6 +25,7 @@ from vitserve.encoder.families.base import (
     TowerShape,
     pack_rows,
 )
+from vitserve.encoder.work import ResizeRule
 
 _TOWER_CLASSES = {
     "qwen2_vl": (
@@ -83,6 +84,22 @@ class QwenAdapter(FamilyAdapter):
             "family": self.config.model_type,
             "deepstack": list(getattr(v, "deepstack_visual_indexes", None) or []),
         }
+
+    def resize_rule(self) -> ResizeRule:
+        p = self.processor
+        return ResizeRule(patch_size=int(p.patch_size), channels=3,
+                          merge_size=int(p.merge_size),
+                          temporal_patch_size=int(p.temporal_patch_size),
+                          min_pixels=int(p.size.shortest_edge),
+                          max_pixels=int(p.size.longest_edge))  # fmt: skip
+
+    def output_widths(self) -> dict[str, int]:
+        v = self.config.vision_config
+        # Qwen2-VL's merger projects to the vision config's hidden_size (the LLM's); 2.5 and 3
+        # name it out_hidden_size. Qwen3-VL's deepstack features have the same width.
+        width = int(v.hidden_size if self.config.model_type == "qwen2_vl" else v.out_hidden_size)
+        deepstack = getattr(v, "deepstack_visual_indexes", None) or []
+        return {"embedding": width} | {f"deepstack_{j}": width for j in range(len(deepstack))}
 
     def preprocess(self, image: Any, key: str) -> PreparedImage:
         out = self.processor(images=[image], return_tensors="np")

@@ -1,0 +1,160 @@
+"""What an image costs the encoder, read from its header before any pixel is decoded.
+
+An image's cost is an :class:`ImageWork`: the patches its forward runs, the bytes of the pixel
+arrays the encoder holds from its preparation until its forward (``prepared_bytes``), and the
+bytes its decoding and preprocessing take on top while they run (``decode_bytes``). A family's
+:class:`ResizeRule` (``FamilyAdapter.resize_rule()``) computes it from the image's width,
+height and mode the way the family's image processor will size the image. The service admits
+work by these figures (``vitserve.deployments.admission``): a flat 6000x6000 PNG is ~120 KB on
+the wire and ~500 MB while it is decoded.
+
+Light on purpose: the standard library only (the HTTP ingress imports it, without torch).
+
+Invariants:
+
+* ``patches`` and ``prepared_bytes`` are exactly what preprocessing the image produces
+  (``PreparedImage.patches`` and ``pixels.nbytes``), for every family (tested per family over
+  many sizes); an image the processor refuses (Qwen: an aspect ratio over 200) costs its
+  decoding only.
+* ``decode_bytes`` over-estimates the peak memory that decoding and preprocessing one image
+  add (:data:`DECODE_BYTES_PER_PIXEL`, measured per mode class).
+* A :class:`Capacity` admits at least one image of the largest size the request limits let
+  through: such an image is never refused as too much work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: Peak bytes per decoded pixel that decoding (PIL stores RGB in 4 bytes a pixel), the RGB
+#: conversion and the image processor's arrays add, over-estimated by mode class. Measured on
+#: the tiny test models (peak RSS growth of ``Preprocessor.prepare``, 3000-6000 px squares):
+#: RGB PNG 14.1, RGB JPEG 17.7, CMYK JPEG 16.1, palette 14.3, RGBA 20.2, LA 20.3 B/px; 16-bit
+#: grayscale 28.2 B/px (scaled through float64 first).
+DECODE_BYTES_PER_PIXEL = 24
+HIGH_DEPTH_DECODE_BYTES_PER_PIXEL = 32
+HIGH_DEPTH_MODES = ("I", "F", "I;16")  # prefixes of PIL modes with more than 8 bits a sample
+#: Qwen's processors refuse an image whose sides differ by more than this factor
+MAX_ASPECT_RATIO = 200
+#: the admission's default patch capacity holds this many full forwards (see Capacity)
+QUEUE_FORWARDS = 4
+_FLOAT32 = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ImageWork:
+    """One image's cost (see the module): patches, pixel-array bytes held until its forward,
+    and bytes its decoding and preprocessing add while they run."""
+
+    patches: int
+    prepared_bytes: int
+    decode_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResizeRule:
+    """How a family's image processor sizes an image, as plain numbers.
+
+    Packed variable-resolution processors (Qwen): the image is resized to multiples of
+    ``patch_size * merge_size`` with its pixel count brought within ``[min_pixels,
+    max_pixels]``, keeping its aspect ratio; each patch holds ``channels * temporal_patch_size *
+    patch_size**2`` values. Fixed-size processors (CLIP, SigLIP): every image becomes one
+    ``fixed = (height, width)`` array of ``channels`` planes.
+    """
+
+    patch_size: int
+    channels: int = 3
+    merge_size: int = 1
+    temporal_patch_size: int = 1
+    min_pixels: int = 0
+    max_pixels: int = 0
+    fixed: tuple[int, int] | None = None
+
+    def resized(self, width: int, height: int) -> tuple[int, int] | None:
+        """``(height, width)`` after the processor's resize; None if it refuses the image."""
+        if self.fixed is not None:
+            return self.fixed
+        if width <= 0 or height <= 0 or max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+            return None
+        factor = self.patch_size * self.merge_size
+        h_bar = round(height / factor) * factor
+        w_bar = round(width / factor) * factor
+        if h_bar * w_bar > self.max_pixels:
+            beta = math.sqrt((height * width) / self.max_pixels)
+            h_bar = max(factor, math.floor(height / beta / factor) * factor)
+            w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        elif h_bar * w_bar < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h_bar = math.ceil(height * beta / factor) * factor
+            w_bar = math.ceil(width * beta / factor) * factor
+        return h_bar, w_bar
+
+    @property
+    def values_per_patch(self) -> int:
+        return self.channels * self.temporal_patch_size * self.patch_size**2
+
+    def largest(self, max_image_pixels: int) -> ImageWork:
+        """The costliest image of at most ``max_image_pixels`` pixels: the most patches the
+        processor makes of any image, and a high-depth decoding of that many pixels."""
+        decode = HIGH_DEPTH_DECODE_BYTES_PER_PIXEL * max_image_pixels
+        p = self.patch_size
+        if self.fixed is not None:
+            h, w = self.fixed
+            return ImageWork((h // p) * (w // p), self.channels * h * w * _FLOAT32, decode)
+        patches = self.max_pixels // (p * p)
+        return ImageWork(patches, patches * self.values_per_patch * _FLOAT32, decode)
+
+    def work(self, width: int, height: int, mode: str = "RGB") -> ImageWork:
+        """The cost of an image of ``width`` x ``height`` pixels in PIL ``mode``."""
+        per_pixel = (HIGH_DEPTH_DECODE_BYTES_PER_PIXEL if mode.startswith(HIGH_DEPTH_MODES)
+                     else DECODE_BYTES_PER_PIXEL)  # fmt: skip
+        decode = per_pixel * width * height
+        size = self.resized(width, height)
+        if size is None:
+            return ImageWork(0, 0, decode)
+        h, w = size
+        p = self.patch_size
+        patches = (h // p) * (w // p)
+        if self.fixed is not None:
+            return ImageWork(patches, self.channels * h * w * _FLOAT32, decode)
+        return ImageWork(patches, patches * self.values_per_patch * _FLOAT32, decode)
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """What one encoder replica admits at once: patches, and bytes (prepared pixel arrays plus
+    the decoding under way)."""
+
+    max_patches: int
+    max_bytes: int
+
+    @classmethod
+    def derived(cls, *, budget_bytes: int, forward_patches: int, largest: ImageWork,
+                max_patches: int | None = None,
+                max_bytes: int | None = None) -> Capacity:  # fmt: skip
+        """The default capacity, from the activation budget: bytes, the budget (inputs waiting
+        for the device take at most what one forward's activations may); patches,
+        ``QUEUE_FORWARDS`` full forwards (``forward_patches``: what one forward under the budget
+        holds). Each at least what one ``largest`` image needs; ``max_patches`` /
+        ``max_bytes`` given replace the defaults."""
+        need = largest.prepared_bytes + largest.decode_bytes
+        return cls(
+            max_patches=max_patches or max(QUEUE_FORWARDS * forward_patches, largest.patches, 1),
+            max_bytes=max_bytes or max(budget_bytes, need, 1),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Terms:
+    """What the HTTP ingress needs to know of the encoder to refuse work at the door, before
+    any pixel is decoded or any store is asked: how images are sized, what one replica admits,
+    and the bytes of one embedding row (all tensors of a record: what a row read costs)."""
+
+    rule: ResizeRule
+    capacity: Capacity
+    row_bytes: int
+
+
+__all__ = ["DECODE_BYTES_PER_PIXEL", "QUEUE_FORWARDS", "Capacity", "ImageWork", "ResizeRule",
+           "Terms"]  # fmt: skip
