@@ -51,6 +51,16 @@ class LimitsConfig(_Strict):
     max_keys_per_probe: int = Field(1024, gt=0)
 
 
+class AdmissionConfig(_Strict):
+    """The work one encoder replica admits at once (``vitserve.deployments.admission``):
+    patches, and bytes (prepared pixel arrays and the decodings under way), both taken from
+    each image's header before it is decoded. None: derived from the activation budget
+    (``vitserve.encoder.work.Capacity.derived``)."""
+
+    max_patches: int | None = Field(None, gt=0)
+    max_bytes: int | None = Field(None, gt=0)
+
+
 class BatchingConfig(_Strict):
     """How the encoder's device queue forms forwards (see vitserve.deployments.device_queue)."""
 
@@ -206,6 +216,7 @@ class VitserveConfig(_Strict):
     # deployment (CPU replicas that scale apart from the encoders). See the README.
     preprocess_at: Literal["encoder", "ingress", "deployment"] = "encoder"
     limits: LimitsConfig = LimitsConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     single_flight: SingleFlightConfig = SingleFlightConfig()
     encoder: DeploymentConfig = DeploymentConfig(num_cpus=1.0, max_ongoing_requests=256)
     preprocess: DeploymentConfig = DeploymentConfig(num_cpus=0.5)

@@ -20,9 +20,12 @@ after; one new 448px image 85.9 ms p50 before, 61-65 ms after. Serve's batching 
 and its ``max_batch_size`` must be set per replica from outside the decorator; one queue that
 knows when the device is free states the whole rule in one place.
 
-Invariants: every submitted image's future is settled exactly once, with its result or with the
-error of its step (a failing step fails its own images only, and the loop goes on); the queue
-holds no state outside its instance.
+Admission (``vitserve.deployments.admission``) happens before an image reaches the queue: what it
+holds is bounded by the replica's work budget, not by this class.
+
+Invariants: every queued image's future is settled exactly once, with its result or with the
+error of its step (a failing step fails its own images only, and the loop goes on), whether or
+not its caller still awaits it; the queue holds no state outside its instance.
 """
 
 from __future__ import annotations
@@ -63,18 +66,25 @@ class DeviceQueue:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
 
-    async def submit(self, prepared: Sequence[Any], publish: Sequence[Any]) -> list[Any]:
-        """Queue images (with what publishing each needs); their results in order (an image's
-        step error is raised here)."""
+    def enqueue(self, prepared: Sequence[Any], publish: Sequence[Any]) -> list[asyncio.Future]:
+        """Queue images (with what publishing each needs); the future of each, settled with its
+        result or its step's error. The images run whether or not anyone awaits the futures
+        (a caller that goes away leaves its images to finish and publish)."""
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
         work = [Work(p, now, w, loop.create_future())
                 for p, w in zip(prepared, publish, strict=True)]  # fmt: skip
+        if not work:
+            return []
         self._queued.extend(work)
         self._wakeup.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop())
-        return list(await asyncio.gather(*(w.future for w in work)))
+        return [w.future for w in work]
+
+    async def submit(self, prepared: Sequence[Any], publish: Sequence[Any]) -> list[Any]:
+        """``enqueue``, then the results in order (an image's step error is raised here)."""
+        return list(await asyncio.gather(*self.enqueue(prepared, publish)))
 
     def queued_patches(self) -> int:
         """Patches waiting for the device (not yet in a step)."""

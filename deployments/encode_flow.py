@@ -4,19 +4,26 @@ Per request, never per image:
 
 1. **One store round trip**: ``lookup_or_claim`` of every distinct key. Held keys are answered
    from their headers (``cached: true``); each new image is claimed for this request's token
-   (or found claimed by someone else). An all-cached request ends here: no encoder call.
+   (or found claimed by someone else). An all-cached request ends here: no encoder call. A
+   new image that another request on this ingress is encoding is joined here (single flight,
+   ``vitserve.deployments.single_flight``): it does not travel to the encoder again.
 2. **One encoder call** with all the request's new images (an :class:`EncodeBatch`), plus one
    preprocess call first when ``preprocess_at`` is ``deployment`` (its answer goes to the
    encoder by reference; the pixels never pass through the ingress). With ``ingress`` the
    images are preprocessed here, in a worker thread.
 3. The encoder publishes each embedding and releases its claim in one store call.
 
-The same image twice in a request is encoded once. A full encoder queue raises
-:class:`~vitserve.errors.BackpressureError` (the API's 429), an encoder (or preprocess)
+The same image twice in a request is encoded once. A full encoder queue, or an encoder replica
+whose admitted work leaves no room for the request's (``vitserve.deployments.admission``),
+raises :class:`~vitserve.errors.BackpressureError` (the API's 429), an encoder (or preprocess)
 replica that died or is restarting :class:`~vitserve.errors.ServiceUnavailableError` (503,
 retryable); either way the request's claims are released. A store that fails the lookup
-does not fail the request: its images are encoded unclaimed (``NONE``; single flight then
-holds within a replica only).
+does not fail the request: its images are encoded unclaimed (``ClaimState.UNCLAIMED``; single
+flight then holds within a replica only).
+
+Once its images are claimed, a request's flow runs to its end even if its caller goes away (the
+client disconnected): its claims are then published or released, never left to their ttl, and
+the encoder's admission counts its work until it ends.
 
 Namespaces: a request is served by one store, its namespace's (with auth on, the caller's
 tenant's view of the ingress's store; see ``vitserve.deployments.auth``). Its lookups, claims
@@ -39,19 +46,18 @@ from vitserve.cache.base import Claim
 from vitserve.deployments import metrics
 from vitserve.deployments.config import VitserveConfig
 from vitserve.deployments.encoder import (
-    BUSY,
-    NONE,
-    WON,
     EncodeBatch,
     describe_header,
     error_item,
     prepare_all,
 )
+from vitserve.deployments.single_flight import ClaimState, Role, SingleFlight
 from vitserve.errors import (
     BackpressureError,
     CacheMissError,
     ServiceUnavailableError,
     StoreError,
+    VitserveError,
     actor_unavailable_errors,
 )
 
@@ -64,6 +70,15 @@ def backpressure(exc: Exception) -> BackpressureError | None:
 
     if isinstance(exc, BackPressureError):  # args: num_queued_requests, max_queued_requests
         return BackpressureError(queued=exc.args[0], limit=exc.args[1])
+    return None
+
+
+def raised_remotely(exc: Exception) -> VitserveError | None:
+    """The vitserve error a replica raised (Ray hands it over wrapped: a ``RayTaskError`` whose
+    message is the remote traceback), or None for other errors."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, VitserveError):
+        return cause
     return None
 
 
@@ -91,12 +106,18 @@ class EncodeFlow:
         self.encoder = encoder
         self.preprocess = preprocess  # the preprocess deployment's handle (``deployment``)
         self.preprocessor = preprocessor  # a Preprocessor (``ingress``)
-        self._background: set[asyncio.Task] = set()
+        self.flights = SingleFlight()  # this ingress's flights, and the claims it releases
 
     async def encode(self, items: list[bytes | str], keys: list[str],
                      store: Any = None) -> list[dict[str, Any]]:  # fmt: skip
         """``items``: image bytes, or a key the caller believes held; ``keys`` their keys (in
-        ``store``'s namespace; ``store`` None: this flow's store, the config's namespace)."""
+        ``store``'s namespace; ``store`` None: this flow's store, the config's namespace). Runs
+        as a task of its own: cancelling the caller leaves it to finish (module)."""
+        work = asyncio.create_task(self._encode(items, keys, store))
+        return await asyncio.shield(work)
+
+    async def _encode(self, items: list[bytes | str], keys: list[str],
+                      store: Any = None) -> list[dict[str, Any]]:  # fmt: skip
         store = self.store if store is None else store
         distinct = list(dict.fromkeys(keys))
         # One token per request: releasing this request's claims (after a failed encoder call)
@@ -113,7 +134,7 @@ class EncodeFlow:
         new: list[str] = []
         unneeded: list[tuple[str, str]] = []  # claims on keys nobody sent pixels for
         for key, answer in answer_of.items():
-            if not isinstance(answer, (Claim, str)):  # a header: held
+            if answer is not None and not isinstance(answer, Claim):  # a header: held
                 results[key] = {**describe_header(answer), "cached": True}
                 metrics.inc("cache_hits_total")
             elif key not in data_of:
@@ -124,20 +145,53 @@ class EncodeFlow:
             else:
                 new.append(key)
                 metrics.inc("cache_misses_total")
-        if unneeded:
-            self._release_later(store, unneeded)
         if new:
-            claims = [answer_of[k] for k in new]
-            batch = EncodeBatch(
-                keys=new, indices=[index_of[k] for k in new],
-                claims=[c.value if isinstance(c, Claim) else c for c in claims],
-                token=token, images=[data_of[k] for k in new], namespace=store.namespace,
-            )  # fmt: skip
-            for key, result in zip(new, await self._call_encoder(batch, store), strict=True):
-                results[key] = {**result, "cached": False} if "error" not in result else result
+            await self._encode_new(new, [ClaimState.of(answer_of[k]) for k in new], data_of,
+                                   index_of, token, store, results, unneeded)  # fmt: skip
+        else:
+            self.flights.release_later(store, unneeded)
         return [{**results[k]} for k in keys]
 
-    async def _lookup_or_claim(self, store: Any, keys: list[str], token: str) -> list[Any]:
+    async def _encode_new(self, new: list[str], states: list[ClaimState],
+                          data_of: dict[str, bytes], index_of: dict[str, int], token: str,
+                          store: Any, results: dict[str, dict[str, Any]],
+                          releases: list[tuple[str, str]]) -> None:  # fmt: skip
+        """The request's new images: each one a request on this ingress is encoding already
+        is joined here (single flight from the moment of the claim, before any preprocessing);
+        the others go to the encoder in one call, and the flights they lead here end with it."""
+        roles = self.flights.roles(new, states)
+        futures = self.flights.begin(new, roles)
+        send = [i for i, r in enumerate(roles) if r is not Role.JOIN]
+        releases += [(new[i], token) for i, r in enumerate(roles)
+                     if r is Role.JOIN and states[i] is ClaimState.WON]  # fmt: skip
+        self.flights.release_later(store, releases)
+        try:
+            if send:
+                batch = EncodeBatch(
+                    keys=[new[i] for i in send], indices=[index_of[new[i]] for i in send],
+                    claims=[states[i] for i in send], token=token,
+                    images=[data_of[new[i]] for i in send], namespace=store.namespace,
+                )  # fmt: skip
+                answers = await self._call_encoder(batch, store)
+                for i, answer in zip(send, answers, strict=True):
+                    if i in futures:
+                        self.flights.settle(futures[i], answer)
+                    results[new[i]] = (
+                        {**answer, "cached": False} if "error" not in answer else answer
+                    )
+        except BaseException as exc:
+            for i in send:
+                if i in futures:  # joiners of this request's images fail as it did
+                    self.flights.settle(futures[i], error=exc)
+            raise
+        for i, role in enumerate(roles):
+            if role is Role.JOIN:
+                answer = await self.flights.join(futures[i])
+                results[new[i]] = {**answer, "cached": False} if "error" not in answer else answer
+
+    async def _lookup_or_claim(self, store: Any, keys: list[str],
+                               token: str) -> list[Any]:  # fmt: skip
+        """Per key its header, ``Claim.WON`` / ``Claim.BUSY``, or None (the store failed)."""
         ttl = self.cfg.single_flight.claim_ttl_s
         try:
             with metrics.timed("store_round_trip_seconds", op="lookup_or_claim"):
@@ -145,7 +199,7 @@ class EncodeFlow:
         except StoreError as exc:  # encode anyway, unclaimed; the encoder publishes if it can
             metrics.inc("store_errors_total", op="lookup_or_claim")
             log.warning("store lookup failed: %s", exc)
-            return [NONE] * len(keys)
+            return [None] * len(keys)
 
     async def _call_encoder(self, batch: EncodeBatch, store: Any) -> list[dict[str, Any]]:
         where = self.cfg.preprocess_at
@@ -161,25 +215,14 @@ class EncodeFlow:
             return await self.encoder.encode.remote(dataclasses.replace(batch, images=None),
                                                     prepared)  # fmt: skip
         except Exception as exc:
-            won = [(k, batch.token) for k, c in zip(batch.keys, batch.claims, strict=True)
-                   if c == WON]  # fmt: skip
-            if won:  # nobody will publish them: let waiters go now, not at the claim's ttl
-                self._release_later(store, won)
-            err = backpressure(exc) or unavailable(exc)
+            # nobody will publish them: let waiters go now, not at the claim's ttl
+            self.flights.release_later(store, [(k, batch.token) for k, c in
+                                               zip(batch.keys, batch.claims, strict=True)
+                                               if c is ClaimState.WON])  # fmt: skip
+            err = backpressure(exc) or unavailable(exc) or raised_remotely(exc)
             if err is not None:
                 raise err from None
             raise
 
-    def _release_later(self, store: Any, releases: list[tuple[str, str]]) -> None:
-        async def release() -> None:
-            try:
-                await asyncio.to_thread(store.put_values, [], None, releases)
-            except StoreError as exc:
-                log.warning("releasing %d claims failed: %s", len(releases), exc)
 
-        task = asyncio.create_task(release())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-
-__all__ = ["BUSY", "NONE", "WON", "EncodeFlow", "backpressure", "unavailable"]
+__all__ = ["EncodeFlow", "backpressure", "raised_remotely", "unavailable"]

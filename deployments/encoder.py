@@ -10,10 +10,13 @@ ingress found missing (:class:`EncodeBatch`) and answers with their results in o
   A bad image fails alone: its item carries the error.
 * Batching is :class:`~vitserve.deployments.device_queue.DeviceQueue`, the one queue between
   callers and the device (its docstring states the rule), so concurrent requests share forwards.
-* Single flight: the ingress's ``lookup_or_claim`` claimed each new image (``won``) or found it
-  claimed (``busy``). A won image is encoded and published with its claim released in the same
-  store call. An image already being encoded on this replica is joined (one shared future); a
-  busy one is awaited through the store (``wait_for``) and read back, and encoded here only if
+* Admission (:class:`~vitserve.deployments.admission.WorkBudget`): a request's new images are
+  admitted by their patches and bytes, read from their headers before any pixel is decoded,
+  or the request is refused at once (429; 413 if it could never fit).
+* Single flight (:class:`~vitserve.deployments.single_flight.SingleFlight`, which states the
+  rule): a won image is encoded and published with its claim released in the same store call;
+  an image already being encoded on this replica (from the moment its request arrived) is
+  joined; a busy one is awaited on the store without holding a thread, and encoded here only if
   its claimant gave up. Store failures never fail an encode (they are counted).
 * So a new image costs two store round trips on its path (the ingress's lookup-or-claim and
   the publish), and this replica makes none before its forward.
@@ -38,15 +41,15 @@ import numpy as np
 from ray import serve
 
 from vitserve.deployments import autoscaling, metrics
+from vitserve.deployments.admission import Ticket, WorkBudget
 from vitserve.deployments.config import VitserveConfig
 from vitserve.deployments.device_queue import DeviceQueue, Work
+from vitserve.deployments.single_flight import ClaimState, Role, SingleFlight
+from vitserve.encoder.images import image_header
+from vitserve.encoder.work import ImageWork, Terms
 from vitserve.errors import ImageError, StoreError, VitserveError
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
-
-#: how the ingress's ``lookup_or_claim`` left each image: the claim is the ingress's (``WON``),
-#: someone else's (``BUSY``), or unknown because the store failed (``NONE``: encode, unclaimed)
-WON, BUSY, NONE = "won", "busy", "none"
 
 
 @dataclass(slots=True)
@@ -58,7 +61,7 @@ class EncodeBatch:
 
     keys: list[str]
     indices: list[int]
-    claims: list[str]
+    claims: list[ClaimState]
     token: str
     images: list[bytes] | None = None
     namespace: str | None = None
@@ -105,6 +108,16 @@ def describe_header(header: Any) -> dict[str, Any]:
         "shape": [header.num_tokens, header.tensors[0].width],
         "extras": [t.name for t in header.tensors[1:]],
     }
+
+
+def _flight_metrics(event: str, **fields: Any) -> None:
+    """Single flight's events as metrics (its hook)."""
+    if event == "join":
+        metrics.inc("single_flight_joins_total", scope=fields["scope"])
+    elif event == "store_call":
+        metrics.observe("store_round_trip_seconds", fields["seconds"], op=fields["op"])
+        if fields["error"]:
+            metrics.inc("store_errors_total", op=fields["op"])
 
 
 def error_item(exc: VitserveError) -> dict[str, Any]:
@@ -199,10 +212,18 @@ class EncoderDeployment:
                                  max_batch_patches=self.engine.max_batch_patches,
                                  wait_s=cfg.batching.batch_wait_timeout_s,
                                  enabled=cfg.batching.enabled)  # fmt: skip
-        self._inflight: dict[str, asyncio.Future] = {}
+        # What this replica admits (from the activation budget unless configured), and how an
+        # image's cost is read from its header (the ingress gets the same terms: ``terms``).
+        self.terms = self.engine.terms(max_image_pixels=cfg.limits.max_image_pixels,
+                                       max_patches=cfg.admission.max_patches,
+                                       max_bytes=cfg.admission.max_bytes)  # fmt: skip
+        self.budget = WorkBudget(self.terms.capacity)
+        self.flights = SingleFlight(hook=_flight_metrics)
+        # Publishes have a thread of their own: nothing else (single flight's polls, a slow
+        # store call) can hold up the device loop's publish.
+        self._publish_pool = ThreadPoolExecutor(1, thread_name_prefix="vitserve-publish")
         self._forwards: deque[dict[str, Any]] = deque(maxlen=256)  # the latest forwards
         self._seconds: Counter[str] = Counter()  # device-step time by phase
-        self._background: set[asyncio.Task] = set()  # claim releases in flight
         self._store_reporter: asyncio.Task | None = None
         self._stopping = False  # set when Serve stops the replica (``__del__``)
         # Autoscaling on work (record_autoscaling_stats): the step on the device now and the
@@ -221,10 +242,17 @@ class EncoderDeployment:
                 "budget_bytes": e.budget_bytes,
                 "preprocess_at": self.cfg.preprocess_at}  # fmt: skip
 
+    def work_terms(self) -> Terms:
+        """What the ingress refuses at the door by (``vitserve.encoder.work.Terms``)."""
+        return self.terms
+
     def counters(self) -> dict[str, Any]:
         c = self.engine.counters
-        return {"forward_calls": c.forward_calls, "images": c.images, "patches": c.patches,
+        return {"replica": serve.get_replica_context().replica_id.unique_id,
+                "forward_calls": c.forward_calls, "images": c.images, "patches": c.patches,
                 "oversize": c.oversize,
+                "admitted": {"patches": self.budget.patches, "bytes": self.budget.nbytes,
+                             "refused": self.budget.refused},
                 "recent_forwards": list(self._forwards),
                 "seconds": dict(self._seconds),
                 "forward_calls_by_bucket": {str(k): v for k, v in
@@ -249,58 +277,54 @@ class EncoderDeployment:
 
     # -- encoding ------------------------------------------------------------------------------
     async def encode(self, batch: EncodeBatch, prepared: list[Any] | None = None) -> list[dict]:
-        """One request's missing images -> one result (or error item) per image, in order."""
+        """One request's missing images -> one result (or error item) per image, in order.
+
+        In the event-loop turn it arrives in, before any pixel is decoded, each image gets its
+        single-flight role and the request's work is admitted (BackpressureError, 429, if it
+        does not fit now; LimitExceededError, 413, if it never would). Then it runs as a task
+        of its own: a caller that goes away (its client disconnected) leaves it to finish and
+        publish, still counted by admission, and never leaves a flight unsettled."""
         if self._store_reporter is None:
             self._store_reporter = asyncio.create_task(self._report_store_forever())
+        if prepared is None and (batch.images is None or self._cpu_pool is None):
+            raise ValueError("images arrive as bytes only with preprocess_at: encoder")
         started = time.perf_counter()
-        if prepared is None:
-            if batch.images is None or self._cpu_pool is None:
-                raise ValueError("images arrive as bytes only with preprocess_at: encoder")
-            prepared = await asyncio.get_running_loop().run_in_executor(
-                self._cpu_pool, prepare_all, self.preprocessor, batch.images, batch.keys,
-                batch.indices,
-            )  # fmt: skip
         store = self._store_for(batch.namespace)
-        n = len(batch.keys)
-        results: list[Any] = [None] * n
-        joins: dict[int, asyncio.Future] = {}
-        mine: list[int] = []  # images this call encodes (it owns their in-flight futures)
-        busy: list[int] = []
-        releases: list[tuple[str, str]] = []  # won claims this call will not publish
-        for i, (key, claim, p) in enumerate(zip(batch.keys, batch.claims, prepared,
-                                                strict=True)):  # fmt: skip
-            pending = self._inflight.get(key)
-            if isinstance(p, dict):  # the preprocessor refused the image
-                results[i] = p
-                if claim == WON:
-                    releases.append((key, batch.token))
-            elif pending is not None:  # already being encoded here: join it
-                metrics.inc("single_flight_joins_total", scope="local")
-                joins[i] = pending
-                if claim == WON:  # (its claimant expired meanwhile): ours is not needed
-                    releases.append((key, batch.token))
-            elif claim == BUSY:
-                busy.append(i)
-            else:
-                mine.append(i)
-        if releases:
-            self._release_later(store, releases)
-        # Only images encoded here are joinable: a busy one waits on the store, and its claimant
-        # arriving here later must encode it, not join the waiter.
-        futures = {i: self._start_flight(batch.keys[i]) for i in mine}
-        tasks = []
-        if mine:
-            tasks.append(self._encode_mine(batch, store, prepared, mine, results, futures))
-        tasks += [self._encode_busy(store, prepared[i], i, results) for i in busy]
+        roles = self.flights.roles(batch.keys, batch.claims)
+        works = self._works(batch, prepared)
         try:
-            await asyncio.gather(*tasks)
-        finally:
-            for i, future in futures.items():
-                self._end_flight(batch.keys[i], future)
-        for i, pending in joins.items():
-            results[i] = await asyncio.shield(pending)
+            ticket = self.budget.take(
+                {i: works[i] for i, r in enumerate(roles) if r is not Role.JOIN},
+                decoding=prepared is None,
+            )
+        except VitserveError as exc:
+            metrics.inc("admission_refused_total", limit=type(exc).__name__)
+            raise
+        futures = self.flights.begin(batch.keys, roles)
+        run = asyncio.create_task(self._run(batch, prepared, store, roles, futures, works,
+                                            ticket))  # fmt: skip
+        results = await asyncio.shield(run)
         metrics.observe("encode_latency_seconds", time.perf_counter() - started)
         return results
+
+    def _works(self, batch: EncodeBatch, prepared: list[Any] | None) -> list[ImageWork]:
+        """Each image's cost: from its header (bytes), or its prepared arrays (nothing for an
+        image the preprocessor refused; one whose header does not parse fails when prepared,
+        at the cost of reading it)."""
+        if prepared is not None:
+            return [ImageWork(0, 0, 0) if isinstance(p, dict) else
+                    ImageWork(p.patches, p.pixels.nbytes, 0) for p in prepared]  # fmt: skip
+        out = []
+        for data, index in zip(batch.images or [], batch.indices, strict=True):
+            try:
+                out.append(
+                    self.terms.rule.work(
+                        *image_header(data, index=index, limits=self.preprocessor.limits)
+                    )
+                )
+            except ImageError:
+                out.append(ImageWork(0, 0, len(data)))
+        return out
 
     def _store_for(self, namespace: str | None) -> Any:
         """The store of a batch's namespace (None: the config's): this replica's store for its
@@ -309,94 +333,124 @@ class EncoderDeployment:
         namespace = self.cfg.namespace if namespace is None else namespace
         return self.store if namespace == self.store.namespace else self._views.get(namespace)
 
-    def _start_flight(self, key: str) -> asyncio.Future:
-        future = asyncio.get_running_loop().create_future()
-        self._inflight[key] = future
-        return future
-
-    def _end_flight(self, key: str, future: asyncio.Future) -> None:
-        """Forget ``key``'s flight ``future``; if it ended before settling (cancelled, or its
-        step raised past it), whoever joined it learns so."""
-        self._settle(future, error=RuntimeError("the encode this image joined stopped"))
-        if self._inflight.get(key) is future:
-            del self._inflight[key]
-
-    @staticmethod
-    def _settle(future: asyncio.Future, result: Any = None,
-                error: BaseException | None = None) -> None:  # fmt: skip
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-            future.exception()  # retrieved: waiters re-raise it, nobody else needs to
-        else:
-            future.set_result(result)
-
-    async def _encode_mine(self, batch: EncodeBatch, store: Any, prepared: list[Any],
-                           mine: list[int], results: list[Any],
-                           futures: dict[int, asyncio.Future]) -> None:  # fmt: skip
-        publish = [Publish(store, (batch.keys[i], batch.token) if batch.claims[i] == WON
-                           else None) for i in mine]  # fmt: skip
+    async def _run(self, batch: EncodeBatch, prepared: list[Any] | None, store: Any,
+                   roles: list[Role], futures: dict[int, asyncio.Future],
+                   works: list[ImageWork], ticket: Ticket) -> list[Any]:  # fmt: skip
+        """The admitted request: lead, wait, join; the ticket closed and every flight it leads
+        settled at the end, whatever happens."""
+        results: list[Any] = [None] * len(batch.keys)
+        leads = [i for i, r in enumerate(roles) if r is Role.LEAD]
+        # claims won by images that join a flight here: that flight's claim covers them
+        self.flights.release_later(store, [(batch.keys[i], batch.token) for i, r in
+                                           enumerate(roles) if r is Role.JOIN and
+                                           batch.claims[i] is ClaimState.WON])  # fmt: skip
+        tasks = [self._lead(batch, prepared, store, leads, futures, results, ticket)]
+        tasks += [self._wait(batch, prepared, store, i, works[i], results, ticket)
+                  for i, r in enumerate(roles) if r is Role.WAIT]  # fmt: skip
         try:
-            done = await self.queue.submit([prepared[i] for i in mine], publish)
-        except BaseException as exc:
-            for i in mine:
-                self._settle(futures[i], error=exc)
-            raise
-        for i, result in zip(mine, done, strict=True):
-            results[i] = result
-            self._settle(futures[i], result)
-
-    async def _encode_busy(self, store: Any, prepared: Any, i: int, results: list[Any]) -> None:
-        """An image another caller claimed: wait for its publish and read it back; encode it
-        here only if the claimant gave up (claiming it first, when the store answers), and
-        not if this replica is encoding it by then (the claimant's encode may run here, or the
-        store went down during the wait): join that instead."""
-        key = prepared.key
-        metrics.inc("single_flight_joins_total", scope="remote")
-        sf = self.cfg.single_flight
-        if await self._store_call("wait_for", store.wait_for, key, sf.wait_timeout_s,
-                                  default=False):  # fmt: skip
-            headers = await self._store_call("headers", store.headers_many, [key],
-                                             default=[None])  # fmt: skip
-            if headers[0] is not None:
-                results[i] = describe_header(headers[0])
-                return
-        pending = self._inflight.get(key)
-        if pending is not None:
-            metrics.inc("single_flight_joins_total", scope="local")
-            results[i] = await asyncio.shield(pending)
-            return
-        won = await self._store_call("claim", store.claim, key, sf.claim_ttl_s,
-                                     default=False)  # fmt: skip
-        if (pending := self._inflight.get(key)) is not None:  # started during the claim
-            if won:
-                self._release_later(store, [(key, store.token)])
-            results[i] = await asyncio.shield(pending)
-            return
-        release = (key, store.token) if won else None
-        future = self._start_flight(key)
-        try:
-            [results[i]] = await self.queue.submit([prepared], [Publish(store, release)])
-            self._settle(future, results[i])
+            done = await asyncio.gather(*tasks, return_exceptions=True)
+            failed = [e for e in done if isinstance(e, BaseException)]
+            if failed:
+                raise failed[0]
+            for i, role in enumerate(roles):
+                if role is Role.JOIN:
+                    results[i] = await self.flights.join(futures[i])
         finally:
-            self._end_flight(key, future)
+            ticket.close()
+            for i in leads:  # settled by now unless something failed before their step
+                self.flights.settle(futures[i], error=RuntimeError("the encode stopped early"))
+        return results
 
-    def _release_later(self, store: Any, releases: list[tuple[str, str]]) -> None:
-        """Release claims off the answer's path (one store call for them all)."""
-        task = asyncio.create_task(self._store_call("release", store.put_values, [],
-                                                    None, releases))  # fmt: skip
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    async def _prepare(self, batch: EncodeBatch, prepared: list[Any] | None,
+                       indices: list[int]) -> list[Any]:  # fmt: skip
+        """The images ``indices`` prepared (in the CPU pool when they came as bytes), each a
+        PreparedImage or its error item."""
+        if prepared is not None:
+            return [prepared[i] for i in indices]
+        if not indices:
+            return []
+        images = batch.images or []
+        return await asyncio.get_running_loop().run_in_executor(
+            self._cpu_pool, prepare_all, self.preprocessor, [images[i] for i in indices],
+            [batch.keys[i] for i in indices], [batch.indices[i] for i in indices],
+        )  # fmt: skip
 
-    async def _store_call(self, op: str, fn: Any, *args: Any, default: Any = None) -> Any:
+    def _queue(self, batch: EncodeBatch, store: Any, items: list[tuple[int, Any, str | None]],
+               futures: dict[int, asyncio.Future], results: list[Any],
+               ticket: Ticket) -> list[asyncio.Future]:  # fmt: skip
+        """Put prepared images on the device queue, each ``(index, prepared or error item,
+        token of the claim its publish releases)``; their flights follow the queue's futures.
+        A refused image settles its flight with its error item (and its claim is released)."""
+        good, releases = [], []
+        for i, p, token in items:
+            if isinstance(p, dict):
+                results[i] = p
+                self.flights.settle(futures[i], p)
+                ticket.release(i)
+                if token is not None:
+                    releases.append((batch.keys[i], token))
+            else:
+                good.append((i, p, token))
+        self.flights.release_later(store, releases)
+        queued = self.queue.enqueue(
+            [p for _, p, _ in good],
+            [Publish(store, None if t is None else (batch.keys[i], t)) for i, _, t in good],
+        )  # fmt: skip
+        for (i, _, _), future in zip(good, queued, strict=True):
+            self.flights.follow(futures[i], future)
+            future.add_done_callback(lambda _, i=i: ticket.release(i))
+        return queued
+
+    async def _lead(self, batch: EncodeBatch, prepared: list[Any] | None, store: Any,
+                    leads: list[int], futures: dict[int, asyncio.Future], results: list[Any],
+                    ticket: Ticket) -> None:  # fmt: skip
+        """The images this request encodes: prepared, queued, their results."""
+        ready = await self._prepare(batch, prepared, leads)
+        ticket.release_decode()
+        items = [(i, p, batch.token if batch.claims[i] is ClaimState.WON else None)
+                 for i, p in zip(leads, ready, strict=True)]  # fmt: skip
+        queued = self._queue(batch, store, items, futures, results, ticket)
+        for (i, _, _), result in zip([it for it in items if not isinstance(it[1], dict)],
+                                     await asyncio.gather(*queued), strict=True):  # fmt: skip
+            results[i] = result
+
+    async def _wait(self, batch: EncodeBatch, prepared: list[Any] | None, store: Any, i: int,
+                    work: ImageWork, results: list[Any], ticket: Ticket) -> None:  # fmt: skip
+        """An image another caller claimed: its header once published; else (the claimant gave
+        up, the wait timed out, the store failed) encoded here after all, joining a flight of
+        this replica if one started meanwhile."""
+        key = batch.keys[i]
+        sf = self.cfg.single_flight
+        waited = await self.flights.wait(store, key, sf.wait_timeout_s)
+        if waited.header is not None:
+            ticket.release(i)
+            results[i] = describe_header(waited.header)
+            return
+        role, future, token = await self.flights.take_over(store, key, sf.claim_ttl_s)
+        if role is Role.JOIN:
+            ticket.release(i)
+            results[i] = await self.flights.join(future)
+            return
         try:
-            with metrics.timed("store_round_trip_seconds", op=op):
-                return await asyncio.to_thread(fn, *args)
-        except StoreError as exc:
-            metrics.inc("store_errors_total", op=op)
-            log.warning("store %s failed: %s", op, exc)
-            return default
+            decoding = None
+            if prepared is None:  # its decoding was not counted: take it now, or refuse it
+                decoding = self.budget.take_decoding(work.decode_bytes)
+            try:
+                [p] = await self._prepare(batch, prepared, [i])
+            finally:
+                if decoding is not None:
+                    decoding.close()
+            [queued] = self._queue(batch, store, [(i, p, token)], {i: future}, results,
+                                   ticket) or [None]  # fmt: skip
+            if queued is not None:
+                results[i] = await queued
+        except VitserveError as exc:  # no room to decode it now: this image fails, retryable
+            results[i] = error_item(exc)
+            self.flights.settle(future, results[i])
+            if token is not None:
+                self.flights.release_later(store, [(key, token)])
+        finally:
+            self.flights.settle(future, error=RuntimeError("the encode stopped early"))
 
     async def _encode_and_publish(self, work: list[Work]) -> list[dict[str, Any]]:
         """One device step (the queue's ``run_step``): forward, then one publish per namespace
@@ -422,8 +476,7 @@ class EncoderDeployment:
         except Exception:
             log.exception("encoding %d images failed", len(items))
             for store, _, releases in groups.values():
-                if releases:
-                    self._release_later(store, releases)
+                self.flights.release_later(store, releases)
             raise
         finally:
             self._running_patches = 0
@@ -437,7 +490,9 @@ class EncoderDeployment:
             mine = [values[i] for i in indices]
             try:
                 with metrics.timed("store_round_trip_seconds", op="put"):
-                    await asyncio.to_thread(store.put_values, mine, None, releases)
+                    await asyncio.get_running_loop().run_in_executor(
+                        self._publish_pool, store.put_values, mine, None, releases
+                    )
                 metrics.inc("bytes_published_total", sum(len(v) for _, v in mine))
             except StoreError as exc:  # the embeddings are computed; the callers get them
                 metrics.inc("store_errors_total", op="put")

@@ -172,7 +172,8 @@ class Service:
 
         async def run() -> list:
             answers = await asyncio.gather(*(self._request(r) for r in requests))
-            await asyncio.gather(*self.flow._background, *self.encoder._background)
+            await self.flow.flights.drain()  # the claim releases under way
+            await self.encoder.flights.drain()
             return answers
 
         self.counts.reset()
@@ -238,20 +239,21 @@ def test_concurrent_requests_sharing_an_image(service: Service) -> None:
     assert first[0]["key"] == second[1]["key"] and first[0]["num_tokens"] == second[1]["num_tokens"]
     c = service.counts.calls
     assert c["store.lookup_or_claim"] == 2  # one per request
-    assert c["store.claim"] == 0 and c["store.headers_many"] <= 1
+    assert c["store.claim"] == 0
     # each request's new images: one publish per step; the shared image's second request
-    # either joined the encode in flight on the replica (no store call) or waited for its
-    # publish through the store (wait_for + one header read)
-    assert c["store.put_values"] <= 2 and c["store.wait_for"] <= 1, c
+    # joined the first's flight (on the ingress or the encoder: no store call), or, when its
+    # lookup answered before the first request had registered its flight, polled the store
+    # (lookup_states, no thread held) until the first one's publish: never a second encode
+    assert c["store.put_values"] <= 2 and c["store.headers_many"] == 0, c
     assert service.counts.serve() == 2 * _serve_calls_per_request(service), c
 
 
 class StoreDownForWaits(CountingStore):
-    """The real store, but its single-flight wait and claim fail as a store that went down
+    """The real store, but its single-flight poll and claim fail as a store that went down
     does (``StoreUnavailableError``)."""
 
     def __getattr__(self, name: str) -> Any:
-        if name not in ("wait_for", "claim"):
+        if name not in ("lookup_states", "claim"):
             return super().__getattr__(name)
 
         def down(*args: Any, **kwargs: Any) -> Any:
@@ -266,31 +268,31 @@ class StoreDownForWaits(CountingStore):
 def test_a_busy_image_encoding_here_is_joined_when_the_store_fails_the_wait(
     loop, engine_cfg, store_url
 ) -> None:
-    """An image claimed by another request (``BUSY``) whose encode runs on this replica, and
-    the store goes down during the wait: the waiter joins the encode in flight here instead of
-    encoding the image a second time (which could answer the same key with other bits)."""
-    from vitserve.deployments.encoder import prepare_all
+    """An image claimed by another request (``BUSY``) whose encode runs on this replica, with
+    the store down: the request joins the encode in flight here at once (it never waits on the
+    store, so the store's failure cannot make it encode the image a second time, which could
+    answer the same key with other bits)."""
+    from vitserve.deployments.encoder import EncodeBatch
+    from vitserve.deployments.single_flight import ClaimState
 
     service = Service(loop, engine_cfg, store_url, "encoder")
     encoder = service.encoder
-    store = StoreDownForWaits(encoder.store, service.counts)
+    encoder.store = StoreDownForWaits(encoder.store.__dict__["_store"], service.counts)
     image = _images(1, seed=500)[0]
     [key] = service.keys([image])
-    [prepared] = prepare_all(encoder.preprocessor, [image], [key], [0])
-    results: list[Any] = [None]
     joined = {"key": key, "from": "the encode in flight"}
+    batch = EncodeBatch(keys=[key], indices=[0], claims=[ClaimState.BUSY], token="t",
+                        images=[image], namespace=service.cfg.namespace)  # fmt: skip
 
-    async def run() -> None:
-        in_flight = encoder._start_flight(key)  # this replica encodes the image now
-        busy = asyncio.ensure_future(encoder._encode_busy(store, prepared, 0, results))
+    async def run() -> list:
+        in_flight = encoder.flights.lead(key)  # this replica encodes the image now
+        busy = asyncio.ensure_future(encoder.encode(batch))
         await asyncio.sleep(0.2)  # its wait fails at once: it must not go and encode
         assert not busy.done()
-        encoder._settle(in_flight, joined)
-        await busy
-        del encoder._inflight[key]
+        encoder.flights.settle(in_flight, joined)
+        return await busy
 
     before = service.images_encoded()
-    loop.run_until_complete(run())
-    assert results[0] == joined
+    assert loop.run_until_complete(run()) == [joined]
     assert service.images_encoded() == before
-    assert service.counts.calls["store.wait_for"] == 1
+    assert service.counts.calls["store.lookup_states"] == 0

@@ -1,0 +1,119 @@
+"""Admission of encode work on one encoder replica: a budget of patches and bytes, taken before
+any pixel is decoded and given back as the work leaves memory.
+
+**The rule.** A request's new images are admitted together or not at all. Each costs its
+patches and the bytes of its prepared pixel arrays (:class:`~vitserve.encoder.work.ImageWork`,
+from the image's header); a request that decodes its images here also takes the bytes of its
+largest decoding (its images are decoded one after another). If that does not fit beside the
+work admitted already, the request is refused now: :class:`~vitserve.errors.BackpressureError`
+(the API's 429, with ``Retry-After``); if it would not fit an idle replica, it is refused for
+good: :class:`~vitserve.errors.LimitExceededError` (413, naming the limit). Nothing queues for
+admission. An image's patches and prepared bytes are given back when its device step ends
+(published or failed), or when it is not encoded here after all (another replica published it);
+the decoding's bytes once the request's images are prepared.
+
+So everything the replica holds for images not yet encoded (the device queue included) stays
+within :class:`~vitserve.encoder.work.Capacity`: a few MB of cheap uploads (a flat 6000x6000
+PNG is ~120 KB and ~860 MB while decoded) cannot take the replica's memory.
+
+Invariants:
+
+* ``patches <= capacity.max_patches`` and ``nbytes <= capacity.max_bytes`` after every call;
+  a take that would pass either raises and takes nothing.
+* A :class:`Ticket` gives back exactly what it took, each part once, in any order
+  (``release``, ``release_decode``, ``close``); ``close`` gives back what is left.
+* Bookkeeping only: no I/O, no clock, no awaits (one event loop calls it; its turns serialize
+  the calls).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from vitserve.encoder.work import Capacity, ImageWork
+from vitserve.errors import BackpressureError, LimitExceededError
+
+
+class WorkBudget:
+    """One replica's admitted work (see the module)."""
+
+    def __init__(self, capacity: Capacity) -> None:
+        self.capacity = capacity
+        self.patches = 0
+        self.nbytes = 0
+        self.refused = 0  # takes refused for want of room now (429)
+
+    def take(self, works: Mapping[int, ImageWork], *, decoding: bool) -> Ticket:
+        """Admit ``works`` (one request's images to encode here, by index); ``decoding``: the
+        request decodes them here (the largest decoding's bytes are taken too). Raises
+        LimitExceededError if they exceed the capacity alone, BackpressureError if they do not
+        fit now; takes nothing then."""
+        decode = max((w.decode_bytes for w in works.values()), default=0) if decoding else 0
+        patches = sum(w.patches for w in works.values())
+        self._check(patches, sum(w.prepared_bytes for w in works.values()) + decode)
+        return Ticket(self, works, decode)
+
+    def take_decoding(self, nbytes: int) -> Ticket:
+        """Admit one more decoding of ``nbytes`` (an image a request must encode after all,
+        whose decoding it did not count); raises as ``take``."""
+        self._check(0, nbytes)
+        return Ticket(self, {}, nbytes)
+
+    def _check(self, patches: int, nbytes: int) -> None:
+        """Take ``patches`` and ``nbytes``, or raise and take nothing."""
+        cap = self.capacity
+        if patches > cap.max_patches:
+            raise LimitExceededError("encoder_max_patches", patches, cap.max_patches)
+        if nbytes > cap.max_bytes:
+            raise LimitExceededError("encoder_max_bytes", nbytes, cap.max_bytes)
+        if self.patches + patches > cap.max_patches or self.nbytes + nbytes > cap.max_bytes:
+            self.refused += 1
+            raise BackpressureError(
+                queued=self.patches, limit=cap.max_patches,
+                detail=f"the encoder's admitted work is {self.patches} patches and "
+                f"{self.nbytes} bytes of {cap.max_patches} and {cap.max_bytes}",
+            )  # fmt: skip
+        self.patches += patches
+        self.nbytes += nbytes
+
+    def _give_back(self, patches: int, nbytes: int) -> None:
+        self.patches -= patches
+        self.nbytes -= nbytes
+        assert self.patches >= 0 and self.nbytes >= 0, "a ticket gave back more than it took"
+
+
+class Ticket:
+    """What one request took from a :class:`WorkBudget`: per image its patches and prepared
+    bytes, and its decoding's bytes."""
+
+    def __init__(self, budget: WorkBudget, works: Mapping[int, ImageWork], decode: int) -> None:
+        self._budget = budget
+        self._works: dict[int, ImageWork] = dict(works)
+        self._decode = decode
+
+    def release(self, i: int) -> None:
+        """Give back image ``i``'s patches and prepared bytes (once; later calls do nothing)."""
+        work = self._works.pop(i, None)
+        if work is not None:
+            self._budget._give_back(work.patches, work.prepared_bytes)
+
+    def release_decode(self) -> None:
+        """Give back the decoding's bytes (once)."""
+        decode, self._decode = self._decode, 0
+        if decode:
+            self._budget._give_back(0, decode)
+
+    def close(self) -> None:
+        """Give back whatever is left."""
+        self.release_decode()
+        for i in list(self._works):
+            self.release(i)
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """(patches, bytes) this ticket holds now."""
+        return (sum(w.patches for w in self._works.values()),
+                sum(w.prepared_bytes for w in self._works.values()) + self._decode)  # fmt: skip
+
+
+__all__ = ["Ticket", "WorkBudget"]
