@@ -72,7 +72,8 @@ class ChatRequest(_Strict):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    # torch's generators take a seed in [-2**63, 2**64): outside it, a 422 (not a 500)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

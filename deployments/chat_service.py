@@ -7,7 +7,9 @@ Invariants:
 * Everything that can refuse a request does so before the answer starts (a streamed answer
   never turns into an error half-way): the request's shape, its images (the encoder's refusal
   carries the image's index), an unknown ``vitserve://`` key (``CacheMissError``), the prompt
-  against the context, and the prefill itself.
+  against the context, and the prefill itself. A prompt too long for the context is refused
+  before any image is encoded when its text and its new images' sizes (read from their
+  headers: ``vitserve.encoder.work``) already make it so.
 * ``usage`` reports, besides OpenAI's token counts: ``images_sent`` (image parts in the
   request), ``images_uploaded`` (distinct images whose bytes went to the encoder: the store
   lacked them), ``images_encoded`` (of those, the ones the encoder ran), ``rows_pulled`` /
@@ -16,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -27,8 +30,10 @@ from vitserve.client.adapters import prompt_layout
 from vitserve.deployments.chat import ChatRequest, PromptBuilder, image_refs
 from vitserve.deployments.config import VitserveConfig
 from vitserve.deployments.generation import Generator, Prefilled, Sampling, Step
+from vitserve.encoder.images import ImageLimits, image_header
 from vitserve.errors import (
     CacheMissError,
+    ImageError,
     LimitExceededError,
     MalformedRequestError,
     PromptTooLongError,
@@ -56,6 +61,7 @@ class ChatService:
 
         from vitserve.encoder.device import default_dtype, parse_dtype, resolve_device
         from vitserve.encoder.language_model import load_language_model
+        from vitserve.encoder.loading import load_preprocessor
 
         device = resolve_device(cfg.device)
         dtype = parse_dtype(cfg.dtype) if cfg.dtype else default_dtype(device)
@@ -70,6 +76,10 @@ class ChatService:
         self.generator = Generator(self.loaded.model, chunk_size=cfg.prefill.chunk_size,
                                    eos_ids=eos_ids)  # fmt: skip
         self.context = int(self.config.get_text_config().max_position_embeddings)
+        # how an image's header gives its tokens (the image processor's config; no weights)
+        self.rule = load_preprocessor(cfg.model, revision=cfg.revision).resize_rule()
+        self.limits = ImageLimits(max_image_bytes=cfg.limits.max_image_bytes,
+                                  max_image_pixels=cfg.limits.max_image_pixels)  # fmt: skip
         self.client = client
         self.cfg = cfg
         self.model_name = cfg.prefill.served_model_name or cfg.model
@@ -88,16 +98,14 @@ class ChatService:
         allowed = self.cfg.limits.max_images_per_request
         if len(refs) > allowed:  # refused before any image is encoded
             raise LimitExceededError("max_images_per_request", len(refs), allowed)
-        handles, usage = self._images(refs, client)
-        ids = self.prompts.token_ids(self.prompts.render(request),
-                                     [h.num_tokens for h in handles])  # fmt: skip
-        if len(ids) >= self.context:
-            raise PromptTooLongError(len(ids), self.context)
-        room = self.context - len(ids)
+        text = self.prompts.render(request)
         limit = request.completion_limit
-        if limit is not None and limit > room:
-            raise PromptTooLongError(len(ids) + limit, self.context,
-                                     "the prompt and max_tokens make")  # fmt: skip
+        # Before any image is encoded: the prompt with each new image's tokens as its header
+        # and the resize rule tell them (a key's, known after its probe, counted as none).
+        self._check_length(self.prompts.token_ids(text, self._tokens_before(refs)), limit)
+        handles, usage = self._images(refs, client)
+        ids = self.prompts.token_ids(text, [h.num_tokens for h in handles])
+        room = self._check_length(ids, limit)
         layout = prompt_layout(self.config, ids, handles)
         prefilled = self.generator.prefill(client, layout, handles, keep_logits=keep_logits)
         usage |= {"prompt_tokens": len(ids), "rows_pulled": prefilled.rows_pulled,
@@ -112,6 +120,31 @@ class ChatService:
         )
         return Prepared(request, prefilled, sampling, usage, f"chatcmpl-{uuid.uuid4().hex}",
                         int(time.time()))  # fmt: skip
+
+    def _check_length(self, ids: list[int], limit: int | None) -> int:
+        """The room left for the completion; PromptTooLongError if the prompt (with the
+        completion asked for) does not fit the context."""
+        if len(ids) >= self.context:
+            raise PromptTooLongError(len(ids), self.context)
+        room = self.context - len(ids)
+        if limit is not None and limit > room:
+            raise PromptTooLongError(len(ids) + limit, self.context,
+                                     "the prompt and max_tokens make")  # fmt: skip
+        return room
+
+    def _tokens_before(self, refs: list[Any]) -> list[int]:
+        """Each image's LLM tokens as known before encoding: from its header by the family's
+        resize rule (0 for a key, or for bytes whose header does not read: the encoder says
+        what is wrong with them)."""
+        out = []
+        for i, ref in enumerate(refs):
+            tokens = 0
+            if ref.data is not None:
+                with contextlib.suppress(ImageError):
+                    width, height, _ = image_header(ref.data, index=i, limits=self.limits)
+                    tokens = self.rule.tokens(width, height)
+            out.append(tokens)
+        return out
 
     def _images(self, refs: list[Any], client: Any) -> tuple[list[Any], dict[str, int]]:
         """Each image's handle, in order: bytes encoded hash first (one ``encode`` for all),

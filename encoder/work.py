@@ -70,6 +70,9 @@ class ResizeRule:
     min_pixels: int = 0
     max_pixels: int = 0
     fixed: tuple[int, int] | None = None
+    #: the LLM tokens of a fixed-size image (a packed image has one per ``merge_size**2``
+    #: patches)
+    fixed_tokens: int = 0
 
     def resized(self, width: int, height: int) -> tuple[int, int] | None:
         """``(height, width)`` after the processor's resize; None if it refuses the image."""
@@ -104,6 +107,13 @@ class ResizeRule:
             return ImageWork((h // p) * (w // p), self.channels * h * w * _FLOAT32, decode)
         patches = self.max_pixels // (p * p)
         return ImageWork(patches, patches * self.values_per_patch * _FLOAT32, decode)
+
+    def tokens(self, width: int, height: int) -> int:
+        """The LLM tokens the image becomes (0 for an image the processor refuses): what it
+        adds to a prompt, known before it is encoded."""
+        if self.fixed is not None:
+            return self.fixed_tokens
+        return self.work(width, height).patches // self.merge_size**2
 
     def work(self, width: int, height: int, mode: str = "RGB") -> ImageWork:
         """The cost of an image of ``width`` x ``height`` pixels in PIL ``mode``."""

@@ -82,9 +82,11 @@ class FixedSizeAdapter(FamilyAdapter):
         image once (no weights needed)."""
         from PIL import Image
 
-        channels, height, width = self.preprocess(Image.new("RGB", (8, 8)), "").pixels.shape
+        prepared = self.preprocess(Image.new("RGB", (8, 8)), "")
+        channels, height, width = prepared.pixels.shape
         return ResizeRule(patch_size=int(self.config.vision_config.patch_size),
-                          channels=int(channels), fixed=(int(height), int(width)))  # fmt: skip
+                          channels=int(channels), fixed=(int(height), int(width)),
+                          fixed_tokens=prepared.num_tokens)  # fmt: skip
 
     def output_widths(self) -> dict[str, int]:
         return {"embedding": int(self.config.text_config.hidden_size)}  # the projector's out

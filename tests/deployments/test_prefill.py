@@ -268,6 +268,9 @@ def test_bad_requests_get_the_apis_error_shape(pairs) -> None:
     assert error(b"{not json", 422)["type"] == "MalformedRequestError"
     assert "messages" in error({"messages": []}, 422)["message"]
     assert "temprature" in error({**chat_body(images), "temprature": 0}, 422)["message"]
+    for seed in (2**64, -(2**63) - 1):  # beyond what torch's generator takes: 422, not a 500
+        seeded = {**chat_body(images), "seed": seed, "temperature": 1}
+        assert "seed" in error(seeded, 422)["message"]
     remote = chat_body(images)
     remote["messages"][0]["content"][1]["image_url"]["url"] = "https://example.com/cat.png"
     assert "not fetched" in error(remote, 422)["message"]

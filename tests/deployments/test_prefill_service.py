@@ -268,6 +268,21 @@ def test_too_many_images_are_refused_before_any_is_encoded(pair) -> None:
     assert pair.encoder.counters()["images"] == before
 
 
+def test_a_prompt_too_long_with_its_images_is_refused_before_any_is_encoded(pair) -> None:
+    """The text fits the context, the text and the images' tokens (known from their headers)
+    do not: 400 PromptTooLongError, and the encoder never sees the images."""
+    before = pair.encoder.counters()["images"]
+    images = fresh_images(8, sizes=[(320, 320)])  # 130 tokens each on the tiny Qwen2-VL
+    text = "hello " * 1100  # 3,300 tokens of the 4,096 the tiny model holds
+    response = pair.chat(body([user_turn(text, images)]))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "PromptTooLongError" and error["tokens"] > error["allowed"]
+    assert pair.encoder.counters()["images"] == before
+    alone = pair.chat(body([user_turn(text, [])]))  # the text alone fits
+    assert alone.status_code == 200, alone.text
+
+
 def test_a_prefill_without_its_encoder_application_answers_503(deploy_prefill, pair) -> None:
     """Started before (or without) the encoder application it names: it starts, answers 503
     with Retry-After, and names the application."""

@@ -50,6 +50,7 @@ def check(pre: Preprocessor, width: int, height: int) -> ImageWork:
     prepared = pre.prepare(data, "k")
     assert (work.patches, work.prepared_bytes) == (prepared.patches, prepared.pixels.nbytes), (
         width, height)  # fmt: skip
+    assert rule.tokens(width, height) == prepared.num_tokens
     assert work.decode_bytes >= width * height * 14  # PIL alone holds 4 B a pixel, twice
     return work
 
