@@ -352,21 +352,68 @@ class ClientCore:
         return records
 
     def _read_service(self, reads: list[tuple[str, int, int]]) -> Flow:
-        """The rows through the service (``POST /v1/rows``, in batches it accepts)."""
+        """The rows through the service (``POST /v1/rows``), in calls it accepts: at most
+        ``max_keys_per_probe`` reads and ``max_rows_bytes`` of rows each (at the model's
+        ``row_bytes``); a read larger than that alone is read in row pieces and joined."""
         assert self.model is not None
-        step = self._limit("max_keys_per_probe", 1024)
+        pieces = row_pieces(reads, self._limit("max_rows_bytes", 0) // max(
+            1, int(self.model.get("row_bytes", 0))))  # fmt: skip
         replies: list[Reply] = []
-        for i in range(0, len(reads), step):  # one call per batch the service accepts
-            answer = yield ApiCall("rows", reads[i : i + step])
+        for batch in piece_batches(pieces, self._limit("max_keys_per_probe", 1024),
+                                   self._limit("max_rows_bytes", 0),
+                                   int(self.model.get("row_bytes", 0))):  # fmt: skip
+            answer = yield ApiCall("rows", batch)
             replies += answer if isinstance(answer, list) else [check(answer)]  # (check raises)
-        out: list[EmbeddingRecord | None] = []
-        for (key, r0, _), reply in zip(reads, replies, strict=True):
+        parts: list[list[EmbeddingRecord | None]] = [[] for _ in reads]
+        for (n, (key, r0, _)), reply in zip(pieces, replies, strict=True):
             if reply.status == 404:
-                out.append(None)
+                parts[n].append(None)
                 continue
             record = decode_record(check(reply), key=key, fingerprint=self.model["fingerprint"])
-            out.append(replace(record, row_start=r0))  # the rows' record as a partial one
-        return out
+            parts[n].append(replace(record, row_start=r0))  # the rows' record as a partial one
+        return [join_rows(p) for p in parts]
+
+
+def row_pieces(reads: list[tuple[str, int, int]],
+               max_rows: int) -> list[tuple[int, tuple[str, int, int]]]:  # fmt: skip
+    """Each read as ``(its index, read)`` pieces of at most ``max_rows`` rows (0: whole)."""
+    out = []
+    for n, (key, r0, r1) in enumerate(reads):
+        step = max_rows if max_rows > 0 else r1 - r0
+        out += [(n, (key, a, min(r1, a + step))) for a in range(r0, r1, max(step, 1))]
+    return out
+
+
+def piece_batches(pieces: list[tuple[int, tuple[str, int, int]]], max_reads: int,
+                  max_bytes: int, row_bytes: int) -> list[list[tuple[str, int, int]]]:  # fmt: skip
+    """Consecutive pieces in batches of at most ``max_reads`` reads and ``max_bytes`` of rows
+    (0: no byte cap)."""
+    batches: list[list[tuple[str, int, int]]] = []
+    size = 0
+    for _, read in pieces:
+        nbytes = (read[2] - read[1]) * row_bytes
+        if not batches or len(batches[-1]) >= max_reads or (max_bytes and size + nbytes >
+                                                             max_bytes):  # fmt: skip
+            batches.append([])
+            size = 0
+        batches[-1].append(read)
+        size += nbytes
+    return batches
+
+
+def join_rows(parts: list[EmbeddingRecord | None]) -> EmbeddingRecord | None:
+    """The record of one read from its pieces' records, in row order (None if any is gone)."""
+    if any(p is None for p in parts):
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    import numpy as np  # only for a read split in pieces
+
+    first = parts[0]
+    assert first is not None
+    tensors = {name: np.concatenate([p.tensors[name] for p in parts if p is not None])
+               for name in first.tensors}  # fmt: skip
+    return replace(first, tensors=tensors)
 
 
 def _item_error(doc: dict[str, Any], index: int) -> VitserveError:

@@ -49,6 +49,11 @@ class LimitsConfig(_Strict):
     max_image_bytes: int = Field(32 * 2**20, gt=0)
     max_image_pixels: int = Field(40_000_000, gt=0)
     max_keys_per_probe: int = Field(1024, gt=0)
+    # The most row bytes one /v1/rows answer may carry (every read counted, repeats included),
+    # checked from the reads' row counts at the model's row size before the store is asked.
+    max_rows_bytes: int = Field(64 * 2**20, gt=0)
+    # The most a request's body may take to arrive (a slower client is answered 408).
+    body_timeout_s: float = Field(30.0, gt=0)
 
 
 class AdmissionConfig(_Strict):

@@ -106,7 +106,8 @@ class EncodeFlow:
         self.encoder = encoder
         self.preprocess = preprocess  # the preprocess deployment's handle (``deployment``)
         self.preprocessor = preprocessor  # a Preprocessor (``ingress``)
-        self.flights = SingleFlight()  # this ingress's flights, and the claims it releases
+        # this ingress's flights, and the claims it releases
+        self.flights = SingleFlight(hook=metrics.flight_hook("ingress"))
 
     async def encode(self, items: list[bytes | str], keys: list[str],
                      store: Any = None) -> list[dict[str, Any]]:  # fmt: skip

@@ -110,16 +110,6 @@ def describe_header(header: Any) -> dict[str, Any]:
     }
 
 
-def _flight_metrics(event: str, **fields: Any) -> None:
-    """Single flight's events as metrics (its hook)."""
-    if event == "join":
-        metrics.inc("single_flight_joins_total", scope=fields["scope"])
-    elif event == "store_call":
-        metrics.observe("store_round_trip_seconds", fields["seconds"], op=fields["op"])
-        if fields["error"]:
-            metrics.inc("store_errors_total", op=fields["op"])
-
-
 def error_item(exc: VitserveError) -> dict[str, Any]:
     return {"error": {**exc.to_dict(), "status": exc.http_status}}
 
@@ -218,7 +208,7 @@ class EncoderDeployment:
                                        max_patches=cfg.admission.max_patches,
                                        max_bytes=cfg.admission.max_bytes)  # fmt: skip
         self.budget = WorkBudget(self.terms.capacity)
-        self.flights = SingleFlight(hook=_flight_metrics)
+        self.flights = SingleFlight(hook=metrics.flight_hook("encoder"))
         # Publishes have a thread of their own: nothing else (single flight's polls, a slow
         # store call) can hold up the device loop's publish.
         self._publish_pool = ThreadPoolExecutor(1, thread_name_prefix="vitserve-publish")

@@ -43,6 +43,7 @@ while encodes still answer (from a tiered store's local tier, or by encoding).
 # (``Request``) at run time inside Serve's class-based ingress.
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -62,12 +63,14 @@ from vitserve.deployments.responses import (
     metrics_response,
     retry_headers,
 )
+from vitserve.encoder.work import Terms
 from vitserve.errors import (
     CacheMissError,
     ConfigError,
     ImageError,
     LimitExceededError,
     MalformedRequestError,
+    ServiceUnavailableError,
     VitserveError,
 )
 
@@ -112,45 +115,85 @@ class Ingress:
             preprocessor = make_preprocessor(self.cfg)
         self.flow = EncodeFlow(self.cfg, self.store, encoder, preprocess, preprocessor)
         self._model: dict[str, Any] | None = None
+        self._terms: Terms | None = None
+        self._describing: asyncio.Future | None = None
+        # Reading a request's items (JSON, base64, image headers, content keys: up to
+        # max_request_bytes of CPU work) runs here, off the event loop, so that /healthz and
+        # the other requests are answered meanwhile; two threads bound what runs at once.
+        self._readers = ThreadPoolExecutor(2, thread_name_prefix="vitserve-read")
 
     async def _describe(self) -> dict[str, Any]:
+        """The encoder's model and its work terms, fetched once (concurrent first requests
+        share one fetch); a 503 (retryable) while the encoder cannot answer (starting, or
+        gone), and the next request asks again."""
         if self._model is None:
-            self._model = await self.encoder.describe.remote()
-            self.store.fingerprint = self._model["fingerprint"]
+            if self._describing is None or self._describing.done():
+                self._describing = asyncio.ensure_future(self._fetch_model())
+            try:
+                await asyncio.shield(self._describing)
+            except Exception as exc:  # Ray's and Serve's errors for an encoder not there
+                raise ServiceUnavailableError(
+                    "encoder", f"cannot describe the model: {type(exc).__name__}"
+                ) from None
+        assert self._model is not None
         return self._model
+
+    async def _fetch_model(self) -> None:
+        model = await self.encoder.describe.remote()
+        terms = await self.encoder.work_terms.remote()
+        self.store.fingerprint = model["fingerprint"]
+        self._terms, self._model = terms, model
+
+    async def _work_terms(self) -> Terms:
+        await self._describe()
+        assert self._terms is not None
+        return self._terms
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._readers, fn, *args)
 
     # -- encode ------------------------------------------------------------------------------
     @api.post("/v1/encode", summary="Encode images (multipart or JSON); items in input order",
               openapi_extra=parse.ENCODE_OPENAPI,
-              responses=error_responses(401, 413, 415, 422, 429, 503))  # fmt: skip
+              responses=error_responses(401, 408, 413, 415, 422, 429, 503))  # fmt: skip
     async def encode(self, request: Request) -> Response:
         try:
             tenant = self.gate.tenant_of_header(request.headers.get("authorization"))
-            items = await self._read_images(request)
+            terms = await self._work_terms()
+            items = await self._read_images(request, terms)
             response = JSONResponse(await self._encode_answer(items, tenant))
         except VitserveError as exc:
             response = error_response(exc)
         metrics.inc("requests_total", route="encode", status=str(response.status_code))
         return response
 
-    async def _read_images(self, request: Request) -> list[bytes | str]:
+    async def _read_images(self, request: Request, terms: Terms) -> list[bytes | str]:
         """The request's items: image bytes or keys; request-level limits checked, the body
-        refused while it is read once it passes ``max_request_bytes``."""
+        refused while it is read once it passes ``max_request_bytes`` or takes longer than
+        ``body_timeout_s``; the JSON parsed and the limits checked off the event loop."""
         limits = self.cfg.limits
-        body = await parse.read_body(request, limits.max_request_bytes)
+        body = await parse.read_body(request, limits.max_request_bytes, limits.body_timeout_s)
         if not body:
             raise MalformedRequestError("empty request body; send images as multipart/form-data "
                                         f"or JSON {parse.ENCODE_SHAPE}")  # fmt: skip
         ctype = request.headers.get("content-type", "")
         if ctype.startswith("multipart/form-data"):
             items = await self._form_items(request, body)
+            await self._off_loop(self._check_request, items, terms)
         elif parse.is_json_type(ctype):
-            items = parse.encode_json(parse.json_body(body), limits.max_images_per_request)
+            items = await self._off_loop(self._json_items, body, terms)
         else:
             raise MalformedRequestError(
                 f"unsupported content type {ctype[:80]!r}; use multipart/form-data or JSON", 415
             )
-        self._check_request(items)
+        return items
+
+    def _json_items(self, body: bytes, terms: Terms) -> list[bytes | str]:
+        """A JSON encode body's items, checked (a worker thread)."""
+        images = self.cfg.limits.max_images_per_request
+        doc = parse.json_body(body, parse.json_values_allowed(images))
+        items = parse.encode_json(doc, images)
+        self._check_request(items, terms)
         return items
 
     async def _form_items(self, request: Request, body: bytes) -> list[bytes | str]:
@@ -187,39 +230,56 @@ class Ingress:
             raise MalformedRequestError(f"unknown multipart fields: {sorted(unknown)}")
         return items
 
-    def _check_request(self, items: list[bytes | str]) -> None:
-        """The request-level limits: image count, total bytes, each image's bytes and pixels."""
+    def _check_request(self, items: list[bytes | str], terms: Terms) -> None:
+        """The request-level limits: image count, total bytes, each image's bytes and pixels,
+        and the work of its images against what one encoder replica admits."""
         parse.check_items(items, self.cfg.limits)
-        self._check_images(items)
+        self._check_images(items, terms)
 
-    def _check_images(self, items: list[bytes | str]) -> None:
-        """Byte and pixel limits of each image, from its header only (no decode)."""
-        from vitserve.encoder.images import ImageLimits, image_size
+    def _check_images(self, items: list[bytes | str], terms: Terms) -> None:
+        """Byte and pixel limits of each image, and the request's work (patches, and bytes:
+        prepared arrays plus its largest decoding) against one encoder replica's capacity,
+        all from the images' headers (no decode): a request no replica could ever admit is a
+        413 here, before any store or encoder call."""
+        from vitserve.encoder.images import ImageLimits, image_header
 
         limits = ImageLimits(max_image_bytes=self.cfg.limits.max_image_bytes,
                              max_image_pixels=self.cfg.limits.max_image_pixels)  # fmt: skip
+        patches = prepared = decode = 0
         for i, item in enumerate(items):
             if isinstance(item, bytes):
                 try:
-                    image_size(item, index=i, limits=limits)
+                    work = terms.rule.work(*image_header(item, index=i, limits=limits))
                 except ImageError as exc:
                     if exc.http_status == 413:  # over a limit: refuse the request up front
                         raise
-                    # undecodable: that item fails alone (the preprocessor says why)
+                    continue  # undecodable: that item fails alone (the preprocessor says why)
+                patches += work.patches
+                prepared += work.prepared_bytes
+                decode = max(decode, work.decode_bytes)
+        cap = terms.capacity
+        if patches > cap.max_patches:
+            raise LimitExceededError("encoder_max_patches", patches, cap.max_patches)
+        if prepared + decode > cap.max_bytes:
+            raise LimitExceededError("encoder_max_bytes", prepared + decode, cap.max_bytes)
 
     async def _encode_answer(self, items: list[bytes | str], tenant: Tenant) -> dict[str, Any]:
         from vitserve.keys import content_key
 
         model = await self._describe()
-        keys = [i if isinstance(i, str) else content_key(i, model["fingerprint"],
-                                                           tenant.namespace)
-                for i in items]  # fmt: skip
-        return {"items": await self.flow.encode(items, keys, self.gate.store_for(tenant))}
+
+        def keys() -> list[str]:  # hashing up to max_request_bytes: off the loop
+            return [i if isinstance(i, str) else content_key(i, model["fingerprint"],
+                                                               tenant.namespace)
+                    for i in items]  # fmt: skip
+
+        return {"items": await self.flow.encode(items, await self._off_loop(keys),
+                                                self.gate.store_for(tenant))}  # fmt: skip
 
     # -- probe and fetch -------------------------------------------------------------------------
     @api.post("/v1/probe", summary="Which keys the store holds (and, asked, their headers)",
               openapi_extra=parse.PROBE_OPENAPI,
-              responses=error_responses(401, 413, 415, 422, 503))  # fmt: skip
+              responses=error_responses(401, 408, 413, 415, 422, 503))  # fmt: skip
     async def probe(self, request: Request) -> Response:
         return await self._json_route(request, "probe", self._probe)
 
@@ -232,8 +292,12 @@ class Ingress:
         try:
             tenant = self.gate.tenant_of_header(request.headers.get("authorization"))
             parse.json_type(request.headers.get("content-type"))
-            body = await parse.read_body(request, self.cfg.limits.max_request_bytes)
-            doc = parse.json_body(body)
+            limits = self.cfg.limits
+            body = await parse.read_body(request, limits.max_request_bytes,
+                                         limits.body_timeout_s)  # fmt: skip
+            doc = await self._off_loop(
+                parse.json_body, body, parse.json_values_allowed(limits.max_keys_per_probe)
+            )
         except VitserveError as exc:
             response = error_response(exc)
         else:
@@ -308,10 +372,13 @@ class Ingress:
         who = {"namespace": tenant.namespace}
         if tenant.name is not None:
             who["tenant"] = tenant.name
-        return {"status": "ok", **await self._describe(), **who,
+        model = await self._describe()
+        terms = await self._work_terms()
+        return {"status": "ok", **model, **who, "row_bytes": terms.row_bytes,
                 "limits": {"max_images_per_request": limits.max_images_per_request,
                            "max_request_bytes": limits.max_request_bytes,
-                           "max_keys_per_probe": limits.max_keys_per_probe}}  # fmt: skip
+                           "max_keys_per_probe": limits.max_keys_per_probe,
+                           "max_rows_bytes": limits.max_rows_bytes}}  # fmt: skip
 
     async def _rows(self, payload: Any, tenant: Tenant) -> dict[str, Any]:
         """``{"reads": [[key, start, end], ...]}`` -> ``{"records": [record bytes | None]}``:
@@ -319,26 +386,35 @@ class Ingress:
         batched store call."""
         from vitserve.cache.codec import encode_record
 
-        reads = parse.rows(payload, self.cfg.limits.max_keys_per_probe)
-        await self._describe()
+        limits = self.cfg.limits
+        reads = parse.rows(payload, limits.max_keys_per_probe)
+        terms = await self._work_terms()
+        # Every read counts (repeats too: each is answered), at the model's row size: an
+        # answer over the cap is refused before the store is asked for anything.
+        answer = sum(end - start for _, start, end in reads) * terms.row_bytes
+        if answer > limits.max_rows_bytes:
+            raise LimitExceededError("max_rows_bytes", answer, limits.max_rows_bytes)
+        distinct = list(dict.fromkeys(reads))  # each distinct read once from the store
         try:
             with metrics.timed("store_round_trip_seconds", op="get_rows"):
                 parts = await asyncio.to_thread(self.gate.store_for(tenant).get_rows_many,
-                                                reads)  # fmt: skip
+                                                distinct)  # fmt: skip
         except ConfigError as exc:
             raise MalformedRequestError(str(exc)) from None
-        records = [None if p is None else bytes(encode_record(_rows_record(p))) for p in parts]
+        encoded = {read: None if p is None else bytes(encode_record(_rows_record(p)))
+                   for read, p in zip(distinct, parts, strict=True)}  # fmt: skip
+        records = [encoded[read] for read in reads]
         metrics.inc("bytes_fetched_total", sum(len(r) for r in records if r))
         return {"records": records}
 
     async def _encode_payload(self, payload: Any, tenant: Tenant) -> dict[str, Any]:
         images = parse.encode_payload(payload, self.cfg.limits.max_images_per_request)
-        self._check_request(images)
+        await self._off_loop(self._check_request, images, await self._work_terms())
         return await self._encode_answer(images, tenant)
 
     @api.post("/v1/rows", summary="Row ranges of several embeddings in one answer",
               openapi_extra=parse.ROWS_OPENAPI,
-              responses=error_responses(401, 413, 415, 422, 503))  # fmt: skip
+              responses=error_responses(401, 408, 413, 415, 422, 503))  # fmt: skip
     async def rows(self, request: Request) -> Response:
         from vitserve.cache.codec import pack_records
 

@@ -15,7 +15,9 @@ and took 5-60 s here (its controller's shutdown timed out at 30 s). A local run
 3. The replicas report what they did; the driver stops Ray.
 
 Invariants: every HTTP request a replica accepted is answered, with its own answer or with a
-503 (a response whose body already started streaming is let finish: its status is sent);
+503 (a response whose body already started streaming is let finish: its status is sent), or
+its client went away first (Serve cancels the request; its work is cancelled with it, never
+left running uncounted);
 a replica's gate only ever goes from open to stopping; where no :class:`StopSignal` runs
 (the test session's cluster, a RayService) the middleware only counts requests in flight.
 Nothing here is half-written in a store: every store writes a record in one atomic step.
@@ -150,7 +152,13 @@ class Draining:
         work = asyncio.ensure_future(self.app(scope, receive, tracked))
         deadline = asyncio.ensure_future(gate.cut_signal())
         try:
-            await asyncio.wait({work, deadline}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                await asyncio.wait({work, deadline}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                # Serve cancels a request whose client went away: so is its work (an encode
+                # past its claims runs on by itself, counted by the encoder's admission).
+                work.cancel()
+                raise
             if work.done() or state["started"]:
                 await work  # its answer (or a stream already under way) is the answer
                 return

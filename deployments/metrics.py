@@ -28,7 +28,13 @@ padded_token_fraction                  histogram  padding share of each forward'
                                                   packed, or stacked within one bucket)
 cache_hits_total / cache_misses_total  counter    store lookups by the service
 cache_evictions                        gauge      the store's evictions so far
-single_flight_joins_total{scope}       counter    images joined instead of encoded (local/remote)
+single_flight_joins_total{scope}       counter    images joined instead of encoded: on the
+                                                  ``ingress`` (a request there encodes it),
+                                                  ``local`` (on the encoder replica) or
+                                                  ``remote`` (through another's claim)
+admission_refused_total{limit}         counter    encode requests the encoder's work budget
+                                                  refused (BackpressureError: 429,
+                                                  LimitExceededError: 413)
 bytes_published_total                  counter    record bytes written to the store
 bytes_fetched_total                    counter    record bytes served by /v1/embeddings
 store_errors_total{op}                 counter    store operations that failed
@@ -47,7 +53,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from typing import Any
@@ -91,6 +97,7 @@ _SPECS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
     "cache_misses_total": ("counter", "Store lookups that did not", (), None),
     "cache_evictions": ("gauge", "Evictions reported by the store", (), None),
     "single_flight_joins_total": ("counter", "Images joined, not encoded", ("scope",), None),
+    "admission_refused_total": ("counter", "Encodes the work budget refused", ("limit",), None),
     "bytes_published_total": ("counter", "Record bytes written to the store", (), None),
     "bytes_fetched_total": ("counter", "Record bytes served over HTTP", (), None),
     "store_errors_total": ("counter", "Failed store operations", ("op",), None),
@@ -128,6 +135,23 @@ def observe(name: str, value: float, **tags: str) -> None:
 
 def set_gauge(name: str, value: float, **tags: str) -> None:
     metric(name).set(value, tags=tags or None)
+
+
+def flight_hook(where: str) -> Callable[..., None]:
+    """Single flight's events (``SingleFlight(hook=...)``) as metrics: joins by scope (on the
+    ``ingress``; on the encoder ``local``, or ``remote`` through another's claim), store calls
+    timed and failed ones counted."""
+
+    def hook(event: str, **fields: Any) -> None:
+        if event == "join":
+            inc("single_flight_joins_total", scope="ingress" if where == "ingress" else
+                fields["scope"])  # fmt: skip
+        elif event == "store_call":
+            observe("store_round_trip_seconds", fields["seconds"], op=fields["op"])
+            if fields["error"]:
+                inc("store_errors_total", op=fields["op"])
+
+    return hook
 
 
 @contextmanager

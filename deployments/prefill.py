@@ -115,15 +115,17 @@ class PrefillServer:
             return client
 
     @api.post("/v1/chat/completions", summary="OpenAI-style chat completion (stream or not)",
-              responses=error_responses(400, 401, 404, 413, 415, 422, 503))  # fmt: skip
+              responses=error_responses(400, 401, 404, 408, 413, 415, 422, 503))  # fmt: skip
     async def completions(self, request: Request) -> Response:
         try:
             token = bearer_token(request.headers.get("authorization"))
             tenant = None if self.auth is None else self.auth.tenant(token)  # before the body
-            # refused while read past max_request_bytes; JSON nested too deeply is a 422
+            # refused while read past max_request_bytes or body_timeout_s; JSON nested too
+            # deeply is a 422; parsed off the event loop (a chat's text may hold any value)
             parse.json_type(request.headers.get("content-type"))
-            raw = await parse.read_body(request, self.cfg.limits.max_request_bytes)
-            body = parse.json_body(raw)
+            limits = self.cfg.limits
+            raw = await parse.read_body(request, limits.max_request_bytes, limits.body_timeout_s)
+            body = await run_in_threadpool(parse.json_body, raw)
             prepared = await run_in_threadpool(self._prepare, body, tenant, token)
         except VitserveError as exc:
             self._count(exc.http_status)

@@ -9,8 +9,9 @@ Invariants:
   type) or :class:`~vitserve.errors.LimitExceededError` (413), naming the problem; never another
   exception (a JSON document nested too deeply is a 422, not Python's ``RecursionError``).
 * Limits are checked before the work they bound: a body is refused while it is read, once it
-  passes ``max_request_bytes`` (a chunked body without ``Content-Length`` included), and an
-  item count before any item is decoded (a 10k-image JSON request costs a ``len``).
+  passes ``max_request_bytes`` (a chunked body without ``Content-Length`` included) or its
+  ``body_timeout_s`` (408), a JSON document by its count of values before it is parsed, and
+  an item count before any item is decoded (a 10k-image JSON request costs a ``len``).
 * A key is 64 lowercase hex characters; a row range is ``[start, end)`` with
   ``0 <= start < end`` (integers, never booleans); whether ``end`` is past the image's tokens
   only the store's header can say.
@@ -18,13 +19,14 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
 import re
 from typing import Any, Protocol
 
-from vitserve.errors import LimitExceededError, MalformedRequestError
+from vitserve.errors import LimitExceededError, MalformedRequestError, RequestTimeoutError
 
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 KEY_SCHEMA = {"type": "string", "pattern": KEY_RE.pattern}
@@ -51,21 +53,31 @@ def content_length(header: str | None, limit: int) -> None:
         raise LimitExceededError("max_request_bytes", int(header), limit)
 
 
-async def read_body(request: Any, limit: int) -> bytes:
+async def read_body(request: Any, limit: int, timeout_s: float | None = None) -> bytes:
     """The body of a Starlette ``request``, refused (413) as soon as it passes ``limit`` bytes,
-    declared or read: a chunked body without ``Content-Length`` is never buffered whole."""
+    declared or read: a chunked body without ``Content-Length`` is never buffered whole; and
+    refused (408) when it has not arrived whole within ``timeout_s`` (a slow client does not
+    hold a slot of the replica for longer)."""
     from starlette.requests import ClientDisconnect
 
     content_length(request.headers.get("content-length"), limit)
-    chunks, size = [], 0
-    try:
+    chunks: list[bytes] = []
+    size = 0
+
+    async def read() -> None:
+        nonlocal size
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
                 raise LimitExceededError("max_request_bytes", size, limit)
             chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
     except ClientDisconnect:
         raise MalformedRequestError("the client disconnected before the body ended", 400) from None
+    except asyncio.TimeoutError:
+        raise RequestTimeoutError("body_timeout_s", timeout_s or 0.0, size) from None
     return b"".join(chunks)
 
 
@@ -84,10 +96,34 @@ def json_type(ctype: str | None) -> None:
                                     "(application/json)", 415)  # fmt: skip
 
 
-def json_body(body: bytes) -> Any:
-    """The JSON value of a body (422 naming why it is not one)."""
+#: the fewest JSON values a body may hold before it is refused unparsed: parsed, they take a
+#: few MB at most, and a request with too many items is then refused naming its item limit
+JSON_VALUES_FLOOR = 65_536
+
+
+def json_values_allowed(items: int) -> int:
+    """The most JSON values a body for requests of up to ``items`` items may hold: each item
+    (an image, a key, a read) is at most a container and three values, plus the document's
+    own few, and at least ``JSON_VALUES_FLOOR``."""
+    return max(4 * items + 16, JSON_VALUES_FLOOR)
+
+
+def json_values(body: bytes) -> int:
+    """An upper bound of the values a JSON document holds, counted without parsing it (C
+    speed): every value but the first follows a comma or opens a container. Valid requests of
+    this API never hold a comma or bracket inside a string (keys are hex, images base64)."""
+    return body.count(b",") + body.count(b"[") + body.count(b"{") + 1
+
+
+def json_body(body: bytes, max_values: int | None = None) -> Any:
+    """The JSON value of a body (422 naming why it is not one). With ``max_values``, a body
+    holding more values than that (``json_values``) is refused (413) before it is parsed:
+    parsing a JSON document costs memory by its values (a few MB of ``[0,0,...`` takes
+    hundreds of MB as Python objects), not by its bytes."""
     if not body.strip():
         raise MalformedRequestError("empty request body; expected a JSON document")
+    if max_values is not None and (values := json_values(body)) > max_values:
+        raise LimitExceededError("json_values", values, max_values)
     try:
         return json.loads(body)
     except RecursionError:
@@ -257,5 +293,5 @@ ROWS_OPENAPI = {"requestBody": _json_body({
 
 __all__ = ["ENCODE_OPENAPI", "KEY_RE", "PROBE_OPENAPI", "ROWS_OPENAPI", "check_items",
            "content_length", "encode_json", "encode_payload", "is_json_type", "json_body",
-           "json_type", "key", "multipart_parts", "probe", "read_body", "row_range",
-           "rows"]  # fmt: skip
+           "json_type", "json_values", "json_values_allowed", "key", "multipart_parts", "probe",
+           "read_body", "row_range", "rows"]  # fmt: skip

@@ -37,6 +37,7 @@ ERROR_SCHEMA = {
 _WHAT = {400: "bad request (a prompt too long for the model's context, ...)",
          401: "no bearer token, or an unknown one (auth on)",
          404: "not found (a missing key or route)", 405: "method not allowed",
+         408: "the request body did not arrive in time",
          413: "over a request limit", 415: "unsupported content type",
          422: "malformed request", 429: "at capacity; retry after Retry-After",
          503: "unavailable; retry after Retry-After"}  # fmt: skip

@@ -130,6 +130,20 @@ class LimitExceededError(RequestError):
         self.allowed = allowed
 
 
+class RequestTimeoutError(RequestError):
+    """A request's body did not arrive whole in time (HTTP 408): ``limit`` names the setting,
+    ``seconds`` is its value, ``received`` the bytes that had arrived."""
+
+    http_status = 408
+
+    def __init__(self, limit: str, seconds: float, received: int) -> None:
+        super().__init__(f"the request body did not arrive within {limit} ({seconds:g} s; "
+                         f"{received} bytes received)")  # fmt: skip
+        self.limit = limit
+        self.seconds = seconds
+        self.received = received
+
+
 class AuthenticationError(RequestError):
     """A request without a bearer token, or with one the service does not know (HTTP 401,
     answered with ``WWW-Authenticate: Bearer``). ``reason``: ``missing`` or ``invalid``."""

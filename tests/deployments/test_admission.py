@@ -4,6 +4,7 @@ queue's futures that outlive their caller."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from hypothesis import given, settings
@@ -65,10 +66,8 @@ def test_the_budget_never_passes_its_capacity_and_gives_back_what_it_took(ops) -
     for op, n, patches, prepared, decode in ops:
         if op == "take":
             works = {i: w(patches // (i + 1), prepared // (i + 1), decode) for i in range(n)}
-            try:
+            with contextlib.suppress(BackpressureError, LimitExceededError):
                 tickets.append(budget.take(works, decoding=bool(decode % 2)))
-            except (BackpressureError, LimitExceededError):
-                pass
         elif tickets and op == "decode":
             tickets[n % len(tickets)].release_decode()
         elif tickets and op == "release":
@@ -77,7 +76,8 @@ def test_the_budget_never_passes_its_capacity_and_gives_back_what_it_took(ops) -
             tickets.pop(n % len(tickets)).close()
         assert 0 <= budget.patches <= CAP.max_patches and 0 <= budget.nbytes <= CAP.max_bytes
         held = [t.held for t in tickets]
-        assert budget.patches == sum(p for p, _ in held) and budget.nbytes == sum(b for _, b in held)
+        assert budget.patches == sum(p for p, _ in held)
+        assert budget.nbytes == sum(b for _, b in held)
     for t in tickets:
         t.close()
     assert (budget.patches, budget.nbytes) == (0, 0)

@@ -191,8 +191,11 @@ def test_sixteen_concurrent_requests_for_one_new_image_encode_it_once(main_app) 
 
 
 def test_single_flight_holds_across_two_encoder_replicas(deploy) -> None:
-    """Two encoder replicas share the node store: one encodes, the other waits on its claim."""
+    """Two encoder replicas share the node store: one encodes, the other waits on its claim
+    (two ingress replicas: a request joins an encode in flight on its own ingress, so the
+    burst must come through both to meet at the encoders)."""
     app = deploy("pair", encoder={"num_replicas": 2, "num_cpus": 0.2},
+                 ingress={"num_replicas": 2, "num_cpus": 0.05},
                  batching={"batch_wait_timeout_s": 0.2})  # fmt: skip
     outcomes = ("vitserve_images_encoded_total", "vitserve_single_flight_joins_total",
                 "vitserve_cache_hits_total")  # fmt: skip
@@ -209,8 +212,9 @@ def test_single_flight_holds_across_two_encoder_replicas(deploy) -> None:
         responses = concurrently(app.encode, [[image]] * 16)
         assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
         assert len({r.json()["items"][0]["key"] for r in responses}) == 1
-        # Each of the 16 ends as exactly one of: encoded, joined on its replica, joined
-        # through the other replica's claim, or found in the store. Wait until all are seen.
+        # Each of the 16 ends as exactly one of: encoded, joined on its ingress or its encoder
+        # replica, joined through the other replica's claim, or found in the store. Wait
+        # until all are seen.
         deadline = time.monotonic() + 20
         while (now := totals())[2] - all0 < 16 and time.monotonic() < deadline:
             time.sleep(0.5)
