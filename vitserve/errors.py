@@ -19,6 +19,21 @@ class VitserveError(Exception):
         fields = {k: v for k, v in vars(self).items() if not k.startswith("_")}
         return {"type": type(self).__name__, "message": str(self), **fields}
 
+    def __reduce__(self) -> tuple[object, ...]:
+        """Rebuilt from its message and fields, not by calling ``__init__`` with its message
+        alone (what Python does by default, which fails for every subclass with fields): a
+        replica's error reaches its caller through Ray as itself, not as Ray's
+        ``UnserializableException``."""
+        return (_rebuild, (type(self), self.args, dict(vars(self))))
+
+
+def _rebuild(cls: type[VitserveError], args: tuple[object, ...],
+             fields: dict[str, object]) -> VitserveError:  # fmt: skip
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, *args)
+    exc.__dict__.update(fields)
+    return exc
+
 
 class ConfigError(VitserveError):
     """A setting or argument is invalid (unknown dtype, device, preset, ...)."""
