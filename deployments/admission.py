@@ -4,7 +4,8 @@ any pixel is decoded and given back as the work leaves memory.
 **The rule.** A request's new images are admitted together or not at all. Each costs its
 patches and the bytes of its prepared pixel arrays (:class:`~vitserve.encoder.work.ImageWork`,
 from the image's header); a request that decodes its images here also takes the bytes of its
-largest decoding (its images are decoded one after another). If that does not fit beside the
+decodings, counted as if they ran at once (sixteen flat 6000x6000 PNGs, 2 MB on the wire, are
+~14 GB of decoding: one request alone may not ask that). If that does not fit beside the
 work admitted already, the request is refused now: :class:`~vitserve.errors.BackpressureError`
 (the API's 429, with ``Retry-After``); if it would not fit an idle replica, it is refused for
 good: :class:`~vitserve.errors.LimitExceededError` (413, naming the limit). Nothing queues for
@@ -45,10 +46,10 @@ class WorkBudget:
 
     def take(self, works: Mapping[int, ImageWork], *, decoding: bool) -> Ticket:
         """Admit ``works`` (one request's images to encode here, by index); ``decoding``: the
-        request decodes them here (the largest decoding's bytes are taken too). Raises
+        request decodes them here (their decodings' bytes are taken too). Raises
         LimitExceededError if they exceed the capacity alone, BackpressureError if they do not
         fit now; takes nothing then."""
-        decode = max((w.decode_bytes for w in works.values()), default=0) if decoding else 0
+        decode = sum(w.decode_bytes for w in works.values()) if decoding else 0
         patches = sum(w.patches for w in works.values())
         self._check(patches, sum(w.prepared_bytes for w in works.values()) + decode)
         return Ticket(self, works, decode)

@@ -26,17 +26,24 @@ the caller's namespace with one; ``/metrics`` stays open (see ``vitserve.deploym
 Every error answer has one shape, ``{"error": {"type", "message", ...fields}}`` (FastAPI's
 validation errors, unknown routes and wrong methods included: ``responses.py``). Requests are
 read by ``requests.py``: a body is refused while it is read once it passes
-``max_request_bytes`` (chunked or declared), a JSON route takes JSON (415 otherwise), an empty
-body, invalid or too deeply nested JSON, a key that is not 64 lowercase hex characters or a
-row range that is not ``0 <= start < end`` (integers) is a 422 naming it.
+``max_request_bytes`` (chunked or declared; a probe or rows body, what its most keys take) or
+``body_timeout_s`` (408), a JSON route takes JSON (415 otherwise), an empty body, invalid or
+too deeply nested JSON, a key that is not 64 lowercase hex characters or a row range that is
+not ``0 <= start < end`` (integers) is a 422 naming it. Bodies are parsed, and images' headers
+and keys read, in two threads of the ingress's own, in steps that never hold the interpreter
+lock for long: ``/healthz`` answers meanwhile.
 
 Request-level limits are checked before any work, from the request's size and each image's
 header: too many images (counted before any base64 is decoded), too many bytes, an image over
-``max_image_bytes`` or ``max_image_pixels`` (a decompression bomb) -> 413 with a JSON error
-naming the limit; the request then costs nothing else. Images that pass the limits but do not
-decode or preprocess fail alone: their item carries the error, the others are encoded. A full
-encoder queue -> 429 with ``Retry-After``. A store that is down -> 503 for fetches and probes,
-while encodes still answer (from a tiered store's local tier, or by encoding).
+``max_image_bytes`` or ``max_image_pixels`` (a decompression bomb), more work than one encoder
+replica admits (``encoder_max_patches`` / ``encoder_max_bytes``, from the images' headers by
+the encoder's :class:`~vitserve.encoder.work.Terms`), a ``/v1/rows`` answer over
+``max_rows_bytes`` -> 413 with a JSON error naming the limit; the request then costs nothing
+else. Images that pass the limits but do not decode or preprocess fail alone: their item
+carries the error, the others are encoded. An encoder whose admitted work leaves no room, or
+a full encoder queue -> 429 with ``Retry-After``. A store that is down -> 503 for fetches and
+probes, while encodes still answer (from a tiered store's local tier, or by encoding). An
+encoder that cannot describe its model yet (starting) -> 503.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the routes' annotations
@@ -188,11 +195,9 @@ class Ingress:
             )
         return items
 
-    def _json_items(self, body: bytes, terms: Terms) -> list[bytes | str]:
+    def _json_items(self, body: bytearray, terms: Terms) -> list[bytes | str]:
         """A JSON encode body's items, checked (a worker thread)."""
-        images = self.cfg.limits.max_images_per_request
-        doc = parse.json_body(body, parse.json_values_allowed(images))
-        items = parse.encode_json(doc, images)
+        items = parse.encode_json_bytes(body, self.cfg.limits.max_images_per_request)
         self._check_request(items, terms)
         return items
 
@@ -238,7 +243,7 @@ class Ingress:
 
     def _check_images(self, items: list[bytes | str], terms: Terms) -> None:
         """Byte and pixel limits of each image, and the request's work (patches, and bytes:
-        prepared arrays plus its largest decoding) against one encoder replica's capacity,
+        prepared arrays plus its decodings) against one encoder replica's capacity,
         all from the images' headers (no decode): a request no replica could ever admit is a
         413 here, before any store or encoder call."""
         from vitserve.encoder.images import ImageLimits, image_header
@@ -256,7 +261,7 @@ class Ingress:
                     continue  # undecodable: that item fails alone (the preprocessor says why)
                 patches += work.patches
                 prepared += work.prepared_bytes
-                decode = max(decode, work.decode_bytes)
+                decode += work.decode_bytes
         cap = terms.capacity
         if patches > cap.max_patches:
             raise LimitExceededError("encoder_max_patches", patches, cap.max_patches)
@@ -288,13 +293,18 @@ class Ingress:
         """A route whose request is JSON: ``work(doc, tenant)``'s answer (as JSON, or as
         ``answer(body)`` makes it), or its error (``Retry-After`` where a retry can help);
         counted in ``requests_total``. The caller is authenticated before the body is read;
-        the body is refused while it is read once it passes ``max_request_bytes``."""
+        the body is refused while it is read once it passes what the most keys or reads take
+        (``json_body_bytes``) or ``body_timeout_s``, and parsed off the event loop."""
         try:
             tenant = self.gate.tenant_of_header(request.headers.get("authorization"))
             parse.json_type(request.headers.get("content-type"))
             limits = self.cfg.limits
-            body = await parse.read_body(request, limits.max_request_bytes,
-                                         limits.body_timeout_s)  # fmt: skip
+            # a probe or a rows read is small (~80 bytes a key or read): its body is read up
+            # to what the most keys take, not up to max_request_bytes
+            allowed = min(limits.max_request_bytes, parse.json_body_limit(
+                limits.max_keys_per_probe))  # fmt: skip
+            body = await parse.read_body(request, allowed, limits.body_timeout_s,
+                                         name="json_body_bytes")  # fmt: skip
             doc = await self._off_loop(
                 parse.json_body, body, parse.json_values_allowed(limits.max_keys_per_probe)
             )

@@ -134,7 +134,7 @@ class ResizeRule:
 @dataclass(frozen=True, slots=True)
 class Capacity:
     """What one encoder replica admits at once: patches, and bytes (prepared pixel arrays plus
-    the decoding under way)."""
+    the decodings under way)."""
 
     max_patches: int
     max_bytes: int

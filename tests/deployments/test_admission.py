@@ -24,17 +24,17 @@ def w(patches: int, prepared: int, decode: int = 0) -> ImageWork:
 
 def test_a_request_is_admitted_whole_or_refused_now() -> None:
     budget = WorkBudget(CAP)
-    a = budget.take({0: w(400, 2000, 5000), 1: w(100, 500, 3000)}, decoding=True)
-    assert (budget.patches, budget.nbytes) == (500, 2500 + 5000)  # the largest decoding only
+    a = budget.take({0: w(400, 2000, 4000), 1: w(100, 500, 3000)}, decoding=True)
+    assert (budget.patches, budget.nbytes) == (500, 2500 + 7000)  # decodings as if at once
     with pytest.raises(BackpressureError) as refused:  # fits alone, not now: 429
         budget.take({0: w(600, 100)}, decoding=False)
     assert refused.value.http_status == 429 and refused.value.retryable
-    assert (budget.patches, budget.nbytes) == (500, 7500) and budget.refused == 1
+    assert (budget.patches, budget.nbytes) == (500, 9500) and budget.refused == 1
     with pytest.raises(LimitExceededError) as too_big:  # never fits: 413 naming the limit
         budget.take({0: w(1001, 1)}, decoding=False)
     assert too_big.value.http_status == 413 and too_big.value.limit == "encoder_max_patches"
     with pytest.raises(LimitExceededError, match="encoder_max_bytes"):
-        budget.take({0: w(1, 10), 1: w(1, 10, 9_990)}, decoding=True)
+        budget.take({0: w(1, 10, 5_000), 1: w(1, 10, 5_000)}, decoding=True)
     a.release_decode()  # the images are prepared: the decoding's bytes come back
     assert budget.nbytes == 2500
     a.release(0)  # image 0's device step ended
