@@ -94,6 +94,34 @@ def prop_encode_json_parses_or_refuses(doc: Any) -> None:
                 assert item == base64.b64decode(given_item["data"])
 
 
+def _outcome(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, or the refusal's (class, status, limit, value)."""
+    try:
+        return fn(*args)
+    except REFUSALS as exc:
+        return (type(exc), exc.http_status, getattr(exc, "limit", None),
+                getattr(exc, "value", None))  # fmt: skip
+
+
+@FAST
+@given(doc=encode_docs, indent=st.sampled_from([None, 0, 2]),
+       separators=st.sampled_from([None, (",", ":"), (" , ", " : ")]),
+       escape_slash=st.booleans(), pad=st.sampled_from([b"", b" ", b"\n\t "]))  # fmt: skip
+def prop_encode_bytes_equals_parsing_the_document(
+    doc: Any, indent: Any, separators: Any, escape_slash: bool, pad: bytes
+) -> None:
+    """The item-by-item reading of an encode body answers as parsing it whole does, for any
+    document laid out any way (whitespace, separators, escaped slashes: then the slow path)."""
+    RUNS["encode-bytes"] += 1
+    text = json.dumps(doc, indent=indent, separators=separators)
+    if escape_slash:
+        text = text.replace("/", "\\/")
+    body = bytearray(pad + text.encode() + pad)
+    fast = _outcome(parse.encode_json_bytes, body, MAX_IMAGES)
+    slow = _outcome(lambda: parse.encode_json(parse.json_body(bytes(body)), MAX_IMAGES))
+    assert fast == slow
+
+
 @FAST
 @given(payload=st.one_of(st.fixed_dictionaries({"images": st.lists(
     st.one_of(st.binary(max_size=8), near_keys, scalars), max_size=10)}), json_values))  # fmt: skip
@@ -189,6 +217,21 @@ def test_a_chunked_body_is_refused_while_read_and_a_declared_one_before() -> Non
     assert refused.value.limit == "max_request_bytes" and receive.sent == 5  # not 1000
     receive = Receive(chunks=3, size=1000)
     assert asyncio.run(parse.read_body(_request(receive), limit=4096)) == b"x" * 3000
+
+
+def test_a_body_that_does_not_arrive_in_time_is_a_408() -> None:
+    from vitserve.errors import RequestTimeoutError
+
+    class Slow(Receive):
+        async def __call__(self) -> dict[str, Any]:
+            await asyncio.sleep(0.05)  # a few bytes a tick
+            return await super().__call__()
+
+    receive = Slow(chunks=1000, size=5)
+    with pytest.raises(RequestTimeoutError) as late:
+        asyncio.run(parse.read_body(_request(receive), limit=10**6, timeout_s=0.3))
+    assert late.value.http_status == 408 and 0 < late.value.received < 5000
+    assert receive.sent < 20  # it stopped reading at the deadline
     receive = Receive(chunks=1000, size=1000)
     declared = _request(receive, [(b"content-length", b"1000000")])
     with pytest.raises(LimitExceededError):
@@ -211,7 +254,17 @@ def test_content_types() -> None:
     assert parse.multipart_parts(body, 'multipart/form-data; boundary="b"') == 10
 
 
-PROPERTIES = [prop_encode_json_parses_or_refuses, prop_encode_payload_parses_or_refuses,
+def test_a_large_body_is_scanned_in_steps_and_values_are_counted_before_parsing() -> None:
+    body = bytearray(b'{"images": [' + b"0," * (3 * parse.SCAN_STEP) + b"0]}")
+    assert parse.json_values(body) == 3 * parse.SCAN_STEP + 3  # the commas, [ and {, + 1
+    with pytest.raises(LimitExceededError) as refused:
+        parse.json_body(body, parse.json_values_allowed(MAX_IMAGES))
+    assert refused.value.limit == "json_values"
+    assert parse.json_body_limit(1024) < 2**20  # a probe or rows body: well under 1 MiB
+
+
+PROPERTIES = [prop_encode_json_parses_or_refuses, prop_encode_bytes_equals_parsing_the_document,
+              prop_encode_payload_parses_or_refuses,
               prop_probe_parses_or_refuses, prop_rows_parses_or_refuses,
               prop_row_range_parses_or_refuses, prop_json_body_parses_or_refuses,
               prop_valid_json_documents_round_trip]  # fmt: skip
@@ -222,7 +275,7 @@ def test_every_parser_parses_or_refuses_any_input(reliability) -> None:
     RUNS.clear()
     for prop in PROPERTIES:
         prop()
-    assert len(RUNS) == 6 and min(RUNS.values()) >= 100, RUNS  # each ran its examples
+    assert len(RUNS) == 7 and min(RUNS.values()) >= 100, RUNS  # each ran its examples
     reliability.record("Bad input: request parsing, any JSON value (hypothesis)",
                        tried=sum(RUNS.values()), failed=0, wrong=0, lost=0,
                        note=f"{len(PROPERTIES)} properties over the encode, probe, rows, range "
