@@ -21,8 +21,9 @@ stage_seconds{stage}                   histogram  time in each stage of a new im
                                                   encoding of one device step), ``publish`` (the
                                                   store write of one device step)
 store_round_trip_seconds{op}           histogram  each store call the service makes (ingress:
-                                                  headers, exists, get, get_rows; encoder:
-                                                  headers, claim, wait_for, release, put)
+                                                  lookup_or_claim, headers, exists, get,
+                                                  get_rows; encoder: put; single flight: poll,
+                                                  claim, release)
 batch_images / batch_patches           histogram  size of each forward
 padded_token_fraction                  histogram  padding share of each forward's tokens (0 when
                                                   packed, or stacked within one bucket)

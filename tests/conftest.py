@@ -475,6 +475,6 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     text = table.render(table.ROWS)
     path = table.report_path(Path(terminalreporter.config.rootpath))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    path.write_text(table.render(table.ROWS, header=True))
     terminalreporter.write_sep("=", f"reliability table ({len(table.ROWS)} rows, also in {path})")
     terminalreporter.write(text)

@@ -3,8 +3,9 @@
 A test that injects a fault or tries a class of bad input records one row through the
 ``reliability`` fixture (``tests/conftest.py``) *after* its assertions: a row exists only when
 its test passed. At the end of the session the rows are printed in pytest's summary and written
-to ``build/reliability.md`` (or ``$VITSERVE_TEST_RELIABILITY_REPORT``) as the Markdown table the
-README quotes.
+to ``build/reliability.md`` (or ``$VITSERVE_TEST_RELIABILITY_REPORT``: ``.ci/run`` writes
+``loadtest/results/reliability.md``, the page the README links) as a Markdown table headed by
+the commit, the date and the machine.
 
 Columns: *cases tried* (requests sent, or inputs fuzzed), *requests failed* (answered 5xx, lost
 or crashed a replica where the row says the request must succeed or be refused with a 4xx/429/503),
@@ -48,9 +49,50 @@ def record(case: str, *, tried: int, failed: int, wrong: int, lost: int, rerun: 
     return row
 
 
-def render(rows: list[Row]) -> str:
-    """The Markdown table, one line per row, in the order the tests ran."""
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+def machine() -> str:
+    """This machine, as a results page names it: CPU model, vCPUs, last-level cache."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), model)  # fmt: skip
+    except OSError:
+        pass
+    from vitserve.encoder.device import last_level_cache_bytes
+
+    llc = last_level_cache_bytes()
+    cache = f", {llc / 2**20:g} MiB last-level cache" if llc else ""
+    return f"{model}, {os.cpu_count()} vCPUs{cache}"
+
+
+def commit() -> str:
+    """The checkout's commit (and ``+changes`` when the tree differs from it, results pages
+    aside), or ``unknown``."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(  # the results pages a run writes are not a change
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+             ":!loadtest/results"], capture_output=True, text=True, timeout=10,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
+
+
+def render(rows: list[Row], *, header: bool = False) -> str:
+    """The Markdown table, one line per row, in the order the tests ran; with ``header``, a
+    first line naming the commit, the date and the machine (a results page's)."""
+    import datetime
+
+    lines = []
+    if header:
+        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        lines += [f"Written by the test suite (`tests/reliability_table.py`) at commit "
+                  f"`{commit()}`, {when}, on {machine()}.", ""]  # fmt: skip
+    lines += ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for r in rows:
         case = f"{r.case} ({r.note})" if r.note else r.case
         lines.append(f"| {case} | {r.tried:,} | {r.failed} | {r.wrong} | {r.lost} | "

@@ -104,3 +104,30 @@ def test_chunks_keeping_spans_whole_partition_the_prompt(prompt, chunk_size: int
         assert e - s <= chunk_size or ImageSpan(s, e - s) in spans
     if not spans:
         assert bounds == chunk_bounds(length, chunk_size)
+
+
+def test_service_row_reads_are_split_by_the_byte_cap_and_joined_back() -> None:
+    """``/v1/rows`` refuses an answer over ``max_rows_bytes``: the SDK's reads through the
+    service go in batches under it, a read larger than the cap alone in row pieces, joined back
+    into one record (the same rows, in order)."""
+    import numpy as np
+
+    from vitserve.cache.codec import EmbeddingRecord
+    from vitserve.client.core import join_rows, piece_batches, row_pieces
+
+    reads = [("a", 0, 10), ("b", 5, 7), ("c", 0, 3)]
+    pieces = row_pieces(reads, max_rows=4)
+    assert pieces == [(0, ("a", 0, 4)), (0, ("a", 4, 8)), (0, ("a", 8, 10)), (1, ("b", 5, 7)),
+                      (2, ("c", 0, 3))]  # fmt: skip
+    assert row_pieces(reads, max_rows=0) == list(enumerate(reads))  # no cap: whole reads
+    batches = piece_batches(pieces, max_reads=3, max_bytes=4 * 100, row_bytes=100)
+    assert all(sum(e - s for _, s, e in b) * 100 <= 400 and len(b) <= 3 for b in batches)
+    assert [r for b in batches for r in b] == [r for _, r in pieces]
+    rows = np.arange(40, dtype=np.float32).reshape(10, 4)
+    parts = [EmbeddingRecord(key="a", fingerprint="f", dtype="fp32", num_tokens=10, grid=None,
+                             tensors={"embedding": rows[s:e]}, row_start=s)
+             for s, e in ((0, 4), (4, 8), (8, 10))]  # fmt: skip
+    joined = join_rows(parts)
+    assert joined is not None and joined.row_start == 0
+    assert np.array_equal(joined.embedding, rows)
+    assert join_rows([parts[0], None]) is None
