@@ -26,7 +26,7 @@ the caller's namespace with one; ``/metrics`` stays open (see ``vitserve.deploym
 Every error answer has one shape, ``{"error": {"type", "message", ...fields}}`` (FastAPI's
 validation errors, unknown routes and wrong methods included: ``responses.py``). Requests are
 read by ``requests.py``: a body is refused while it is read once it passes
-``max_request_bytes`` (chunked or declared; a probe or rows body, what its most keys take) or
+``max_request_bytes`` (chunked or declared; a probe or rows body, 4 KiB a key or read) or
 ``body_timeout_s`` (408), a JSON route takes JSON (415 otherwise), an empty body, invalid or
 too deeply nested JSON, a key that is not 64 lowercase hex characters or a row range that is
 not ``0 <= start < end`` (integers) is a 422 naming it. Bodies are parsed, and images' headers
@@ -293,18 +293,19 @@ class Ingress:
         """A route whose request is JSON: ``work(doc, tenant)``'s answer (as JSON, or as
         ``answer(body)`` makes it), or its error (``Retry-After`` where a retry can help);
         counted in ``requests_total``. The caller is authenticated before the body is read;
-        the body is refused while it is read once it passes what the most keys or reads take
-        (``json_body_bytes``) or ``body_timeout_s``, and parsed off the event loop."""
+        the body is refused while it is read once it passes ``max_request_bytes`` or 4 KiB a
+        key or read (``json_body_bytes``), or ``body_timeout_s``, and parsed off the event
+        loop."""
         try:
             tenant = self.gate.tenant_of_header(request.headers.get("authorization"))
             parse.json_type(request.headers.get("content-type"))
             limits = self.cfg.limits
             # a probe or a rows read is small (~80 bytes a key or read): its body is read up
-            # to what the most keys take, not up to max_request_bytes
-            allowed = min(limits.max_request_bytes, parse.json_body_limit(
-                limits.max_keys_per_probe))  # fmt: skip
-            body = await parse.read_body(request, allowed, limits.body_timeout_s,
-                                         name="json_body_bytes")  # fmt: skip
+            # to what its most keys may take, when that is less than max_request_bytes
+            allowed, name = limits.max_request_bytes, "max_request_bytes"
+            if (json_limit := parse.json_body_limit(limits.max_keys_per_probe)) < allowed:
+                allowed, name = json_limit, "json_body_bytes"
+            body = await parse.read_body(request, allowed, limits.body_timeout_s, name=name)
             doc = await self._off_loop(
                 parse.json_body, body, parse.json_values_allowed(limits.max_keys_per_probe)
             )

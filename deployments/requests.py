@@ -101,10 +101,11 @@ JSON_VALUES_FLOOR = 65_536
 
 
 def json_body_limit(items: int) -> int:
-    """The most bytes a JSON body of up to ``items`` keys or reads may take (a read, the
-    longest item, is ~80 bytes; the rest is room for whitespace): what the probe and rows
-    routes read, far below ``max_request_bytes``."""
-    return 256 * items + 4096
+    """The most bytes a JSON body of up to ``items`` keys or reads may take: 4 KiB an item (a
+    read, the longest, is ~80 bytes; the rest is room for whitespace), a few MiB at most for
+    the probe and rows routes, whose parse then stays cheap, where ``max_request_bytes`` is
+    sized for images."""
+    return 4096 * items + 65536
 
 
 def json_values_allowed(items: int) -> int:

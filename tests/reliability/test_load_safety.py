@@ -4,7 +4,7 @@ and ``/healthz`` answers within ``HEALTHZ_S`` all along.
 
 * ``/v1/rows`` with 1024 copies of one full read: 413 naming ``max_rows_bytes`` before Redis is
   asked for anything (its read commands and output bytes do not move); copies that fit are read
-  once.
+  once; a 5 MiB rows body is refused while read (``json_body_bytes``).
 * Sixteen flat 6000x6000 PNGs (~120 KB each, ~860 MB each while decoded) in one request: 413
   before decoding; the same spread over sixteen concurrent requests: each 200 or 429 (with
   ``Retry-After``) before decoding, the encoder replica's RSS within its admitted bytes, and a
@@ -193,10 +193,14 @@ def test_rows_with_1024_copies_of_a_full_read_are_refused_before_redis_is_asked(
     assert after[1] - before[1] <= 2 * stats_cost + 4096, (after[1] - before[1], stats_cost)
     assert few.status_code == 200, few.text
     assert after_few[0] - after[0] <= 3  # the head and the rows of one read, not `fits` of them
+    # a rows (or probe) body is read only up to 4 KiB a read, not max_request_bytes (64 MiB)
+    padded = b'{"reads": [' + b" " * (5 * 2**20) + b"]}"
+    big = app.client.post(reads_url, content=padded, headers={"content-type": "application/json"})
+    assert big.status_code == 413 and big.json()["error"]["limit"] == "json_body_bytes", big.text
     assert not health.failures and health.slowest <= HEALTHZ_S, (health.slowest, health.failures)
     client.close()
     reliability.record(
-        "/v1/rows with 1024 copies of one full read", tried=2, failed=0, wrong=0, lost=0,
+        "/v1/rows with 1024 copies of one full read", tried=3, failed=0, wrong=0, lost=0,
         note=f"413 max_rows_bytes ({1024 * tokens * row_bytes / 2**20:.0f} MiB asked, cap "
         f"{ROWS_CAP // 2**20} MiB), Redis read commands +{after[0] - before[0]}; {fits} copies "
         f"that fit: 200 from {after_few[0] - after[0]} Redis reads; /healthz <= "
