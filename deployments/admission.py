@@ -5,7 +5,7 @@ any pixel is decoded and given back as the work leaves memory.
 patches and the bytes of its prepared pixel arrays (:class:`~vitserve.encoder.work.ImageWork`,
 from the image's header); a request that decodes its images here also takes the bytes of its
 decodings, counted as if they ran at once (sixteen flat 6000x6000 PNGs, 2 MB on the wire, are
-~14 GB of decoding: one request alone may not ask that). If that does not fit beside the
+counted as ~14 GB of decoding: one request alone may not ask that). If that does not fit beside the
 work admitted already, the request is refused now: :class:`~vitserve.errors.BackpressureError`
 (the API's 429, with ``Retry-After``); if it would not fit an idle replica, it is refused for
 good: :class:`~vitserve.errors.LimitExceededError` (413, naming the limit). Nothing queues for
@@ -15,7 +15,7 @@ the decoding's bytes once the request's images are prepared.
 
 So everything the replica holds for images not yet encoded (the device queue included) stays
 within :class:`~vitserve.encoder.work.Capacity`: a few MB of cheap uploads (a flat 6000x6000
-PNG is ~120 KB and ~860 MB while decoded) cannot take the replica's memory.
+PNG of ~120 KB is counted as ~860 MB of decoding) cannot take the replica's memory.
 
 Invariants:
 
@@ -24,15 +24,48 @@ Invariants:
 * A :class:`Ticket` gives back exactly what it took, each part once, in any order
   (``release``, ``release_decode``, ``close``); ``close`` gives back what is left.
 * Bookkeeping only: no I/O, no clock, no awaits (one event loop calls it; its turns serialize
-  the calls).
+  the calls). The ingress refuses at the door what could never fit with the same functions
+  (``image_work``, ``request_cost``, ``check_fits``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
-from vitserve.encoder.work import Capacity, ImageWork
-from vitserve.errors import BackpressureError, LimitExceededError
+from vitserve.encoder.images import ImageLimits, image_header
+from vitserve.encoder.work import Capacity, ImageWork, ResizeRule
+from vitserve.errors import BackpressureError, ImageError, LimitExceededError
+
+
+def image_work(rule: ResizeRule, data: bytes, index: int, limits: ImageLimits) -> ImageWork:
+    """What encoding image ``data`` costs, from its header: ImageTooLargeError (413) if it
+    passes a per-image limit; an image whose header does not read costs its bytes only (it
+    fails alone when it is prepared, naming why)."""
+    try:
+        return rule.work(*image_header(data, index=index, limits=limits))
+    except ImageError as exc:
+        if exc.http_status == 413:
+            raise
+        return ImageWork(0, 0, len(data))
+
+
+def request_cost(works: Iterable[ImageWork], *, decoding: bool) -> tuple[int, int]:
+    """``(patches, bytes)`` of one request's images: their prepared bytes, and with
+    ``decoding`` their decodings' bytes, counted as if they ran at once."""
+    patches = nbytes = 0
+    for w in works:
+        patches += w.patches
+        nbytes += w.prepared_bytes + (w.decode_bytes if decoding else 0)
+    return patches, nbytes
+
+
+def check_fits(capacity: Capacity, patches: int, nbytes: int) -> None:
+    """LimitExceededError (413, naming ``encoder_max_patches`` or ``encoder_max_bytes``) for
+    work that no replica of ``capacity`` could ever admit."""
+    if patches > capacity.max_patches:
+        raise LimitExceededError("encoder_max_patches", patches, capacity.max_patches)
+    if nbytes > capacity.max_bytes:
+        raise LimitExceededError("encoder_max_bytes", nbytes, capacity.max_bytes)
 
 
 class WorkBudget:
@@ -49,9 +82,8 @@ class WorkBudget:
         request decodes them here (their decodings' bytes are taken too). Raises
         LimitExceededError if they exceed the capacity alone, BackpressureError if they do not
         fit now; takes nothing then."""
+        self._check(*request_cost(works.values(), decoding=decoding))
         decode = sum(w.decode_bytes for w in works.values()) if decoding else 0
-        patches = sum(w.patches for w in works.values())
-        self._check(patches, sum(w.prepared_bytes for w in works.values()) + decode)
         return Ticket(self, works, decode)
 
     def take_decoding(self, nbytes: int) -> Ticket:
@@ -63,10 +95,7 @@ class WorkBudget:
     def _check(self, patches: int, nbytes: int) -> None:
         """Take ``patches`` and ``nbytes``, or raise and take nothing."""
         cap = self.capacity
-        if patches > cap.max_patches:
-            raise LimitExceededError("encoder_max_patches", patches, cap.max_patches)
-        if nbytes > cap.max_bytes:
-            raise LimitExceededError("encoder_max_bytes", nbytes, cap.max_bytes)
+        check_fits(cap, patches, nbytes)
         if self.patches + patches > cap.max_patches or self.nbytes + nbytes > cap.max_bytes:
             self.refused += 1
             raise BackpressureError(
@@ -117,4 +146,4 @@ class Ticket:
                 sum(w.prepared_bytes for w in self._works.values()) + self._decode)  # fmt: skip
 
 
-__all__ = ["Ticket", "WorkBudget"]
+__all__ = ["Ticket", "WorkBudget", "check_fits", "image_work", "request_cost"]

@@ -41,11 +41,10 @@ import numpy as np
 from ray import serve
 
 from vitserve.deployments import autoscaling, metrics
-from vitserve.deployments.admission import Ticket, WorkBudget
+from vitserve.deployments.admission import Ticket, WorkBudget, image_work
 from vitserve.deployments.config import VitserveConfig
 from vitserve.deployments.device_queue import DeviceQueue, Work
 from vitserve.deployments.single_flight import ClaimState, Role, SingleFlight
-from vitserve.encoder.images import image_header
 from vitserve.encoder.work import ImageWork, Terms
 from vitserve.errors import ImageError, StoreError, VitserveError
 
@@ -281,12 +280,11 @@ class EncoderDeployment:
         started = time.perf_counter()
         store = self._store_for(batch.namespace)
         roles = self.flights.roles(batch.keys, batch.claims)
-        works = self._works(batch, prepared)
+        # the cost of each image this request may encode here (a joined one costs nothing)
+        works = self._works(batch, prepared, [i for i, r in enumerate(roles)
+                                              if r is not Role.JOIN])  # fmt: skip
         try:
-            ticket = self.budget.take(
-                {i: works[i] for i, r in enumerate(roles) if r is not Role.JOIN},
-                decoding=prepared is None,
-            )
+            ticket = self.budget.take(works, decoding=prepared is None)
         except VitserveError as exc:
             metrics.inc("admission_refused_total", limit=type(exc).__name__)
             raise
@@ -297,24 +295,17 @@ class EncoderDeployment:
         metrics.observe("encode_latency_seconds", time.perf_counter() - started)
         return results
 
-    def _works(self, batch: EncodeBatch, prepared: list[Any] | None) -> list[ImageWork]:
-        """Each image's cost: from its header (bytes), or its prepared arrays (nothing for an
-        image the preprocessor refused; one whose header does not parse fails when prepared,
-        at the cost of reading it)."""
+    def _works(self, batch: EncodeBatch, prepared: list[Any] | None,
+               indices: list[int]) -> dict[int, ImageWork]:  # fmt: skip
+        """The cost of images ``indices``: from their headers (bytes), or their prepared arrays
+        (nothing for an image the preprocessor refused)."""
         if prepared is not None:
-            return [ImageWork(0, 0, 0) if isinstance(p, dict) else
-                    ImageWork(p.patches, p.pixels.nbytes, 0) for p in prepared]  # fmt: skip
-        out = []
-        for data, index in zip(batch.images or [], batch.indices, strict=True):
-            try:
-                out.append(
-                    self.terms.rule.work(
-                        *image_header(data, index=index, limits=self.preprocessor.limits)
-                    )
-                )
-            except ImageError:
-                out.append(ImageWork(0, 0, len(data)))
-        return out
+            return {i: ImageWork(0, 0, 0) if isinstance(prepared[i], dict) else
+                    ImageWork(prepared[i].patches, prepared[i].pixels.nbytes, 0)
+                    for i in indices}  # fmt: skip
+        images, limits = batch.images or [], self.preprocessor.limits
+        return {i: image_work(self.terms.rule, images[i], batch.indices[i], limits)
+                for i in indices}  # fmt: skip
 
     def _store_for(self, namespace: str | None) -> Any:
         """The store of a batch's namespace (None: the config's): this replica's store for its
@@ -325,7 +316,7 @@ class EncoderDeployment:
 
     async def _run(self, batch: EncodeBatch, prepared: list[Any] | None, store: Any,
                    roles: list[Role], futures: dict[int, asyncio.Future],
-                   works: list[ImageWork], ticket: Ticket) -> list[Any]:  # fmt: skip
+                   works: dict[int, ImageWork], ticket: Ticket) -> list[Any]:  # fmt: skip
         """The admitted request: lead, wait, join; the ticket closed and every flight it leads
         settled at the end, whatever happens."""
         results: list[Any] = [None] * len(batch.keys)

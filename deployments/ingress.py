@@ -74,7 +74,6 @@ from vitserve.encoder.work import Terms
 from vitserve.errors import (
     CacheMissError,
     ConfigError,
-    ImageError,
     LimitExceededError,
     MalformedRequestError,
     ServiceUnavailableError,
@@ -243,30 +242,17 @@ class Ingress:
 
     def _check_images(self, items: list[bytes | str], terms: Terms) -> None:
         """Byte and pixel limits of each image, and the request's work (patches, and bytes:
-        prepared arrays plus its decodings) against one encoder replica's capacity,
-        all from the images' headers (no decode): a request no replica could ever admit is a
-        413 here, before any store or encoder call."""
-        from vitserve.encoder.images import ImageLimits, image_header
+        prepared arrays plus its decodings) against one encoder replica's capacity, all from
+        the images' headers (no decode), as the encoder's admission counts them: a request no
+        replica could ever admit is a 413 here, before any store or encoder call."""
+        from vitserve.deployments.admission import check_fits, image_work, request_cost
+        from vitserve.encoder.images import ImageLimits
 
         limits = ImageLimits(max_image_bytes=self.cfg.limits.max_image_bytes,
                              max_image_pixels=self.cfg.limits.max_image_pixels)  # fmt: skip
-        patches = prepared = decode = 0
-        for i, item in enumerate(items):
-            if isinstance(item, bytes):
-                try:
-                    work = terms.rule.work(*image_header(item, index=i, limits=limits))
-                except ImageError as exc:
-                    if exc.http_status == 413:  # over a limit: refuse the request up front
-                        raise
-                    continue  # undecodable: that item fails alone (the preprocessor says why)
-                patches += work.patches
-                prepared += work.prepared_bytes
-                decode += work.decode_bytes
-        cap = terms.capacity
-        if patches > cap.max_patches:
-            raise LimitExceededError("encoder_max_patches", patches, cap.max_patches)
-        if prepared + decode > cap.max_bytes:
-            raise LimitExceededError("encoder_max_bytes", prepared + decode, cap.max_bytes)
+        works = [image_work(terms.rule, item, i, limits) for i, item in enumerate(items)
+                 if isinstance(item, bytes)]  # fmt: skip
+        check_fits(terms.capacity, *request_cost(works, decoding=True))
 
     async def _encode_answer(self, items: list[bytes | str], tenant: Tenant) -> dict[str, Any]:
         from vitserve.keys import content_key
