@@ -292,17 +292,18 @@ class RedisStore(EmbeddingStore):
         pipe = self._client.pipeline(transaction=False)
         for fk in full_keys:
             pipe.getrange(self._vkey(fk), 0, HEAD_READ - 1)
-        heads: list[Buffer | None] = []
-        for fk, head in zip(full_keys, pipe.execute(), strict=True):
-            if not head:
-                heads.append(None)
-                continue
-            try:
-                long_header = header_bytes_needed(head) > len(head) == HEAD_READ
-            except RecordFormatError:
-                long_header = False
-            heads.append(self._get_head(fk) if long_header else head)
-        return heads
+        return [self._whole_head(fk, head) if head else None
+                for fk, head in zip(full_keys, pipe.execute(), strict=True)]  # fmt: skip
+
+    def _whole_head(self, full_key: str, head: bytes) -> Buffer | None:
+        """A value's first ``HEAD_READ`` bytes as read, or, for a header longer than that
+        (rare), the whole header in a second read (None if the value went meanwhile); a value
+        that is not a record as it is (the base's header check says why)."""
+        try:
+            long_header = header_bytes_needed(head) > len(head) == HEAD_READ
+        except RecordFormatError:
+            return head
+        return self._get_head(full_key) if long_header else head
 
     @_guarded
     def _lookup_states(self, full_keys: list[str]) -> list[Buffer | bool]:
@@ -314,18 +315,9 @@ class RedisStore(EmbeddingStore):
             pipe.getrange(self._vkey(fk), 0, HEAD_READ - 1)
             pipe.exists(self._ckey(fk))
         answers = pipe.execute()
-        out: list[Buffer | bool] = []
-        for i, fk in enumerate(full_keys):
-            head, claimed = answers[2 * i], answers[2 * i + 1]
-            if not head:
-                out.append(bool(claimed))
-                continue
-            try:
-                long_header = header_bytes_needed(head) > len(head) == HEAD_READ
-            except RecordFormatError:
-                long_header = False
-            out.append(self._get_head(fk) or head if long_header else head)
-        return out
+        return [(self._whole_head(fk, head) or head) if head else bool(claimed)
+                for fk, head, claimed in zip(full_keys, answers[::2], answers[1::2],
+                                             strict=True)]  # fmt: skip
 
     @_guarded
     def _get_spans_many(self, items: list[tuple[str, list[RowSpan]]]
@@ -374,15 +366,8 @@ class RedisStore(EmbeddingStore):
         answers = self._lookup_script(keys=keys, args=[token, _ms(ttl_s), HEAD_READ])
         out: list[Buffer | bool] = []
         for fk, answer in zip(full_keys, answers, strict=True):
-            if isinstance(answer, int):
-                out.append(bool(answer))
-                continue
-            try:
-                long_header = header_bytes_needed(answer) > len(answer) == HEAD_READ
-            except RecordFormatError:
-                long_header = False  # not a record: the base's header check says why
-            # a header longer than 4 KiB (rare): a second read completes it
-            out.append(self._get_head(fk) or answer if long_header else answer)
+            out.append(bool(answer) if isinstance(answer, int) else
+                       self._whole_head(fk, answer) or answer)  # fmt: skip
         return out
 
     @_guarded
