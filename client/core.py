@@ -356,12 +356,12 @@ class ClientCore:
         ``max_keys_per_probe`` reads and ``max_rows_bytes`` of rows each (at the model's
         ``row_bytes``); a read larger than that alone is read in row pieces and joined."""
         assert self.model is not None
-        pieces = row_pieces(reads, self._limit("max_rows_bytes", 0) // max(
-            1, int(self.model.get("row_bytes", 0))))  # fmt: skip
+        cap = self._limit("max_rows_bytes", 0)  # 0: a service that sets none
+        row_bytes = int(self.model.get("row_bytes", 0))
+        pieces = row_pieces(reads, cap // max(1, row_bytes))
         replies: list[Reply] = []
-        for batch in piece_batches(pieces, self._limit("max_keys_per_probe", 1024),
-                                   self._limit("max_rows_bytes", 0),
-                                   int(self.model.get("row_bytes", 0))):  # fmt: skip
+        for batch in piece_batches(pieces, self._limit("max_keys_per_probe", 1024), cap,
+                                   row_bytes):  # fmt: skip
             answer = yield ApiCall("rows", batch)
             replies += answer if isinstance(answer, list) else [check(answer)]  # (check raises)
         parts: list[list[EmbeddingRecord | None]] = [[] for _ in reads]

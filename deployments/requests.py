@@ -59,7 +59,8 @@ async def read_body(request: Any, limit: int, timeout_s: float | None = None,
     ``limit`` bytes, declared or read: a chunked body without ``Content-Length`` is never
     buffered whole; and refused (408) when it has not arrived whole within ``timeout_s`` (a
     slow client does not hold a slot of the replica for longer). Gathered chunk by chunk into
-    one buffer (no join of the whole body at the end: 64 MiB held the event loop ~70 ms)."""
+    one buffer: no join of the whole body at the end, one C call that holds the interpreter
+    lock for as long as it copies (``loadtest/results/body-reading-cpu.md``)."""
     from starlette.requests import ClientDisconnect
 
     content_length(request.headers.get("content-length"), limit, name)
@@ -115,8 +116,8 @@ def json_values_allowed(items: int) -> int:
     return max(4 * items + 16, JSON_VALUES_FLOOR)
 
 
-#: bytes scanned per C call where a body is scanned whole (each call holds the interpreter
-#: lock: a 64 MiB body in one call held it ~40 ms; in 1 MiB steps, under 1 ms each)
+#: bytes scanned per C call where a body is scanned whole: each call holds the interpreter lock,
+#: and the event loop waits for it (``loadtest/results/body-reading-cpu.md``)
 SCAN_STEP = 2**20
 
 
@@ -172,16 +173,24 @@ def encode_json(doc: Any, max_images: int) -> list[Item]:
     _count(doc["images"], max_images)
     items: list[Item] = []
     for i, item in enumerate(doc["images"]):
-        if isinstance(item, dict) and set(item) == {"data"} and isinstance(item["data"], str):
-            try:
-                items.append(base64.b64decode(item["data"], validate=True))
-            except (binascii.Error, ValueError):
-                raise MalformedRequestError(f"images[{i}].data is not base64") from None
-        elif isinstance(item, dict) and set(item) == {"key"} and isinstance(item["key"], str):
-            items.append(key(item["key"], f"images[{i}].key"))
-        else:
-            raise MalformedRequestError(f'images[{i}] must be {{"data": ...}} or {{"key": ...}}')
+        if isinstance(item, dict) and len(item) == 1:
+            [(field, value)] = item.items()
+            if field in ("data", "key") and isinstance(value, str):
+                items.append(_encode_item(i, field, value))
+                continue
+        raise MalformedRequestError(f'images[{i}] must be {{"data": ...}} or {{"key": ...}}')
     return items
+
+
+def _encode_item(i: int, field: str, value: str | memoryview) -> Item:
+    """Item ``i`` of an encode document: ``data`` (base64) as its bytes, or a ``key``."""
+    if field == "key":
+        text = value if isinstance(value, str) else bytes(value).decode("ascii")
+        return key(text, f"images[{i}].key")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise MalformedRequestError(f"images[{i}].data is not base64") from None
 
 
 # One item of an encode document as JSON writers lay it out (no escapes: base64 and hex have
@@ -195,9 +204,10 @@ _EMPTY_LIST = re.compile(rb"\s*\]")
 def encode_json_bytes(body: bytes | bytearray, max_images: int) -> list[Item]:
     """``encode_json(json_body(body), max_images)``, without parsing the document whole when
     it is laid out as writers lay it out: item by item (each image's base64 scanned and decoded
-    in its own C calls, so a 64 MiB body never holds the interpreter lock for long; one
-    ``json.loads`` of it held it ~105 ms). Any other layout (escapes, other fields, another
-    shape) is parsed by ``json_body`` and read by ``encode_json``: the same answer either way."""
+    in its own C calls, so a 64 MiB body never holds the interpreter lock for long, where one
+    ``json.loads`` of it holds it throughout: ``loadtest/results/body-reading-cpu.md``). Any
+    other layout (escapes, other fields, another shape) is parsed by ``json_body`` and read by
+    ``encode_json``: the same answer either way."""
     items = _encode_items(body, max_images)
     if items is None:
         return encode_json(json_body(body, json_values_allowed(max_images)), max_images)
@@ -217,7 +227,7 @@ def _encode_items(body: bytes | bytearray, max_images: int) -> list[Item] | None
             item = _ENCODE_ITEM.match(body, pos)
             if item is None:
                 return None
-            spans.append((item.group(1), item.start(2), item.end(2)))
+            spans.append((item.group(1).decode(), item.start(2), item.end(2)))
             pos = item.end()
             if item.group(3) == b"]":
                 break
@@ -225,17 +235,8 @@ def _encode_items(body: bytes | bytearray, max_images: int) -> list[Item] | None
     if tail is None or tail.end() != len(body):
         return None
     _count(spans, max_images)  # before any base64 is decoded
-    out: list[Item] = []
-    for i, (kind, start, end) in enumerate(spans):
-        text = bytes(body[start:end])
-        if kind == b"key":
-            out.append(key(text.decode("ascii"), f"images[{i}].key"))
-            continue
-        try:
-            out.append(base64.b64decode(text, validate=True))
-        except (binascii.Error, ValueError):
-            raise MalformedRequestError(f"images[{i}].data is not base64") from None
-    return out
+    view = memoryview(body)  # each image's base64 decoded where it lies, not copied first
+    return [_encode_item(i, field, view[start:end]) for i, (field, start, end) in enumerate(spans)]
 
 
 def encode_payload(payload: Any, max_images: int) -> list[Item]:

@@ -260,9 +260,6 @@ class SingleFlight:
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
 
 class _Poller:
     """The waits on one store: one ``lookup_states`` call per tick for every awaited key."""
@@ -272,7 +269,6 @@ class _Poller:
         self.store = store
         self.waiters: dict[str, set[asyncio.Future]] = {}
         self.task: asyncio.Task | None = None
-        self.polls = 0
 
     def add(self, key: str) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
@@ -297,7 +293,6 @@ class _Poller:
         delay = POLL_FIRST_S
         while self.waiters:
             keys = list(self.waiters)
-            self.polls += 1
             try:
                 answers = await self.flights.call("poll", self.store.lookup_states, keys)
             except StoreError:

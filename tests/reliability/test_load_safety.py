@@ -9,8 +9,8 @@ and ``/healthz`` answers within ``HEALTHZ_S`` all along.
   before decoding; the same spread over sixteen concurrent requests: each 200 or 429 (with
   ``Retry-After``) before decoding, the encoder replica's RSS within its admitted bytes, and a
   normal request sent meanwhile is answered. (Any burst of sixteen requests, cached ones too,
-  delays ``/healthz`` ~0.3 s on a 2-vCPU host: Serve's proxy and the ingress serve them first;
-  there the test holds ``/healthz`` to what such a burst costs.)
+  delays ``/healthz`` on a 2-vCPU host, because Serve's proxy and the ingress serve them first:
+  the test measures such a burst in the same run and holds ``/healthz`` to twice it.)
 * A body sent a few bytes a second: 408 once ``body_timeout_s`` passes; a 64 MiB JSON body:
   refused unparsed when it holds more values than a request can (413), answered in seconds
   when it is a valid encode; a client that disconnects mid-encode: its encode finishes and
@@ -54,7 +54,7 @@ _colours = itertools.count(1)
 
 def flat_png(side: int = BIG) -> bytes:
     """A single-colour ``side`` x ``side`` PNG of a colour no other call gave (a palette PNG:
-    36 KB for 6000x6000, made in 0.13 s where an RGB one takes 0.5 s; decoded to RGB alike)."""
+    smaller and quicker to make than an RGB one; decoded to RGB alike)."""
     c = next(_colours)
     im = Image.new("P", (side, side), 0)
     im.putpalette([c % 256, (c * 13) % 256, 40 + c // 256] * 256)
@@ -228,7 +228,7 @@ def test_sixteen_flat_6000px_pngs_are_refused_before_decoding_and_memory_holds(
             stop.wait(0.05)
 
     # What any burst of sixteen requests costs /healthz here (a cached image each): Serve's
-    # proxy and the ingress serve them first (measured on a 2-vCPU Xeon: ~0.25-0.33 s).
+    # proxy and the ingress serve them first.
     cached = small()
     assert app.encode([cached]).status_code == 200
     with Health(app) as baseline:
@@ -288,11 +288,8 @@ def test_sixteen_flat_6000px_pngs_are_refused_before_decoding_and_memory_holds(
         health.slowest,
         baseline.slowest,
     )
-    assert app.counters()["admitted"] == {
-        "patches": 0,
-        "bytes": 0,
-        "refused": app.counters()["admitted"]["refused"],
-    }
+    admitted_now = app.counters()["admitted"]
+    assert (admitted_now["patches"], admitted_now["bytes"]) == (0, 0)  # every share given back
     mib = 2**20
     reliability.record(
         "16 flat 6000x6000 PNGs (36 KB each): in one request, and 16 requests at once",
