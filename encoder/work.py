@@ -5,8 +5,8 @@ arrays the encoder holds from its preparation until its forward (``prepared_byte
 bytes its decoding and preprocessing take on top while they run (``decode_bytes``). A family's
 :class:`ResizeRule` (``FamilyAdapter.resize_rule()``) computes it from the image's width,
 height and mode the way the family's image processor will size the image. The service admits
-work by these figures (``vitserve.deployments.admission``): a flat 6000x6000 PNG is ~120 KB on
-the wire and ~500 MB while it is decoded.
+work by these figures (``vitserve.deployments.admission``): a flat 6000x6000 PNG of ~120 KB on
+the wire takes hundreds of MB while it is decoded (``loadtest/results/decode-memory-cpu.md``).
 
 Light on purpose: the standard library only (the HTTP ingress imports it, without torch).
 
@@ -28,10 +28,9 @@ import math
 from dataclasses import dataclass
 
 #: Peak bytes per decoded pixel that decoding (PIL stores RGB in 4 bytes a pixel), the RGB
-#: conversion and the image processor's arrays add, over-estimated by mode class. Measured on
-#: the tiny test models (peak RSS growth of ``Preprocessor.prepare``, 3000-6000 px squares):
-#: RGB PNG 14.1, RGB JPEG 17.7, CMYK JPEG 16.1, palette 14.3, RGBA 20.2, LA 20.3 B/px; 16-bit
-#: grayscale 28.2 B/px (scaled through float64 first).
+#: conversion and the image processor's arrays add, over-estimated by mode class: measured per
+#: family and image kind in ``loadtest/results/decode-memory-cpu.md``
+#: (``loadtest/bench_decode_memory.py``); 16-bit grayscale is scaled through float64 first.
 DECODE_BYTES_PER_PIXEL = 24
 HIGH_DEPTH_DECODE_BYTES_PER_PIXEL = 32
 HIGH_DEPTH_MODES = ("I", "F", "I;16")  # prefixes of PIL modes with more than 8 bits a sample

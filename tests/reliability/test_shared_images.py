@@ -11,8 +11,8 @@ by the replicas.
 
 What it guards (issue 25): each BUSY image used to wait for its claimant's publish in a thread
 of that executor, and the publish needed one too; five threads of waiters froze the replica
-until the 60 s wait timeout, then every image was encoded again (all six requests took 60 s
-against 1.4 s alone). And an image was joinable only once its request had prepared every image.
+until the 60 s wait timeout (every request then answered after ~60 s; this test fails on that
+code). And an image was joinable only once its request had prepared every image.
 """
 
 from __future__ import annotations
