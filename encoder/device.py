@@ -198,6 +198,16 @@ def default_max_batch_patches(device: Any, mlp_width: int, dtype: Any) -> int | 
                          dtype.itemsize)  # fmt: skip
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), for results pages; ``unknown CPU`` elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), "unknown CPU")  # fmt: skip
+    except OSError:
+        return "unknown CPU"
+
+
 def describe_cpu() -> str:
     """The host readings behind the CPU defaults, naming the ones an override replaced."""
 

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from vitserve.deployments import requests as parse
+from vitserve.encoder.device import cpu_model
 
 CHUNK = 64 * 2**10
 IMAGES = 64
@@ -63,12 +64,6 @@ def longest_stall(fn: Callable[[], Any]) -> tuple[float, float]:
         gap, last = max(gap, now - last), now
     worker.join()
     return took[0], gap
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f
-                     if line.startswith("model name")), "unknown CPU")  # fmt: skip
 
 
 def main() -> None:
@@ -143,10 +138,8 @@ def main() -> None:
         lines.append(f"| {name} | {old_name} | {ms(before, 0)} | {ms(before, 1)} | {new_name} | "
                      f"{ms(after, 0)} | {ms(after, 1)} |")  # fmt: skip
         print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
     if args.out:
-        args.out.write_text(text)
-    print(text)
+        args.out.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -59,12 +59,6 @@ print(json.dumps({"upload": len(data), "peak": peak, "estimate": work.decode_byt
 """
 
 
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f
-                     if line.startswith("model name")), "unknown CPU")  # fmt: skip
-
-
 def measure(model: Path, kind: str, side: int) -> dict:
     proc = subprocess.run([sys.executable, "-c", _ONE, str(model), kind, str(side)],
                           capture_output=True, text=True, timeout=600, check=True)  # fmt: skip
@@ -78,7 +72,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    from vitserve.encoder.device import describe_cpu
+    from vitserve.encoder.device import cpu_model, describe_cpu
     from vitserve.encoder.testmodels import make_model
 
     root = Path(tempfile.mkdtemp(prefix="vitserve-decode-"))
@@ -107,10 +101,8 @@ def main() -> None:
                 )
                 print(row, flush=True)
                 lines.append(row)
-    text = "\n".join(lines) + "\n"
     if args.out:
-        args.out.write_text(text)
-    print(text)
+        args.out.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

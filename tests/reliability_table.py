@@ -51,18 +51,11 @@ def record(case: str, *, tried: int, failed: int, wrong: int, lost: int, rerun: 
 
 def machine() -> str:
     """This machine, as a results page names it: CPU model, vCPUs, last-level cache."""
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f
-                          if line.startswith("model name")), model)  # fmt: skip
-    except OSError:
-        pass
-    from vitserve.encoder.device import last_level_cache_bytes
+    from vitserve.encoder.device import cpu_model, last_level_cache_bytes
 
     llc = last_level_cache_bytes()
     cache = f", {llc / 2**20:g} MiB last-level cache" if llc else ""
-    return f"{model}, {os.cpu_count()} vCPUs{cache}"
+    return f"{cpu_model()}, {os.cpu_count()} vCPUs{cache}"
 
 
 def commit() -> str:
