@@ -34,7 +34,8 @@ class VllmServer:
 
     ``extra_env`` is merged into the server's environment, e.g.
     ``{"VLLM_CPU_OMP_THREADS_BIND": "0-1"}``: by default vLLM's CPU backend reserves one core
-    and binds a single OpenMP thread on a 2-core machine.
+    and binds a single OpenMP thread on a 2-core machine. ``extra_args`` go at the end of the
+    command line (e.g. ``--ec-transfer-config``).
     """
 
     def __init__(
@@ -48,6 +49,7 @@ class VllmServer:
         served_model_name: str = "tiny",
         ready_timeout: float = 180.0,
         extra_env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
     ) -> None:
         self.python = python
         self.model_dir = model_dir
@@ -57,6 +59,7 @@ class VllmServer:
         self.served_model_name = served_model_name
         self.ready_timeout = ready_timeout
         self.extra_env = dict(extra_env or {})
+        self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
         self._log = None
@@ -87,6 +90,7 @@ class VllmServer:
             "127.0.0.1",
             "--port",
             str(self.port),
+            *self.extra_args,
         ]
 
     def _log_tail(self, n: int = 4000) -> str:

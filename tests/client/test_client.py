@@ -424,7 +424,7 @@ def test_an_encoder_restart_between_calls_is_retried(make_client, deploy) -> Non
 
 # -- packaging ---------------------------------------------------------------------------------
 def test_importing_the_client_loads_no_heavy_dependency() -> None:
-    code = ("import sys, vitserve.client, vitserve.client.adapters\n"
+    code = ("import sys, vitserve.client, vitserve.client.adapters, vitserve.client.ec_plan\n"
             "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")  # fmt: skip
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                 check=True).stdout.split())  # fmt: skip
