@@ -8,9 +8,11 @@ the store.
 
 Invariants:
 
-* **Only vitserve keys are asked about.** An item's identifier is vitserve's content key when
+* **Only what can be a key is asked about.** An item's identifier is vitserve's content key when
   the request carried it as the item's ``uuid`` (the front does): 64 lowercase hex characters.
-  Any other identifier (vLLM's own hash of the pixels) is a miss without a store call.
+  An identifier of any other form is a miss without a store call. vLLM's own identifiers (its
+  blake3 hash of the pixels, when no ``uuid`` came) have a key's form: they are probed like
+  keys and miss.
 * **One probe per request.** The store is asked once for all of a request's keys whose
   placeholders are not computed yet, and the answers are kept until the request finishes: a
   request waiting or running over many engine steps costs no further store calls.

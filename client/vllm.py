@@ -29,7 +29,8 @@ Invariants (the rules are :mod:`vitserve.client.ec_plan`'s; this module performs
   in its scheduler stats, which vLLM logs ("EC Transfer metrics: ...") and exports as
   ``vllm:vitserve_ec_*`` Prometheus counters on its ``/metrics``.
 * Items without a vitserve key (no ``uuid``, or one vLLM re-hashed because the request set
-  multimodal processor kwargs) are vLLM's business: never probed, always encoded by vLLM.
+  multimodal processor kwargs) are vLLM's business: they miss (one probe per request when the
+  identifier has a key's form) and vLLM encodes them.
 
 Configuration (``ec_connector_extra_config``): ``url`` (the vitserve service: its ``/healthz``
 names the model fingerprint and namespace the keys are made under; required), ``store`` (a store

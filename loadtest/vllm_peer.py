@@ -50,6 +50,7 @@ class VllmServer:
         ready_timeout: float = 180.0,
         extra_env: dict[str, str] | None = None,
         extra_args: list[str] | None = None,
+        max_images: int = _MAX_IMAGES,
     ) -> None:
         self.python = python
         self.model_dir = model_dir
@@ -60,6 +61,7 @@ class VllmServer:
         self.ready_timeout = ready_timeout
         self.extra_env = dict(extra_env or {})
         self.extra_args = list(extra_args or [])
+        self.max_images = max_images
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
         self._log = None
@@ -85,7 +87,7 @@ class VllmServer:
             "4",
             "--enforce-eager",
             "--limit-mm-per-prompt",
-            json.dumps({"image": _MAX_IMAGES, "video": 0}),
+            json.dumps({"image": self.max_images, "video": 0}),
             "--host",
             "127.0.0.1",
             "--port",

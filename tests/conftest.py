@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import socket
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -16,6 +13,12 @@ from typing import Any
 
 import httpx
 import pytest
+
+from tests.redis_process import RedisServer
+
+# tests/vllm runs against real vLLM servers from vLLM's own venv: `make test-vllm` runs it (and
+# sets VITSERVE_TEST_VLLM=1); `make test` leaves it out.
+collect_ignore = [] if os.environ.get("VITSERVE_TEST_VLLM") == "1" else ["vllm"]
 
 # Nothing in the suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -98,48 +101,6 @@ def redis_url() -> str:
     client.flushdb()
     client.close()
     return url
-
-
-class RedisServer:
-    """A private redis-server subprocess on a free port (killed at teardown)."""
-
-    def __init__(self, *args: str) -> None:
-        from vitserve.deployments.local import free_port
-
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.args = args
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    def start(self, attempts: int = 3) -> None:
-        """Start on ``self.port``; if the server exits at once (another process took the port
-        since it was found free), on a new free port."""
-        from vitserve.deployments.local import free_port
-
-        for _ in range(attempts):
-            self.proc = subprocess.Popen(
-                [shutil.which("redis-server") or "redis-server", "--port", str(self.port),
-                 "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *self.args],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-            deadline = time.monotonic() + 10
-            while self.proc.poll() is None and time.monotonic() < deadline:
-                try:
-                    socket.create_connection(("127.0.0.1", self.port), timeout=0.1).close()
-                    return
-                except OSError:
-                    time.sleep(0.05)
-            self.kill()
-            self.port = free_port()
-            self.url = f"redis://127.0.0.1:{self.port}/0"
-        raise RuntimeError(f"redis-server did not start ({attempts} ports tried)")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
 
 
 @pytest.fixture
