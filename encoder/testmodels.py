@@ -21,6 +21,22 @@ Presets (the language model stays small in all of them; only the vision side sca
 * ``small``: a ViT-B-sized tower (768 wide, 12 layers), for CPU benchmarks.
 * ``large``: the family's published tower size (transformers' default vision config, e.g. the
   ~670M-parameter Qwen2.5-VL-7B tower), for GPU benchmarks.
+
+``vllm=True`` builds a model that vLLM's CPU build (0.32) serves as well, with these changes the
+default models (kept as they were) lack:
+
+* the language model's heads are ``VLLM_CPU_HEAD_DIM`` (32) wide instead of 16 (half as many on
+  the same hidden size): vLLM's CPU attention takes no head size under 32 ("Unsupported CPU
+  attention configuration: head_dim=16");
+* LLaVA's and Gemma 3's vision towers are saved under ``vision_tower.vision_model.*``, as the
+  published checkpoints are (transformers 5 saves ``vision_tower.*``, which vLLM does not load);
+* Gemma 3's tokenizer has the published model's newline tokens (``"\\n"`` to ``"\\n\\n\\n\\n"``,
+  one token each), which vLLM's Gemma 3 processor looks up in the vocabulary, and the folder a
+  ``processor_config.json`` with the model's ``image_seq_length`` (vLLM's count of image tokens).
+
+The vision side is unchanged (the same ``seed`` draws the same vision and projector weights, so
+vitserve's embeddings of a ``vllm=True`` model are the default model's).
+:func:`cached_model` keeps such models in their own folders (``-vllm``).
 """
 
 from __future__ import annotations
@@ -48,6 +64,8 @@ VISION_START_ID = 2002
 VISION_END_ID = 2003
 START_OF_TURN_ID = 2004  # Gemma 3's turn markers
 END_OF_TURN_ID = 2005
+# Gemma 3's "\n" ... "\n\n\n\n" tokens in vllm=True models (see make_tokenizer).
+NEWLINE_IDS = (2006, 2007, 2008, 2009)
 
 # Part of the cache folder names: bumped whenever make_model's output changes, so that
 # cached_model rebuilds folders an older version wrote (v2: the tokenizer and chat template).
@@ -64,6 +82,9 @@ _TEXT_SIZES = {
     "large": {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2},
 }
 _HEAD_DIM = 16
+# The smallest head size vLLM's CPU attention supports (32, 64, 80, ..., 256, 512): the text
+# head size of make_model(..., vllm=True).
+VLLM_CPU_HEAD_DIM = 32
 # The init std of the tiny models' vision weights (see the module docstring).
 _TINY_VISION_STD = 0.2
 _VISION_PARAMS = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")
@@ -87,14 +108,14 @@ def _vit(family: str, preset: str) -> dict[str, int]:
     return _VIT_LARGE[family] if preset == "large" else _VIT_SIZES[preset]
 
 
-def _text_config(preset: str, **extra: Any) -> dict[str, Any]:
+def _text_config(preset: str, head_dim: int, **extra: Any) -> dict[str, Any]:
     sizes = _TEXT_SIZES[preset]
-    heads = sizes["hidden_size"] // _HEAD_DIM
+    heads = sizes["hidden_size"] // head_dim
     return {
         "vocab_size": VOCAB_SIZE,
         "num_attention_heads": heads,
         "num_key_value_heads": max(1, heads // 2),
-        "head_dim": _HEAD_DIM,
+        "head_dim": head_dim,
         "max_position_embeddings": 4096,
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
@@ -104,19 +125,19 @@ def _text_config(preset: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def _qwen_config(family: str, preset: str) -> Any:
+def _qwen_config(family: str, preset: str, head_dim: int) -> Any:
     import transformers as tf
 
     # M-RoPE splits head_dim/2 rotary frequencies over (t, h, w); the published split is
     # 16/24/24 of 64, kept in proportion here.
-    half = _HEAD_DIM // 2
+    half = head_dim // 2
     hw = half * 3 // 8
     rope = {
         "rope_type": "default",
         "rope_theta": 1_000_000.0,
         "mrope_section": [half - 2 * hw, hw, hw],
     }
-    text = _text_config(preset, rope_parameters=rope)
+    text = _text_config(preset, head_dim, rope_parameters=rope)
     ids = {
         "image_token_id": IMAGE_TOKEN_ID,
         "video_token_id": VIDEO_TOKEN_ID,
@@ -153,7 +174,7 @@ def _qwen_config(family: str, preset: str) -> Any:
     return tf.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
 
 
-def _llava_config(preset: str) -> Any:
+def _llava_config(preset: str, head_dim: int) -> Any:
     import transformers as tf
 
     v = _vit("llava", preset)
@@ -168,7 +189,7 @@ def _llava_config(preset: str) -> Any:
         "projection_dim": v["width"],
     }
     side = vision["image_size"] // vision["patch_size"]
-    text = _text_config(preset, model_type="llama")
+    text = _text_config(preset, head_dim, model_type="llama")
     return tf.LlavaConfig(
         vision_config=vision,
         text_config=text,
@@ -179,7 +200,7 @@ def _llava_config(preset: str) -> Any:
     )
 
 
-def _gemma3_config(preset: str) -> Any:
+def _gemma3_config(preset: str, head_dim: int) -> Any:
     import transformers as tf
 
     v = _vit("gemma3", preset)
@@ -197,6 +218,7 @@ def _gemma3_config(preset: str) -> Any:
     layers = _TEXT_SIZES[preset]["num_hidden_layers"]
     text = _text_config(
         preset,
+        head_dim,
         sliding_window=512,
         layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
     )
@@ -374,7 +396,7 @@ def _style(family: str) -> str:
     return "qwen" if family.startswith("qwen") else family
 
 
-def make_tokenizer(family: str, config: Any) -> PreTrainedTokenizerFast:
+def make_tokenizer(family: str, config: Any, *, vllm: bool = False) -> PreTrainedTokenizerFast:
     """The offline ``PreTrainedTokenizerFast`` (with chat template) of a ``family`` test model.
 
     Invariants: exactly ``VOCAB_SIZE`` ids, each of which decodes; pad/bos/eos at ids 0/1/2,
@@ -384,7 +406,13 @@ def make_tokenizer(family: str, config: Any) -> PreTrainedTokenizerFast:
     one image marker (Qwen ``<|image_pad|>`` between vision start/end, LLaVA ``<image>``, Gemma 3
     ``<start_of_image>``) and adds BOS itself where the family has one in its prompts; encoding
     adds no special tokens. The BPE part is deterministic (same files on every run).
+
+    ``vllm`` (Gemma 3 only): ids ``NEWLINE_IDS`` are the ordinary (not special) tokens of one to
+    four newlines, matched in text before the BPE (longest first), as vLLM's Gemma 3 processor
+    expects; the other ids are as without it.
     """
+    import itertools
+
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from tokenizers.trainers import BpeTrainer
     from transformers import PreTrainedTokenizerFast
@@ -405,12 +433,18 @@ def make_tokenizer(family: str, config: Any) -> PreTrainedTokenizerFast:
     )
     bpe.train_from_iterator(_CORPUS, trainer)
     first = bpe.get_vocab_size()
-    bpe.add_special_tokens(
-        [
-            AddedToken(specials.get(i, f"<unused{i}>"), special=True, normalized=False)
-            for i in range(first, VOCAB_SIZE)
-        ]
-    )
+    # Filler ids are <unused{id}> special tokens; vllm Gemma 3's newline ids ordinary tokens.
+    fill = {
+        i: AddedToken(specials.get(i, f"<unused{i}>"), special=True, normalized=False)
+        for i in range(first, VOCAB_SIZE)
+    }
+    if vllm and style == "gemma3":
+        for n, i in enumerate(NEWLINE_IDS, 1):
+            fill[i] = AddedToken("\n" * n, special=False, normalized=False)
+    # Added in id order, each run of special or ordinary tokens by its own call.
+    for special, run in itertools.groupby(fill.values(), key=lambda t: t.special):
+        tokens = list(run)
+        (bpe.add_special_tokens if special else bpe.add_tokens)(tokens)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         pad_token=specials[PAD_ID],
@@ -440,15 +474,19 @@ def full_model_class(family: str) -> Any:
     }[family]
 
 
-def build_config(family: str, preset: str) -> Any:
-    """The transformers config of a test model (``family`` is the transformers model_type)."""
+def build_config(family: str, preset: str, *, vllm: bool = False) -> Any:
+    """The transformers config of a test model (``family`` is the transformers model_type);
+    ``vllm``: text heads ``VLLM_CPU_HEAD_DIM`` wide (see the module docstring)."""
     if family not in FAMILIES:
         raise ConfigError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
+    head_dim = VLLM_CPU_HEAD_DIM if vllm else _HEAD_DIM
     if family.startswith("qwen"):
-        return _qwen_config(family, preset)
-    return _llava_config(preset) if family == "llava" else _gemma3_config(preset)
+        return _qwen_config(family, preset, head_dim)
+    if family == "llava":
+        return _llava_config(preset, head_dim)
+    return _gemma3_config(preset, head_dim)
 
 
 def make_model(
@@ -458,18 +496,19 @@ def make_model(
     *,
     seed: int = 0,
     max_shard_size: str | None = None,
+    vllm: bool = False,
 ) -> Path:
     """Build a random-weight ``family`` VLM of ``preset`` size and save it to ``out``.
 
     Weights are saved as several safetensors shards with an index (``max_shard_size`` defaults
     to a size that splits even the tiny model), the config, the generation config (stopping on
     EOS and the family's end-of-turn token), the image-processor config and the tokenizer with
-    its chat template (:func:`make_tokenizer`). Deterministic for a given ``seed``. Returns
-    ``out``.
+    its chat template (:func:`make_tokenizer`). Deterministic for a given ``seed``.
+    ``vllm``: a model vLLM's CPU build serves too (see the module docstring). Returns ``out``.
     """
     import torch
 
-    config = build_config(family, preset)
+    config = build_config(family, preset, vllm=vllm)
     torch.manual_seed(seed)
     model = full_model_class(family)._from_config(config, attn_implementation="sdpa")
     with torch.no_grad():
@@ -491,9 +530,32 @@ def make_model(
     out.mkdir(parents=True, exist_ok=True)
     shard = max_shard_size or {"tiny": "400KB", "small": "200MB", "large": "2GB"}[preset]
     model.save_pretrained(out, max_shard_size=shard, safe_serialization=True)
-    _processor(family, preset, config).save_pretrained(out)
-    make_tokenizer(family, config).save_pretrained(out)
+    if vllm and family in ("llava", "gemma3"):
+        _rename_in_place(out, [(r"^vision_tower\.", "vision_tower.vision_model.")])
+    processor = _processor(family, preset, config)
+    processor.save_pretrained(out)
+    tokenizer = make_tokenizer(family, config, vllm=vllm)
+    tokenizer.save_pretrained(out)
+    if vllm and family == "gemma3":
+        _save_gemma3_processor_config(out, processor, tokenizer, config.mm_tokens_per_image)
     return out
+
+
+def _save_gemma3_processor_config(out: Path, image_processor: Any, tokenizer: Any, tokens: int):
+    """Gemma 3's ``processor_config.json`` with the model's ``image_seq_length``: vLLM expands
+    each image to the processor's count (256 unless set: "Attempted to assign 64 + 64 = 128
+    multimodal tokens to 512 placeholders" for the tiny model)."""
+    import shutil
+    import tempfile
+
+    import transformers as tf
+
+    processor = tf.Gemma3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, image_seq_length=tokens
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        processor.save_pretrained(tmp)
+        shutil.copy(Path(tmp) / "processor_config.json", out / "processor_config.json")
 
 
 def cache_dir() -> Path:
@@ -507,32 +569,34 @@ def cache_dir() -> Path:
     return Path(base) / "vitserve"
 
 
-def _cache_path(family: str, preset: str, seed: int) -> Path:
-    return cache_dir() / "models" / f"{family}-{preset}-seed{seed}-{CACHE_VERSION}"
+def _cache_path(family: str, preset: str, seed: int, vllm: bool = False) -> Path:
+    suffix = "-vllm" if vllm else ""
+    return cache_dir() / "models" / f"{family}-{preset}-seed{seed}-{CACHE_VERSION}{suffix}"
 
 
-def is_cached(family: str, preset: str, *, seed: int = 0) -> bool:
+def is_cached(family: str, preset: str, *, seed: int = 0, vllm: bool = False) -> bool:
     """Whether :func:`cached_model` would return a folder already built (nothing to build)."""
-    return (_cache_path(family, preset, seed) / "config.json").is_file()
+    return (_cache_path(family, preset, seed, vllm) / "config.json").is_file()
 
 
-def cached_model(family: str, preset: str, *, seed: int = 0) -> Path:
-    """The folder of a test model in the cache, built once (atomically) if it is not there."""
+def cached_model(family: str, preset: str, *, seed: int = 0, vllm: bool = False) -> Path:
+    """The folder of a test model in the cache, built once (atomically) if it is not there.
+    ``vllm`` models (see :func:`make_model`) have their own folders (``...-vllm``)."""
     import shutil
     import tempfile
 
-    build_config(family, preset)  # validate before touching the disk
-    target = _cache_path(family, preset, seed)
-    if is_cached(family, preset, seed=seed):
+    build_config(family, preset, vllm=vllm)  # validate before touching the disk
+    target = _cache_path(family, preset, seed, vllm)
+    if is_cached(family, preset, seed=seed, vllm=vllm):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        make_model(family, preset, tmp, seed=seed)
+        make_model(family, preset, tmp, seed=seed, vllm=vllm)
         try:
             tmp.rename(target)
         except OSError:
-            if not is_cached(family, preset, seed=seed):  # not a concurrent builder's win
+            if not is_cached(family, preset, seed=seed, vllm=vllm):  # not a concurrent win
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -595,13 +659,19 @@ def rename_tensors(src: Path, dst: Path, rules: list[tuple[str, str]]) -> None:
     """Copy the sharded checkpoint ``src`` to ``dst`` with every tensor name rewritten by the
     regex ``rules`` (``re.sub(pattern, repl)`` in order), shards and index kept (tests of
     older hub layouts)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    _rename_in_place(dst, rules)
+
+
+def _rename_in_place(dst: Path, rules: list[tuple[str, str]]) -> None:
+    """Rewrite every tensor name of the sharded checkpoint ``dst`` by the regex ``rules``."""
     import json
     import re
-    import shutil
 
     from safetensors.torch import load_file, save_file
 
-    shutil.copytree(src, dst)
     index_path = dst / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     renamed: dict[str, str] = {}
