@@ -37,6 +37,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, flag, None)
         if value is not None:
             out[field] = value
+    if getattr(args, "vllm_url", None):
+        out["vllm.urls"] = list(args.vllm_url)
     for pair in getattr(args, "set", None) or []:
         name, sep, raw = pair.partition("=")
         if not sep:
@@ -53,12 +55,9 @@ def _serve(args: argparse.Namespace) -> None:
 
     cfg = local_config(_overrides(args))
     print(f"effective config: {cfg.effective_json()}", flush=True)  # secrets masked
-    url = start_local(cfg, prefill=args.prefill)
-    print(f"vitserve is serving {cfg.model} at {url} (docs: {url}/docs); Ctrl-C stops it",
-          flush=True)  # fmt: skip
-    if args.prefill:
-        chat = f"{url}{cfg.prefill.route_prefix}"
-        print(f"chat completions at {chat}/v1/chat/completions (docs: {chat}/docs)", flush=True)
+    url = start_local(cfg, prefill=args.prefill, vllm=bool(cfg.vllm.urls))
+    for line in serving_lines(cfg, url, prefill=args.prefill):
+        print(line, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -71,6 +70,19 @@ def _serve(args: argparse.Namespace) -> None:
     print(f"stopped in {done['seconds']:.1f} s: {done.get('finished', 0)} requests finished, "
           f"{done.get('cut', 0)} cut and {done.get('refused', 0)} refused with 503",
           flush=True)  # fmt: skip
+
+
+def serving_lines(cfg: Any, url: str, *, prefill: bool) -> list[str]:
+    """What ``vitserve serve`` prints once its applications answer at ``url``."""
+    lines = [f"vitserve is serving {cfg.model} at {url} (docs: {url}/docs); Ctrl-C stops it"]
+    if prefill:
+        chat = f"{url}{cfg.prefill.route_prefix}"
+        lines.append(f"chat completions at {chat}/v1/chat/completions (docs: {chat}/docs)")
+    if cfg.vllm.urls:
+        front = f"{url}{cfg.vllm.route_prefix}"
+        lines.append(f"vLLM front (OpenAI API) at {front}/v1/chat/completions, forwarding to "
+                     f"{', '.join(cfg.vllm.urls)} (docs: {front}/docs)")  # fmt: skip
+    return lines
 
 
 def _encode(args: argparse.Namespace) -> int:
@@ -142,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill", action="store_true",
                        help="also run the prefill application (OpenAI chat completions over "
                             "the model's language model, at /prefill)")  # fmt: skip
+    serve.add_argument("--vllm-url", action="append", metavar="URL",
+                       help="a vLLM OpenAI server (http://host:port; repeat for more): also run "
+                            "the vLLM front at /vllm, which encodes a chat's images here and "
+                            "forwards it to one of them (vllm.urls)")  # fmt: skip
     serve.set_defaults(func=_serve)
 
     encode = sub.add_parser("encode", help="encode image files through a running service")

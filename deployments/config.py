@@ -113,35 +113,84 @@ class DeploymentConfig(_Strict):
     max_queued_requests: int = Field(256, ge=-1)  # -1: unbounded (not recommended)
 
 
-class PrefillConfig(DeploymentConfig):
-    """The prefill application (``vitserve.deployments.prefill``): its replicas (the fields
-    of every deployment, scaled apart from the encoder's), its chunking and how it reaches the
-    encoder application. It serves the same ``model`` (its language model only)."""
+class EncoderAccessConfig(DeploymentConfig):
+    """How an application that calls the encoder application through the client SDK (the
+    prefill application, the vLLM front) reaches it, and its store."""
 
-    chunk_size: int = Field(512, gt=0)  # prompt tokens per prefill forward
     # The encoder application, by its name in this Ray cluster (reached by its ingress's
     # handle), or over HTTP when ``encoder_url`` is set.
     encoder_app: str = "vitserve"
     encoder_url: str | None = None
-    # Read image rows from ``store`` directly (the fast path; the store must be reachable from
-    # the prefill replicas), else through the encoder's ``/v1/rows``.
+    # Read the store directly (the fast path; the store must be reachable from the
+    # application's replicas), else through the encoder's API.
     direct_store: bool = True
-    # The store URL of those direct reads; None: ``store``. Set it to give the prefill
+    # The store URL of those direct reads; None: ``store``. Set it to give the application
     # credentials that can only read (a Redis ACL reader user; see k8s/README.md).
     store: str | None = None
     # Tries of an encoder or store call that can be retried (a replica restarting, 429, a
     # store down), backing off from 50 ms to 1 s: the default rides out a replica restart
-    # (~20 s) instead of failing the chat request.
+    # (~20 s) instead of failing the request.
     encoder_attempts: int = Field(30, ge=1)
-    route_prefix: str = "/prefill"
-    # The name requests give as ``model`` (and answers carry); None: ``model`` as configured.
-    served_model_name: str | None = None
-    max_tokens: int = Field(256, gt=0)  # the completion budget of a request that names none
 
     @field_validator("store")
     @classmethod
     def _store(cls, value: str | None) -> str | None:
         return None if value is None else shared_store(value)
+
+
+class PrefillConfig(EncoderAccessConfig):
+    """The prefill application (``vitserve.deployments.prefill``): its replicas (the fields
+    of every deployment, scaled apart from the encoder's), its chunking and how it reaches the
+    encoder application (rows read from the store directly unless ``direct_store`` is off:
+    then through the encoder's ``/v1/rows``). It serves the same ``model`` (its language model
+    only)."""
+
+    chunk_size: int = Field(512, gt=0)  # prompt tokens per prefill forward
+    route_prefix: str = "/prefill"
+    # The name requests give as ``model`` (and answers carry); None: ``model`` as configured.
+    served_model_name: str | None = None
+    max_tokens: int = Field(256, gt=0)  # the completion budget of a request that names none
+
+
+class VllmFrontConfig(EncoderAccessConfig):
+    """The vLLM front (``vitserve.deployments.vllm_front``): an OpenAI-compatible route that
+    encodes a chat's images through vitserve and forwards the chat to one of the vLLM OpenAI
+    servers at ``urls`` (round robin), its images named by their vitserve keys. Probes read
+    the store directly unless ``direct_store`` is off."""
+
+    # The vLLM servers' base URLs (``http://host:8000``); a string is split on commas
+    # (``VITSERVE_VLLM__URLS=http://a:8000,http://b:8000``).
+    urls: list[str] = []
+    route_prefix: str = "/vllm"
+    # Sent to vLLM as ``Authorization: Bearer <api_key>`` (vLLM's ``--api-key``); None: no
+    # Authorization header (the caller's is never forwarded).
+    api_key: SecretStr | None = None
+    connect_timeout_s: float = Field(5.0, gt=0)  # to open a connection to a vLLM server
+    read_timeout_s: float = Field(600.0, gt=0)  # between two reads of its answer
+    retry_after_s: int = Field(1, ge=0)  # the Retry-After of a 503 when no vLLM answers
+
+    @field_validator("urls", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [url.strip() for url in value.split(",") if url.strip()]
+        return value
+
+    @field_validator("urls")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        from urllib.parse import urlsplit
+
+        out = []
+        for url in value:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"{url!r} is not an http(s) URL (http://host:port)")
+            parts.port  # noqa: B018 (a port that is not a number raises ValueError here)
+            if parts.query or parts.fragment:
+                raise ValueError(f"{url!r}: a vLLM server's base URL takes no query or fragment")
+            out.append(url.rstrip("/"))
+        return out
 
 
 def shared_store(url: str) -> str:
@@ -227,6 +276,8 @@ class VitserveConfig(_Strict):
     preprocess: DeploymentConfig = DeploymentConfig(num_cpus=0.5)
     ingress: DeploymentConfig = DeploymentConfig(num_cpus=0.25, max_ongoing_requests=128)
     prefill: PrefillConfig = PrefillConfig(num_cpus=0.5, max_ongoing_requests=16)
+    # I/O only (an HTTP relay): a small CPU share, many requests (streams) in flight
+    vllm: VllmFrontConfig = VllmFrontConfig(num_cpus=0.25, max_ongoing_requests=256)
     http_host: str = "127.0.0.1"
     http_port: int = Field(8000, ge=0, le=65535)
     access_log: bool = False

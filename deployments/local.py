@@ -24,6 +24,7 @@ from vitserve.deployments.config import VitserveConfig
 
 APP_NAME = "vitserve"
 PREFILL_APP_NAME = "vitserve-prefill"
+VLLM_APP_NAME = "vitserve-vllm"
 # Ray runs its workers at nice 15 to favour the driver; here the replicas are the work (the
 # driver only waits), and at nice 15 every bit of background activity preempted the encoder's
 # compute threads: 448px forwards measured ~10% slower in a replica than in-process.
@@ -73,11 +74,13 @@ def serve_app(app: Any, *, name: str = APP_NAME, route_prefix: str = "/",
     serve.run(app, name=name, route_prefix=route_prefix, logging_config=_logging(access_log))
 
 
-def start_local(cfg: VitserveConfig, *, num_cpus: int | None = None,
-                prefill: bool = False) -> str:  # fmt: skip
+def start_local(cfg: VitserveConfig, *, num_cpus: int | None = None, prefill: bool = False,
+                vllm: bool = False) -> str:  # fmt: skip
     """Start local Ray (unless already up), Serve on ``cfg.http_host:cfg.http_port``, and the
     encoder application (``vitserve``, at ``/``); with ``prefill``, the prefill application
     too (``vitserve-prefill``, at ``cfg.prefill.route_prefix``, reaching the encoder
+    application by its handle); with ``vllm``, the vLLM front (``vitserve-vllm``, at
+    ``cfg.vllm.route_prefix``, forwarding to ``cfg.vllm.urls``, reaching the encoder
     application by its handle). Returns the base URL once they answer."""
     from vitserve.deployments.app import build_application
 
@@ -89,6 +92,13 @@ def start_local(cfg: VitserveConfig, *, num_cpus: int | None = None,
         cfg = cfg.model_copy(update={"prefill": cfg.prefill.model_copy(
             update={"encoder_app": APP_NAME, "encoder_url": None})})  # fmt: skip
         chat = build_prefill_application(cfg)
+    front = None
+    if vllm:
+        from vitserve.deployments.vllm_front import build_vllm_application
+
+        cfg = cfg.model_copy(update={"vllm": cfg.vllm.model_copy(
+            update={"encoder_app": APP_NAME, "encoder_url": None})})  # fmt: skip
+        front = build_vllm_application(cfg)  # no vllm.urls: an error before Ray starts
     start_ray(num_cpus)
     if _started["own_cluster"] and _started["stop_signal"] is None:
         # before the applications, so that their replicas find it (one per cluster)
@@ -99,6 +109,9 @@ def start_local(cfg: VitserveConfig, *, num_cpus: int | None = None,
     serve_app(app, access_log=cfg.access_log)
     if chat is not None:
         serve_app(chat, name=PREFILL_APP_NAME, route_prefix=cfg.prefill.route_prefix,
+                  access_log=cfg.access_log)  # fmt: skip
+    if front is not None:
+        serve_app(front, name=VLLM_APP_NAME, route_prefix=cfg.vllm.route_prefix,
                   access_log=cfg.access_log)  # fmt: skip
     return url
 

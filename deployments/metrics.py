@@ -47,6 +47,10 @@ prefill_rows_pulled_total              counter    embedding rows pulled by prefi
 prefill_bytes_pulled_total             counter    their bytes
 prefill_chunks_total                   counter    prefill chunks run
 prefill_tokens_total{kind}             counter    ``prompt`` and ``completion`` tokens
+vllm_front_images_total{kind}          counter    the vLLM front's chat images: ``sent`` (image
+                                                  parts), ``uploaded`` (distinct images whose
+                                                  bytes went to the encoder), ``cached``
+                                                  (distinct images the store held already)
 =====================================  =========  ===============================================
 """
 
@@ -108,6 +112,12 @@ _SPECS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
     "prefill_bytes_pulled_total": ("counter", "Embedding bytes pulled for prefill", (), None),
     "prefill_chunks_total": ("counter", "Prefill chunks run", (), None),
     "prefill_tokens_total": ("counter", "Prompt and completion tokens", ("kind",), None),
+    "vllm_front_images_total": (
+        "counter",
+        "vLLM front images sent, uploaded, cached",
+        ("kind",),
+        None,
+    ),
 }
 
 

@@ -14,12 +14,14 @@ Routes (under the config's ``prefill.route_prefix``, default ``/prefill``):
   ``bytes_pulled`` and ``prefill_chunks``. Errors have the encoder API's shape (``{"error":
   {"type", "message", ...}}``), with 503 + ``Retry-After`` when the encoder or the store cannot
   answer after the client's retries.
+* ``GET /v1/models``: OpenAI's model list, the one served model (``prefill.served_model_name``,
+  else ``model`` as configured; what requests name as ``model``).
 * ``GET /healthz``: the model, the chunk size and where the encoder is reached.
 
-With the config's ``auth`` on, the chat route needs ``Authorization: Bearer <token>`` (401
-otherwise) and calls the encoder with the caller's token, through one client per tenant (made
-at its first request, kept): a chat sees only its tenant's images, so another tenant's
-``vitserve://<key>`` is a miss (404). ``/healthz`` and ``/metrics`` stay open.
+With the config's ``auth`` on, the ``/v1`` routes need ``Authorization: Bearer <token>`` (401
+otherwise), and the chat route calls the encoder with the caller's token, through one client
+per tenant (made at its first request, kept): a chat sees only its tenant's images, so
+another tenant's ``vitserve://<key>`` is a miss (404). ``/healthz`` and ``/metrics`` stay open.
 * ``GET /metrics``: this node's ``vitserve_*`` metrics (both applications').
 
 ``serve run vitserve.deployments.prefill:build_app model=demo`` starts it alone (against a
@@ -30,6 +32,7 @@ running encoder application named by ``prefill.encoder_app``, or ``prefill.encod
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations at run time.
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,7 +44,7 @@ from starlette.concurrency import run_in_threadpool
 from vitserve.deployments import metrics
 from vitserve.deployments import requests as parse
 from vitserve.deployments.auth import Authenticator, Tenant, bearer_token
-from vitserve.deployments.config import VitserveConfig
+from vitserve.deployments.config import EncoderAccessConfig, VitserveConfig
 from vitserve.deployments.lifecycle import Draining
 from vitserve.deployments.responses import (
     error_response,
@@ -63,13 +66,15 @@ install_error_handlers(api)  # every error answer in the encoder API's shape (re
 api.add_middleware(Draining)  # graceful stop: drain, then 503 (lifecycle.py)
 
 
-def make_client(cfg: VitserveConfig, token: str | None = None) -> Any:
-    """The client SDK as the prefill replicas use it: the encoder by handle (or URL), rows read
-    from the store directly (``prefill.store``, else ``store``) unless ``prefill.direct_store``
-    is off; ``token``: the bearer token it calls the encoder with (auth on)."""
+def make_client(cfg: VitserveConfig, token: str | None = None,
+                section: EncoderAccessConfig | None = None) -> Any:  # fmt: skip
+    """The client SDK as the prefill replicas (and the vLLM front's, with ``section=cfg.vllm``)
+    use it: the encoder by handle (or URL), the store read directly (``section.store``, else
+    ``store``) unless ``section.direct_store`` is off; ``token``: the bearer token it calls the
+    encoder with (auth on). ``section``: ``cfg.prefill`` unless given."""
     from vitserve.client import EncoderClient, RetryPolicy
 
-    p = cfg.prefill
+    p = cfg.prefill if section is None else section
     store = (p.store or cfg.store) if p.direct_store else None  # p.store: a read-only user
     retry = RetryPolicy(attempts=p.encoder_attempts, backoff_s=0.05, max_backoff_s=1.0,
                         max_retry_after_s=1.0)  # fmt: skip
@@ -97,6 +102,7 @@ class PrefillServer:
         self._client_lock = threading.Lock()
         self.auth = Authenticator.from_config(self.cfg)  # None: auth off
         self._clients: dict[str, Any] = {}  # auth on: tenant -> its client
+        self.created = int(time.time())  # the model list's ``created``: when this replica began
 
     def _prepare(self, body: Any, tenant: Tenant | None, token: str | None) -> Any:
         return self.service.prepare(body, client=self._client(tenant, token))
@@ -141,6 +147,18 @@ class PrefillServer:
         answer = await run_in_threadpool(self.service.complete, prepared)
         generated(answer["usage"]["completion_tokens"])
         return JSONResponse(answer)
+
+    @api.get("/v1/models", summary="The served model, as OpenAI's model list",
+             responses=error_responses(401))  # fmt: skip
+    async def models(self, request: Request) -> Response:
+        if self.auth is not None:
+            try:
+                self.auth.tenant(bearer_token(request.headers.get("authorization")))
+            except VitserveError as exc:
+                return error_response(exc)
+        model = {"id": self.service.model_name, "object": "model", "created": self.created,
+                 "owned_by": "vitserve"}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [model]})
 
     def _count(self, status: int, usage: Mapping[str, int] | None = None) -> None:
         metrics.inc("requests_total", route="chat", status=str(status))

@@ -105,6 +105,25 @@ def _keys(images: list[bytes], model: dict[str, Any]) -> list[str]:
     return [content_key(i, model["fingerprint"], model.get("namespace") or "") for i in images]
 
 
+# -- the model list ------------------------------------------------------------------------------
+def test_v1_models_answers_in_openais_shape(pair) -> None:
+    """``GET /v1/models`` lists the served model as OpenAI's client reads it (it was a 404)."""
+    import openai
+
+    served = pair.config.prefill.served_model_name or pair.config.model
+    client = openai.OpenAI(base_url=f"{pair.url}/v1", api_key="unused", max_retries=0)
+    [model] = client.models.list().data
+    assert (model.id, model.object, model.owned_by) == (served, "model", "vitserve")
+    assert isinstance(model.created, int) and model.created > 1_600_000_000
+    doc = pair.client.get(f"{pair.url}/v1/models").json()
+    assert doc == {
+        "object": "list",
+        "data": [
+            {"id": served, "object": "model", "created": model.created, "owned_by": "vitserve"}
+        ],
+    }
+
+
 # -- the multi-turn agent scenario ----------------------------------------------------------------
 def test_multi_turn_chat_uploads_and_encodes_one_image_per_turn(pair) -> None:
     """Each turn re-sends the whole conversation plus one new image: after turn 1 one image is

@@ -1,0 +1,398 @@
+"""The vLLM front: an OpenAI-compatible chat route that makes vitserve the encoder tier of one or
+more vLLM OpenAI servers (``vllm.entrypoints.openai.api_server``), its own Serve application
+beside the encoder's.
+
+The rule: a chat's images are encoded by vitserve (through the client SDK, hash first: only
+images the store lacks are uploaded) before vLLM sees the chat, and each reaches vLLM named by
+its vitserve key, as the content part's ``uuid``; vLLM's encoder-cache connector
+(``vitserve.client.vllm``) then loads the rows from vitserve's store instead of running its own
+vision tower. Everything else of the request and of vLLM's answer passes through untouched.
+
+Invariants:
+
+* An image is a content part of type ``image_url`` (or vLLM's short form, an ``image_url``
+  part without a type) whose URL is a ``data:`` URL (base64). All the request's images are
+  encoded in one ``client.encode`` call; each one's part gets ``"uuid": <its vitserve key>``
+  (replacing any the caller set) beside its ``image_url``, which keeps the data URL (vLLM
+  still sizes the prompt from the pixels, and they are its fallback). Other URLs (``http...``)
+  are forwarded unchanged, without a uuid; so is a request without images (its bytes as they
+  came).
+* A request whose images fail is refused before anything is forwarded, with vitserve's errors
+  (``{"error": {"type", "message", ...}}``): more image parts than
+  ``limits.max_images_per_request`` 413 (counted before any image is decoded), a malformed data
+  URL 422, an image the encoder refuses its error (``ImageDecodeError`` 422, ...), whose
+  ``index`` is the image's position among the request's image parts; the encoder or the store
+  unreachable (after the SDK's retries) 503 with ``Retry-After``. Bad input is never a 5xx.
+* Each request goes to exactly one vLLM server, taken round robin over ``vllm.urls`` (per
+  replica). One that cannot be reached (connection refused, connect timeout) is passed over for
+  the next, each tried once; when none can be, or one took the request and gave no answer in
+  ``read_timeout_s`` (not tried elsewhere: it may still be running it), the answer is 503 with
+  ``Retry-After: vllm.retry_after_s``. A request a server received is never sent to another.
+* vLLM's answer passes through: its status, its ``Content-Type`` and its body bytes, errors
+  (4xx/5xx) included; an SSE stream (``"stream": true``) is relayed chunk by chunk as it comes.
+  Every forwarded answer carries ``x-vitserve-images`` (image parts), ``x-vitserve-uploaded``
+  and ``x-vitserve-cached`` (distinct images the SDK uploaded / found in the store: together,
+  the request's distinct images), counted in ``vitserve_vllm_front_images_total{kind}`` too,
+  and ``x-vitserve-vllm``, the URL of the vLLM server that answered.
+* The caller's ``Authorization`` never reaches vLLM: with ``vllm.api_key`` set the front sends
+  ``Authorization: Bearer <api_key>``, else none.
+
+Routes (under ``vllm.route_prefix``, default ``/vllm``):
+
+* ``POST /v1/chat/completions``: as above.
+* ``GET /v1/models``: a vLLM server's model list, passed through (503 if none answers).
+* ``GET /healthz``: status, the vLLM servers' URLs and where the encoder is reached.
+* ``GET /metrics``: this node's ``vitserve_*`` metrics.
+
+With the config's ``auth`` on, the ``/v1`` routes need ``Authorization: Bearer <token>`` (401
+otherwise) and images are encoded with the caller's token, through one client per tenant (as
+the prefill application does), so their keys are in the tenant's namespace.
+
+``serve run vitserve.deployments.vllm_front:build_app vllm.urls=http://vllm:8000`` starts it
+alone (against a running encoder application named by ``vllm.encoder_app``, or
+``vllm.encoder_url``); ``vitserve serve --vllm-url http://vllm:8000`` runs both.
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the routes' annotations at run time.
+import base64
+import binascii
+import itertools
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from starlette.concurrency import run_in_threadpool
+
+from vitserve.deployments import metrics
+from vitserve.deployments import requests as parse
+from vitserve.deployments.auth import Authenticator, Tenant, bearer_token
+from vitserve.deployments.chat import DATA_URL
+from vitserve.deployments.config import VitserveConfig
+from vitserve.deployments.lifecycle import Draining
+from vitserve.deployments.prefill import make_client
+from vitserve.deployments.responses import (
+    error_response,
+    error_responses,
+    install_error_handlers,
+    metrics_response,
+)
+from vitserve.errors import (
+    ConfigError,
+    ImageError,
+    LimitExceededError,
+    MalformedRequestError,
+    ServiceUnavailableError,
+    VitserveError,
+)
+
+log = logging.getLogger("ray.serve")
+
+#: the answer headers that count a forwarded request's images
+COUNT_HEADERS = ("x-vitserve-images", "x-vitserve-uploaded", "x-vitserve-cached")
+#: the answer header naming the vLLM server that answered
+REPLICA_HEADER = "x-vitserve-vllm"
+#: request headers passed on to vLLM (besides the content type and the front's own)
+PASSED_HEADERS = ("accept", "x-request-id")
+#: failures of a request no vLLM server received: the next one is tried
+NOT_RECEIVED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+api = FastAPI(
+    title="vitserve vLLM front",
+    summary="OpenAI chat completions for vLLM servers, images encoded by vitserve.",
+    version="0.1.0",
+)
+install_error_handlers(api)  # every error answer in the encoder API's shape (responses.py)
+api.add_middleware(Draining)  # graceful stop: drain, then 503 (lifecycle.py)
+
+
+# -- the request's images ---------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Image:
+    """A data-URL image of a request: its content part (given its ``uuid``), its position
+    among the request's image parts, and its bytes."""
+
+    part: dict[str, Any]
+    index: int
+    data: bytes
+
+
+def _is_image_part(part: Any) -> bool:
+    return isinstance(part, dict) and (
+        part.get("type") == "image_url" or ("type" not in part and "image_url" in part)
+    )
+
+
+def _url(part: dict[str, Any]) -> Any:
+    value = part.get("image_url")  # {"url": ...}, or vLLM's short form: the URL itself
+    return value.get("url") if isinstance(value, dict) else value
+
+
+def data_url_bytes(url: str, index: int) -> bytes:
+    """The bytes of a base64 ``data:`` URL (MalformedRequestError naming image ``index``)."""
+    m = DATA_URL.match(url)
+    if m is None or not m["b64"]:
+        raise MalformedRequestError(f"image {index}: a data: URL must be "
+                                    "data:<type>;base64,<data>")  # fmt: skip
+    try:
+        return base64.b64decode(m["data"], validate=True)
+    except (binascii.Error, ValueError):
+        raise MalformedRequestError(f"image {index}: the data: URL is not valid base64") from None
+
+
+def request_images(body: Any, max_images: int) -> tuple[int, list[Image]]:
+    """(the count of image parts, the data-URL images among them in order) of a chat request;
+    LimitExceededError (413) past ``max_images`` parts, before any image is decoded."""
+    if not isinstance(body, dict):
+        raise MalformedRequestError("a chat completions request is a JSON object")
+    messages = body.get("messages")
+    parts = [part for message in (messages if isinstance(messages, list) else ())
+             if isinstance(message, dict) and isinstance(message.get("content"), list)
+             for part in message["content"] if _is_image_part(part)]  # fmt: skip
+    if len(parts) > max_images:
+        raise LimitExceededError("max_images_per_request", len(parts), max_images)
+    images = []
+    for index, part in enumerate(parts):
+        url = _url(part)
+        if isinstance(url, str) and url.startswith("data:"):
+            images.append(Image(part, index, data_url_bytes(url, index)))
+    return len(parts), images
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request ready to forward: its body and its image counts."""
+
+    content: bytes
+    images: int = 0  # image parts
+    uploaded: int = 0  # distinct images whose bytes went to the encoder
+    cached: int = 0  # distinct images the store held already
+
+    def headers(self) -> dict[str, str]:
+        return dict(zip(COUNT_HEADERS, map(str, (self.images, self.uploaded, self.cached)),
+                        strict=True))  # fmt: skip
+
+
+def upstream_headers(incoming: Mapping[str, str], api_key: str | None) -> dict[str, str]:
+    """The headers of a request to vLLM: JSON, uncompressed (relayed byte for byte), the
+    caller's ``Accept`` and ``X-Request-Id``, and ``Authorization`` only with ``api_key``."""
+    headers = {"content-type": "application/json", "accept-encoding": "identity"}
+    headers.update((name, incoming[name]) for name in PASSED_HEADERS if name in incoming)
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+# -- the vLLM servers -------------------------------------------------------------------------
+class Upstreams:
+    """The vLLM servers: one pooled ``httpx.AsyncClient`` each, taken round robin."""
+
+    def __init__(self, urls: list[str], connect_s: float, read_s: float,
+                 max_connections: int) -> None:  # fmt: skip
+        if not urls:
+            raise ConfigError("the vLLM front needs at least one vLLM server URL (vllm.urls)")
+        self.urls = list(urls)
+        timeout = httpx.Timeout(read_s, connect=connect_s, pool=connect_s)
+        limits = httpx.Limits(max_connections=max_connections)
+        self.clients = [httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits)
+                        for url in urls]  # fmt: skip
+        self._turn = itertools.count()
+
+    async def send(self, method: str, path: str, headers: dict[str, str],
+                   content: bytes | None = None) -> tuple[str, httpx.Response]:  # fmt: skip
+        """(the server's URL, its answer, its body still to read) from the next server in turn
+        that can be reached; ServiceUnavailableError (503) when none can be, or when the one
+        that took the request gave no answer in time."""
+        first = next(self._turn) % len(self.urls)
+        failed = []
+        for i in range(first, first + len(self.urls)):
+            url, client = self.urls[i % len(self.urls)], self.clients[i % len(self.urls)]
+            request = client.build_request(method, path, headers=headers, content=content)
+            try:
+                return url, await client.send(request, stream=True)
+            except NOT_RECEIVED as exc:
+                failed.append(f"{url}: {type(exc).__name__}")
+                log.warning("vLLM server %s cannot be reached: %r", url, exc)
+            except httpx.TransportError as exc:  # it took the request: not sent elsewhere
+                raise ServiceUnavailableError(f"vLLM server {url}", f"no answer: "
+                                              f"{type(exc).__name__}: {exc}") from None  # fmt: skip
+        raise ServiceUnavailableError("vLLM", "no server could be reached (" + "; ".join(failed)
+                                      + ")")  # fmt: skip
+
+    async def aclose(self) -> None:
+        for client in self.clients:
+            await client.aclose()
+
+
+async def passed_through(url: str, response: httpx.Response,
+                         headers: dict[str, str]) -> Response:  # fmt: skip
+    """vLLM's answer as the front's: its status, content type and body bytes (an SSE stream
+    relayed chunk by chunk), with ``headers`` added."""
+    ctype = response.headers.get("content-type")
+    headers = {**headers, **({"content-type": ctype} if ctype else {})}  # kept as it is
+    if ctype and ctype.startswith("text/event-stream"):
+        return StreamingResponse(_relay(url, response), status_code=response.status_code,
+                                 headers=headers)  # fmt: skip
+    try:
+        body = await response.aread()
+    except httpx.TransportError as exc:
+        raise ServiceUnavailableError(f"vLLM server {url}", f"answer cut short: "
+                                      f"{type(exc).__name__}: {exc}") from None  # fmt: skip
+    finally:
+        await response.aclose()
+    return Response(body, status_code=response.status_code, headers=headers)
+
+
+async def _relay(url: str, response: httpx.Response) -> AsyncIterator[bytes]:
+    """The stream's bytes as they come; a stream cut short ends with an error event (no
+    ``[DONE]``), as vLLM ends a stream that fails. The caller gone: vLLM's connection closes
+    (vLLM aborts the request)."""
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    except httpx.TransportError as exc:
+        log.warning("vLLM stream from %s cut short: %r", url, exc)
+        error = ServiceUnavailableError(f"vLLM server {url}", f"stream cut short: "
+                                        f"{type(exc).__name__}")  # fmt: skip
+        yield f"data: {json.dumps({'error': error.to_dict()})}\n\n".encode()
+    finally:
+        await response.aclose()
+
+
+# -- the application --------------------------------------------------------------------------
+@serve.deployment
+@serve.ingress(api)
+class VllmFront:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.cfg = VitserveConfig.model_validate(config)
+        v = self.cfg.vllm
+        self.upstreams = Upstreams(v.urls, v.connect_timeout_s, v.read_timeout_s,
+                                   v.max_ongoing_requests)  # fmt: skip
+        self.api_key = v.api_key.get_secret_value() if v.api_key is not None else None
+        # The client is made at the first request with images: the front may start before
+        # the encoder application does (it answers 503 until then).
+        self._client_lock = threading.Lock()
+        self.auth = Authenticator.from_config(self.cfg)  # None: auth off
+        self._clients: dict[str | None, Any] = {}  # tenant (None: auth off) -> its client
+
+    def _client(self, tenant: Tenant | None, token: str | None) -> Any:
+        """The encoder client of ``tenant`` (made with its token at its first request), or the
+        one client (auth off)."""
+        name = None if tenant is None else tenant.name
+        with self._client_lock:
+            client = self._clients.get(name)
+            if client is None:
+                client = make_client(self.cfg, token if name else None, section=self.cfg.vllm)
+                self._clients[name] = client
+            return client
+
+    def _prepare(self, raw: bytearray, tenant: Tenant | None, token: str | None) -> Prepared:
+        """The body to forward: the request's images encoded, each named by its key (blocking:
+        run in a worker thread)."""
+        body = parse.json_body(raw)
+        count, images = request_images(body, self.cfg.limits.max_images_per_request)
+        if not images:
+            return Prepared(bytes(raw), count)
+        try:
+            handles = self._client(tenant, token).encode([image.data for image in images])
+        except ImageError as exc:  # its index in the encode call -> among the image parts
+            if isinstance(exc.index, int) and 0 <= exc.index < len(images):
+                exc.index = images[exc.index].index
+                exc.args = (f"image {exc.index}: {getattr(exc, 'reason', exc)}",)
+            raise
+        for image, handle in zip(images, handles, strict=True):
+            image.part["uuid"] = handle.key
+        distinct = {h.key: h for h in handles}.values()
+        uploaded = sum(1 for h in distinct if h.uploaded)
+        content = json.dumps(body, separators=(",", ":")).encode()
+        return Prepared(content, count, uploaded, len(distinct) - uploaded)
+
+    def _authenticate(self, request: Request) -> tuple[Tenant | None, str | None]:
+        token = bearer_token(request.headers.get("authorization"))
+        return (None if self.auth is None else self.auth.tenant(token)), token
+
+    def _error(self, exc: VitserveError, route: str) -> Response:
+        metrics.inc("requests_total", route=route, status=str(exc.http_status))
+        retry = self.cfg.vllm.retry_after_s
+        return error_response(exc, {"Retry-After": str(retry)} if exc.http_status == 503 else None)
+
+    @api.post("/v1/chat/completions",
+              summary="OpenAI chat completions, forwarded to vLLM with the images encoded",
+              responses=error_responses(401, 408, 413, 415, 422, 503))  # fmt: skip
+    async def completions(self, request: Request) -> Response:
+        try:
+            tenant, token = self._authenticate(request)  # before the body
+            parse.json_type(request.headers.get("content-type"))
+            limits = self.cfg.limits
+            raw = await parse.read_body(request, limits.max_request_bytes, limits.body_timeout_s)
+            prepared = await run_in_threadpool(self._prepare, raw, tenant, token)
+            counts = {"sent": prepared.images, "uploaded": prepared.uploaded,
+                      "cached": prepared.cached}  # fmt: skip
+            for kind, count in counts.items():
+                metrics.inc("vllm_front_images_total", count, kind=kind)
+            url, response = await self.upstreams.send(
+                "POST", "/v1/chat/completions", upstream_headers(request.headers, self.api_key),
+                prepared.content)  # fmt: skip
+            answer = await passed_through(url, response,
+                                          {**prepared.headers(), REPLICA_HEADER: url})  # fmt: skip
+        except VitserveError as exc:
+            return self._error(exc, "vllm_chat")
+        metrics.inc("requests_total", route="vllm_chat", status=str(answer.status_code))
+        return answer
+
+    @api.get("/v1/models", summary="A vLLM server's model list, passed through",
+             responses=error_responses(401, 503))  # fmt: skip
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authenticate(request)
+            url, response = await self.upstreams.send(
+                "GET", "/v1/models", upstream_headers(request.headers, self.api_key)
+            )
+            answer = await passed_through(url, response, {})
+        except VitserveError as exc:
+            return self._error(exc, "vllm_models")
+        metrics.inc("requests_total", route="vllm_models", status=str(answer.status_code))
+        return answer
+
+    @api.get("/healthz", summary="Liveness, the vLLM servers and where the encoder is reached")
+    async def healthz(self) -> Response:
+        v = self.cfg.vllm
+        return JSONResponse({"status": "ok", "urls": v.urls,
+                             "encoder": v.encoder_url or f"app {v.encoder_app}"})  # fmt: skip
+
+    @api.get("/metrics", summary="This node's vitserve metrics (Prometheus text format)")
+    async def metrics_page(self) -> Response:
+        return await metrics_response()
+
+
+def build_vllm_application(cfg: VitserveConfig) -> Any:
+    """The bound vLLM front for ``cfg`` (no model is loaded: vLLM has it, the encoder its
+    vision tower); ConfigError without ``vllm.urls``."""
+    from vitserve.deployments.app import deployment_options
+
+    if not cfg.vllm.urls:
+        raise ConfigError("the vLLM front needs at least one vLLM server URL (vllm.urls, or "
+                          "vitserve serve --vllm-url)")  # fmt: skip
+    return VllmFront.options(**deployment_options(cfg.vllm)).bind(cfg.model_dump())
+
+
+def build_app(args: Mapping[str, Any]) -> Any:
+    """The vLLM front from ``serve run``/YAML-style args (as ``app.build_app``)."""
+    return build_vllm_application(VitserveConfig.load(args))
+
+
+__all__ = [
+    "VllmFront",
+    "api",
+    "build_app",
+    "build_vllm_application",
+    "data_url_bytes",
+    "request_images",
+    "upstream_headers",
+]

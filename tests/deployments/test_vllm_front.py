@@ -1,0 +1,476 @@
+"""The vLLM front (``vitserve.deployments.vllm_front``) in front of fake vLLM servers.
+
+Two fake upstreams stand in for vLLM OpenAI servers: real HTTP servers on loopback that record
+every request they receive and answer as vLLM does (JSON, SSE, its 400/404 error bodies, its
+model list). The front is deployed once for the module beside the session's encoder
+application (``main_app``, tiny Qwen2-VL), reaching it by its handle: what it forwards is read
+back from the fakes, its images' keys checked against the SDK's own. The real-vLLM tests are
+``tests/vllm/``.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import itertools
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import pytest
+
+from vitserve.encoder.testimages import make_image
+
+FRONT = "t-vllm-front"
+UPSTREAM_KEY = "sk-upstream-secret"  # the front's vllm.api_key
+MAX_IMAGES = 4  # the front's limits.max_images_per_request (the encoder's is 8)
+RETRY_AFTER = 7  # the front's vllm.retry_after_s
+GATE_TIMEOUT_S = 60  # how long the gated stream waits for the test before going on anyway
+MODELS = {"object": "list", "data": [{"id": "fake-vlm", "object": "model", "created": 1,
+                                      "owned_by": "vllm", "max_model_len": 4096}]}  # fmt: skip
+ERRORS = {  # the body's "model" -> vLLM's error answer
+    "missing": (404, {"error": {"message": "The model `missing` does not exist.",
+                                "type": "NotFoundError", "param": None, "code": 404}}),
+    "bad": (400, {"error": {"message": "max_tokens must be at least 1, got 0.",
+                            "type": "BadRequestError", "param": None, "code": 400}}),
+}  # fmt: skip
+_seed = iter(range(910_000, 10**9))
+_arrival = itertools.count()  # the order requests reached the fakes, across both
+
+
+def fresh_images(n: int) -> list[bytes]:
+    """Images no other request of the session sent (new seeds)."""
+    return [make_image(64 + 8 * (k % 3), 48, seed=next(_seed)) for k in range(n)]
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def sse_events(name: str) -> list[bytes]:
+    """The events a fake streams (each one chunk on the wire)."""
+    chunks = [{"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+               "model": "fake-vlm", "choices": [{"index": 0, "delta": delta,
+                                                 "finish_reason": finish}]}
+              for delta, finish in (({"role": "assistant", "content": ""}, None),
+                                    ({"content": f"from {name}"}, None),
+                                    ({"content": " é✓"}, None), ({}, "stop"))]  # fmt: skip
+    return [f"data: {json.dumps(c)}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
+
+
+# -- the fake vLLM servers ----------------------------------------------------------------------
+@dataclass
+class Seen:
+    """One request a fake received (``seq``: its place in the order of arrival at either)."""
+
+    seq: int
+    upstream: str
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: Any
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _answer(self, status: int, doc: Any) -> None:
+        body = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")  # no pooled connection outlives a stop
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = True
+
+    def _record(self) -> Seen:
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        fake = self.server.fake
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        seen = Seen(next(_arrival), fake.name, self.command, self.path, headers, body)
+        fake.seen.append(seen)
+        return seen
+
+    def do_GET(self) -> None:
+        self._record()
+        if self.path == "/v1/models":
+            self._answer(200, MODELS)
+        else:
+            self._answer(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:
+        fake = self.server.fake
+        doc = self._record().json()
+        if doc.get("model") in ERRORS:
+            self._answer(*ERRORS[doc["model"]])
+        elif doc.get("stream"):
+            self._stream(fake, gated=doc.get("model") == "gated")
+        else:
+            self._answer(200, {"id": "chatcmpl-1", "object": "chat.completion", "created": 1,
+                               "model": "fake-vlm", "upstream": fake.name,
+                               "choices": [{"index": 0, "finish_reason": "stop",
+                                            "message": {"role": "assistant", "content": "hi"}}],
+                               "usage": {"prompt_tokens": 9, "completion_tokens": 1,
+                                         "total_tokens": 10}})  # fmt: skip
+
+    def _stream(self, fake: FakeVllm, gated: bool) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        for i, event in enumerate(sse_events(fake.name)):
+            if gated and i == 1:  # the rest only once the test has the first event
+                fake.released.append(fake.gate.wait(GATE_TIMEOUT_S))
+            self.wfile.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+        self.close_connection = True
+
+
+@dataclass
+class FakeVllm:
+    """A stand-in for one vLLM OpenAI server on loopback; ``stop()`` makes it refuse
+    connections, ``start()`` serves again on the same port."""
+
+    name: str
+    gate: threading.Event
+    seen: list[Seen] = field(default_factory=list)
+    released: list[bool] = field(default_factory=list)  # per gated stream: the gate opened
+    port: int = 0
+    server: ThreadingHTTPServer | None = None
+
+    def start(self) -> FakeVllm:
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), _Handler)  # bound here
+        self.server.daemon_threads = True
+        self.server.fake = self  # type: ignore[attr-defined]
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def chats(self) -> list[Seen]:
+        return [s for s in self.seen if s.path == "/v1/chat/completions"]
+
+
+@dataclass
+class Front:
+    url: str  # the front's base: {url}/v1/chat/completions
+    encoder: Any  # the encoder application (conftest's App)
+    fakes: list[FakeVllm]
+    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120))
+
+    def chat(self, body: dict[str, Any], **kw: Any) -> httpx.Response:
+        return self.client.post(f"{self.url}/v1/chat/completions", json=body, **kw)
+
+    def sent(self) -> int:
+        return sum(len(f.chats()) for f in self.fakes)
+
+    def last_forwarded(self) -> Seen:
+        """The last chat request that reached a fake."""
+        return max((s for f in self.fakes for s in f.chats()), key=lambda s: s.seq)
+
+
+@pytest.fixture(scope="module")
+def front(main_app, serve_url) -> Iterator[Front]:
+    from ray import serve
+
+    from vitserve.deployments.config import VitserveConfig
+    from vitserve.deployments.local import serve_app
+    from vitserve.deployments.vllm_front import build_vllm_application
+
+    gate = threading.Event()
+    fakes = [FakeVllm("a", gate).start(), FakeVllm("b", gate).start()]
+    section = {"urls": [f.url + "/" for f in fakes], "encoder_app": main_app.name,
+               "route_prefix": f"/{FRONT}", "num_cpus": 0.05, "api_key": UPSTREAM_KEY,
+               "retry_after_s": RETRY_AFTER, "encoder_attempts": 3}  # fmt: skip
+    cfg = VitserveConfig.load({**main_app.config.model_dump(), "vllm": section,
+                               "limits.max_images_per_request": MAX_IMAGES})  # fmt: skip
+    assert cfg.vllm.urls == [f.url for f in fakes]  # the trailing slash stripped
+    serve_app(build_vllm_application(cfg), name=FRONT, route_prefix=f"/{FRONT}")
+    yield Front(f"{serve_url}/{FRONT}", main_app, fakes)
+    serve.delete(FRONT)
+    gate.set()
+    for fake in fakes:
+        fake.stop()
+
+
+def chat(front: Front, content: list[dict[str, Any]], **extra: Any) -> httpx.Response:
+    """A chat of one user message, as a caller with a token of its own (auth is off)."""
+    body = {"model": "fake-vlm", "messages": [{"role": "user", "content": content}], **extra}
+    return front.chat(body, headers={"Authorization": "Bearer caller-token"})
+
+
+def counts(response: httpx.Response) -> tuple[int, int, int]:
+    return tuple(int(response.headers[f"x-vitserve-{k}"]) for k in ("images", "uploaded",
+                                                                      "cached"))  # fmt: skip
+
+
+def image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def keys_of(front: Front, images: list[bytes]) -> list[str]:
+    """Each image's vitserve key, as the SDK has it (all cached by now)."""
+    from vitserve.client import EncoderClient
+
+    with EncoderClient(front.encoder.url) as client:
+        handles = client.encode(images)
+    assert all(h.cached for h in handles)  # the front's request stored them under these keys
+    return [h.key for h in handles]
+
+
+# -- what is forwarded ----------------------------------------------------------------------------
+def test_data_url_images_are_forwarded_named_by_their_vitserve_keys(front) -> None:
+    """Each data-URL image part gets ``uuid`` = its key (a repeat the same), its URL kept; text,
+    remote-URL parts and every other field pass unchanged; the caller's Authorization is
+    replaced by the configured api_key."""
+    a, b = fresh_images(2)
+    content = [{"type": "text", "text": "compare"}, image_part(data_url(a)),
+               image_part("https://example.com/cat.png"),
+               {"type": "image_url", "image_url": {"url": data_url(b), "detail": "low"}},
+               image_part(data_url(a))]  # fmt: skip
+    extra = {"max_tokens": 7, "temperature": 0.5, "vendor_field": {"x": [1, 2]}}
+    response = chat(front, content, **extra)
+    assert response.status_code == 200, response.text
+    assert response.json()["object"] == "chat.completion"
+    assert counts(response) == (4, 2, 0)  # 4 image parts; 2 distinct new images uploaded
+    seen = front.last_forwarded()
+    key_a, key_b = keys_of(front, [a, b])
+    expected = copy.deepcopy(
+        {"model": "fake-vlm", "messages": [{"role": "user", "content": content}], **extra}
+    )
+    parts = expected["messages"][0]["content"]
+    for i, key in ((1, key_a), (3, key_b), (4, key_a)):
+        parts[i]["uuid"] = key
+    assert seen.json() == expected
+    assert "uuid" not in seen.json()["messages"][0]["content"][2]  # the remote URL's
+    assert seen.headers["authorization"] == f"Bearer {UPSTREAM_KEY}"
+    assert seen.headers["content-type"] == "application/json"
+
+    again = chat(front, [image_part(data_url(a)), {"type": "text", "text": "again"}])
+    assert again.status_code == 200, again.text
+    assert counts(again) == (1, 0, 1)  # the store had it: nothing uploaded
+    assert front.last_forwarded().json()["messages"][0]["content"][0]["uuid"] == key_a
+
+
+def test_a_request_without_images_is_forwarded_byte_for_byte(front) -> None:
+    raw = b'{"model": "fake-vlm",  "messages": [{"role": "user", "content": "hi \\u00e9"}]}'
+    response = front.client.post(f"{front.url}/v1/chat/completions", content=raw,
+                                 headers={"Content-Type": "application/json",
+                                          "X-Request-Id": "req-1"})  # fmt: skip
+    assert response.status_code == 200, response.text
+    assert counts(response) == (0, 0, 0)
+    seen = front.last_forwarded()
+    assert seen.body == raw and seen.headers["x-request-id"] == "req-1"
+
+
+def test_requests_alternate_between_the_vllm_servers(front) -> None:
+    before = [len(f.chats()) for f in front.fakes]
+    answered_by = []
+    for _ in range(4):
+        response = chat(front, [{"type": "text", "text": "hello"}])
+        assert response.status_code == 200, response.text
+        answered_by.append(response.json()["upstream"])
+    assert [len(f.chats()) - n for f, n in zip(front.fakes, before, strict=True)] == [2, 2]
+    assert answered_by[0] != answered_by[1] and answered_by[:2] == answered_by[2:]
+
+
+# -- what comes back ------------------------------------------------------------------------------
+def test_a_stream_is_relayed_chunk_by_chunk_byte_for_byte(front) -> None:
+    """The first event reaches the caller while the fake still holds back the rest (it waits
+    for the test); the whole stream arrives byte-identical, with the counts."""
+    [image] = fresh_images(1)
+    body = {"model": "gated", "stream": True,
+            "messages": [{"role": "user", "content": [image_part(data_url(image))]}]}  # fmt: skip
+    front.fakes[0].gate.clear()
+    received = b""
+    with front.client.stream("POST", f"{front.url}/v1/chat/completions",
+                             json=body) as response:  # fmt: skip
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
+        assert counts(response) == (1, 1, 0)
+        for chunk in response.iter_raw():
+            received += chunk
+            if not front.fakes[0].gate.is_set() and received.endswith(b"\n\n"):
+                front.fakes[0].gate.set()  # the first event is here: let the fake go on
+    name = front.last_forwarded().upstream
+    assert received == b"".join(sse_events(name))
+    assert [f.released[-1] for f in front.fakes if f.name == name] == [True]  # not timed out
+
+
+def test_the_openai_client_streams_through_the_front(front) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="caller-token", max_retries=0)
+    [image] = fresh_images(1)
+    stream = client.chat.completions.create(
+        model="fake-vlm", stream=True,
+        messages=[{"role": "user", "content": [image_part(data_url(image))]}])  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream)
+    assert text in ("from a é✓", "from b é✓")
+    assert [m.id for m in client.models.list()] == ["fake-vlm"]
+
+
+@pytest.mark.parametrize("model", sorted(ERRORS))
+def test_vllm_error_answers_keep_their_status_and_body(front, model) -> None:
+    response = chat(front, [{"type": "text", "text": "hi"}], max_tokens=0 if model == "bad" else 1,
+                    **{"model": model})  # fmt: skip
+    status, doc = ERRORS[model]
+    assert response.status_code == status
+    assert response.content == json.dumps(doc).encode()
+    assert counts(response) == (0, 0, 0)
+
+
+def test_v1_models_passes_through(front) -> None:
+    response = front.client.get(f"{front.url}/v1/models")
+    assert response.status_code == 200
+    assert response.json() == MODELS
+    assert all(s.headers.get("authorization") == f"Bearer {UPSTREAM_KEY}"
+               for f in front.fakes for s in f.seen if s.path == "/v1/models")  # fmt: skip
+
+
+def test_a_vllm_server_down_is_passed_over_then_503_with_retry_after(front) -> None:
+    a, b = front.fakes
+    try:
+        a.stop()
+        before = len(b.chats())
+        for _ in range(3):  # whichever is in turn: b answers
+            response = chat(front, [{"type": "text", "text": "hello"}])
+            assert response.status_code == 200, response.text
+            assert response.json()["upstream"] == "b"
+        assert len(b.chats()) - before == 3
+        b.stop()
+        sent = front.sent()
+        for response in (chat(front, [{"type": "text", "text": "hello"}]),
+                         front.client.get(f"{front.url}/v1/models")):  # fmt: skip
+            assert response.status_code == 503, response.text
+            assert response.headers["retry-after"] == str(RETRY_AFTER)
+            error = response.json()["error"]
+            assert error["type"] == "ServiceUnavailableError"
+            assert a.url in error["message"] and b.url in error["message"]
+        assert front.sent() == sent
+    finally:
+        a.start()
+        b.start()
+    assert chat(front, [{"type": "text", "text": "back"}]).status_code == 200
+
+
+# -- refused before anything is forwarded -------------------------------------------------------
+def test_images_that_fail_are_refused_in_vitserves_shape_and_nothing_is_forwarded(front) -> None:
+    [good] = fresh_images(1)
+    sent = front.sent()
+    corrupt = data_url(b"\x89PNG\r\n\x1a\n this is not an image")
+    response = chat(front, [image_part("https://example.com/x.png"), image_part(data_url(good)),
+                            {"type": "text", "text": "and"}, image_part(corrupt)])  # fmt: skip
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["type"] == "ImageDecodeError"
+    assert error["index"] == 2 and error["message"].startswith("image 2:")  # among image parts
+
+    not_base64 = chat(front, [image_part("data:image/png;base64,@@@not base64@@@")])
+    assert not_base64.status_code == 422
+    assert not_base64.json()["error"]["type"] == "MalformedRequestError"
+    assert "image 0" in not_base64.json()["error"]["message"]
+
+    too_many = chat(front, [image_part(data_url(good))] * (MAX_IMAGES + 1))
+    assert too_many.status_code == 413
+    error = too_many.json()["error"]
+    assert error["type"] == "LimitExceededError" and error["limit"] == "max_images_per_request"
+    assert (error["value"], error["allowed"]) == (MAX_IMAGES + 1, MAX_IMAGES)
+
+    not_json = front.client.post(f"{front.url}/v1/chat/completions", content=b"{nope",
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    assert not_json.status_code == 422 and "error" in not_json.json()
+    assert front.sent() == sent
+
+
+def test_the_counts_reach_metrics(front) -> None:
+    from tests.conftest import App
+
+    page = App(FRONT, front.url, None)
+    before = page.page()
+    new, held = fresh_images(2)
+    assert chat(front, [image_part(data_url(held))]).status_code == 200
+    response = chat(front, [image_part(data_url(i)) for i in (new, held, new)])
+    assert counts(response) == (3, 1, 1)
+    want = {kind: before("vitserve_vllm_front_images_total", kind=kind) + n
+            for kind, n in (("sent", 4), ("uploaded", 2), ("cached", 1))}  # fmt: skip
+    after = page.wait_page(lambda value: all(value("vitserve_vllm_front_images_total", kind=k) >= v
+                                             for k, v in want.items()))  # fmt: skip
+    for kind, value in want.items():
+        assert after("vitserve_vllm_front_images_total", kind=kind) >= value, kind
+    assert after("vitserve_requests_total", route="vllm_chat", status="200") >= 2
+
+
+def test_healthz(front) -> None:
+    health = front.client.get(f"{front.url}/healthz").json()
+    assert health == {"status": "ok", "urls": [f.url for f in front.fakes],
+                      "encoder": f"app {front.encoder.name}"}  # fmt: skip
+
+
+# -- without Ray ---------------------------------------------------------------------------------
+def test_upstream_headers_never_carry_the_callers_authorization() -> None:
+    from vitserve.deployments.vllm_front import upstream_headers
+
+    incoming = httpx.Headers({"Authorization": "Bearer caller", "Accept": "text/event-stream",
+                              "X-Request-Id": "r1", "Cookie": "c=1"})  # fmt: skip
+    assert upstream_headers(incoming, None) == {
+        "content-type": "application/json", "accept-encoding": "identity",
+        "accept": "text/event-stream", "x-request-id": "r1"}  # fmt: skip
+    assert upstream_headers(incoming, "sk-1")["authorization"] == "Bearer sk-1"
+
+
+def test_serve_takes_vllm_urls_by_flag_set_or_environment(monkeypatch) -> None:
+    from vitserve.deployments import cli
+    from vitserve.deployments.config import VitserveConfig
+    from vitserve.deployments.local import local_config
+
+    def urls(*argv: str) -> list[str]:
+        return local_config(cli._overrides(cli.build_parser().parse_args(argv))).vllm.urls
+
+    assert urls("serve") == []
+    lines = cli.serving_lines(VitserveConfig.load(environ={}), "http://h:1", prefill=False)
+    assert len(lines) == 1  # no front, no line for it
+    assert urls("serve", "--vllm-url", "http://a:8000/", "--vllm-url", "https://b:9000") == [
+        "http://a:8000", "https://b:9000"]  # fmt: skip
+    assert urls("serve", "--set", 'vllm.urls=["http://c","http://d"]') == ["http://c", "http://d"]
+    monkeypatch.setenv("VITSERVE_VLLM__URLS", "http://e:1,http://f:2")
+    cfg = local_config({})
+    assert cfg.vllm.urls == ["http://e:1", "http://f:2"]
+    assert cli.serving_lines(cfg, "http://h:1", prefill=False)[-1] == (
+        "vLLM front (OpenAI API) at http://h:1/vllm/v1/chat/completions, forwarding to "
+        "http://e:1, http://f:2 (docs: http://h:1/vllm/docs)")  # fmt: skip
+
+
+def test_vllm_urls_are_checked() -> None:
+    from vitserve.deployments.config import VitserveConfig
+    from vitserve.deployments.vllm_front import build_vllm_application
+    from vitserve.errors import ConfigError
+
+    for bad in ("ftp://a", "a:8000", "http://a:port", "http://a?x=1"):
+        with pytest.raises(ConfigError, match=r"vllm\.urls"):
+            VitserveConfig.load({"vllm.urls": [bad]}, environ={})
+    with pytest.raises(ConfigError, match=r"vllm\.urls"):
+        build_vllm_application(VitserveConfig.load(environ={}))
