@@ -15,7 +15,7 @@ PY := $(VENV)/bin/python
 # encoder/device.py), so an outcome that leans on the host fails on every machine.
 CPU_PROFILES ?= 8MiB:0 32MiB:1 480MiB:1
 
-.PHONY: install demo test test-profiles lint bench
+.PHONY: install demo test test-profiles test-vllm lint bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,17 @@ test-profiles: install
 	  VITSERVE_CPU_LLC_BYTES=$$llc VITSERVE_CPU_BF16=$$bf16 \
 	    $(PY) -m pytest -q -m cpu_profile; \
 	done
+
+# vLLM's CPU build in its own venv (it pins its own torch and transformers), with vitserve's
+# client installed into it; tests/vllm runs real vLLM servers from it beside `vitserve serve`.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed: tests/vllm/make_env.sh tests/vllm/guard_torchvision.py pyproject.toml
+	PYTHON=$(PYTHON) bash tests/vllm/make_env.sh $(VLLM_VENV)
+	touch $@
+
+test-vllm: install $(VLLM_VENV)/.installed
+	VITSERVE_TEST_VLLM=1 VITSERVE_VLLM_PYTHON=$(VLLM_VENV)/bin/python RAY_AUTH_MODE=disabled \
+	  flock /tmp/vitserve-heavy.lock $(PY) -m pytest -q tests/vllm
 
 lint: install
 	$(PY) -m ruff check .

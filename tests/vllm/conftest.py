@@ -1,0 +1,198 @@
+"""Real vLLM servers (vLLM's CPU build, from its own venv) beside a real ``vitserve serve``.
+
+``make test-vllm`` builds vLLM's venv (tests/vllm/make_env.sh) and runs this folder with
+``VITSERVE_TEST_VLLM=1``. Nothing here skips: a vLLM that cannot start fails the suite.
+
+The session's servers, all on loopback:
+
+* a private ``redis-server`` (the store; the fault tests stop and restart it);
+* ``vitserve serve`` over the tiny Qwen2-VL built for vLLM's CPU attention, fp32, the Redis
+  store, with the prefill application and the front for vLLM (``--vllm-url`` A and B);
+* vLLM replica **A** over the same folder and replica **B** over a copy whose vision weights are
+  all NaN, both with vitserve's connector (``ec_consumer``), one pinned to each core. B answers
+  right only when its tower never runs: every image it needs comes from vitserve.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loadtest.vllm_peer import VllmServer
+from tests.cli_process import VITSERVE, cli_env, wait_healthy
+from tests.conftest import parse_metrics
+from tests.redis_process import RedisServer
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVED_NAME = "tiny"
+CONNECTOR = "VitserveECConnector"
+MAX_IMAGES = 16  # vLLM's --limit-mm-per-prompt for images
+# a vision weight's name in a saved checkpoint (with or without transformers' "model." prefix)
+VISION_WEIGHT = re.compile(r"^(model\.)?(visual|vision_tower|multi_modal_projector)\.")
+
+
+def vllm_python() -> str:
+    """vLLM's venv's python (``VITSERVE_VLLM_PYTHON``, else the checkout's ``.venv-vllm``)."""
+    path = os.environ.get("VITSERVE_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+    if not Path(path).exists():
+        pytest.fail(f"no vLLM venv at {path}: `make test-vllm` builds it (tests/vllm/make_env.sh)")
+    return path
+
+
+def ec_config(vitserve_url: str, store: str) -> str:
+    """The ``--ec-transfer-config`` that makes a vLLM use vitserve as its encoder tier."""
+    return json.dumps({
+        "ec_connector": CONNECTOR,
+        "ec_connector_module_path": "vitserve.client.vllm",
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {"url": vitserve_url, "store": store},
+    })  # fmt: skip
+
+
+def nan_vision_copy(src: Path, dst: Path) -> Path:
+    """A copy of the checkpoint ``src`` whose vision-tower and projector weights are NaN."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    changed = 0
+    for shard in dst.glob("*.safetensors"):
+        tensors = load_file(shard)
+        for name, tensor in tensors.items():
+            if VISION_WEIGHT.match(name) and tensor.is_floating_point():
+                tensors[name] = torch.full_like(tensor, float("nan"))
+                changed += 1
+        save_file(tensors, shard, metadata={"format": "pt"})
+    assert changed, f"no vision weight found in {src}"
+    return dst
+
+
+@dataclass
+class Vitserve:
+    url: str
+    proc: subprocess.Popen
+
+    @property
+    def front(self) -> str:
+        return f"{self.url}/vllm"
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return sum(v for n, _, v in parse_metrics(text) if n == name)
+
+    def metric_after(self, name: str, at_least: float, timeout: float = 15) -> float:
+        """The metric once it reached ``at_least`` (Ray exports metrics with a lag), or its
+        value after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while (value := self.metric(name)) < at_least and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return value
+
+
+@dataclass
+class Replica:
+    name: str
+    server: VllmServer
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def counts(self) -> dict[str, float]:
+        """The connector's counters on this replica's /metrics (``vllm:vitserve_ec_*``)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("vllm:vitserve_ec_") and "_total" in line:
+                name = line.split("{")[0].removeprefix("vllm:vitserve_ec_").removesuffix("_total")
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    from vitserve.encoder.testmodels import cached_model
+
+    return cached_model("qwen2_vl", "tiny", vllm=True)
+
+
+@pytest.fixture(scope="session")
+def nan_model_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return nan_vision_copy(model_dir, tmp_path_factory.mktemp("nan") / "tiny-nan-vision")
+
+
+@pytest.fixture(scope="session")
+def store() -> Iterator[RedisServer]:
+    server = RedisServer()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="session")
+def ports() -> dict[str, int]:
+    from vitserve.deployments.local import free_port
+
+    return {"vitserve": free_port(), "a": free_port(), "b": free_port()}
+
+
+@pytest.fixture(scope="session")
+def vitserve(model_dir: Path, store: RedisServer, ports: dict[str, int],
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vitserve]:  # fmt: skip
+    url = f"http://127.0.0.1:{ports['vitserve']}"
+    cmd = [VITSERVE, "serve", "--model", str(model_dir), "--store", store.url, "--dtype", "fp32",
+           "--device", "cpu", "--port", str(ports["vitserve"]), "--prefill",
+           "--vllm-url", f"http://127.0.0.1:{ports['a']}",
+           "--vllm-url", f"http://127.0.0.1:{ports['b']}",
+           "--set", f"prefill.served_model_name={SERVED_NAME}"]  # fmt: skip
+    log = tmp_path_factory.mktemp("vitserve") / "serve.log"
+    with open(log, "wb") as out:
+        # its metrics reach /metrics every half second (Ray's default: 10 s)
+        env = {**cli_env(tmp_path_factory.mktemp("cache")), "RAY_metrics_report_interval_ms": "500"}
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    try:
+        wait_healthy(proc, url, timeout=240)
+        yield Vitserve(url, proc)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 15)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        sys.stderr.write(f"vitserve serve log: {log}\n")
+
+
+@pytest.fixture(scope="session")
+def replicas(vitserve: Vitserve, model_dir: Path, nan_model_dir: Path, store: RedisServer,
+             ports: dict[str, int],
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Replica]]:  # fmt: skip
+    """Replicas A (the checkpoint) and B (its NaN-vision copy), started side by side."""
+    logs = tmp_path_factory.mktemp("vllm")
+    config = ec_config(vitserve.url, store.url)
+    servers = {
+        name: VllmServer(vllm_python(), str(folder), ports[name], dtype="float32",
+                         log_path=str(logs / f"{name}.log"), served_model_name=SERVED_NAME,
+                         ready_timeout=300, extra_env={"VLLM_CPU_OMP_THREADS_BIND": core},
+                         extra_args=["--ec-transfer-config", config], max_images=MAX_IMAGES)
+        for name, folder, core in (("a", model_dir, "0"), ("b", nan_model_dir, "1"))
+    }  # fmt: skip
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as pool:
+        started = [pool.submit(stack.enter_context, s) for s in servers.values()]
+        for future in started:
+            future.result()  # a server that cannot start fails the session here
+        yield {name: Replica(name, server) for name, server in servers.items()}

@@ -1,0 +1,307 @@
+"""vLLM with vitserve as its encoder tier, against vLLM alone: real servers (see conftest.py).
+
+"vLLM alone" is replica A answering a request without ``uuid`` s: its items are keyed by vLLM's
+own hash, miss in vitserve's store, and vLLM encodes them with its own tower. Through the front
+(or with the keys as ``uuid`` s) the same images come from vitserve. Replica B's vision weights
+are NaN, so B gives A's answer only if its tower never runs.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from vitserve.client import EncoderClient
+
+from .conftest import SERVED_NAME, Replica, Vitserve
+
+# fp32 on both sides. vLLM's own Qwen2-VL tower and vitserve's (transformers') differ in the
+# order of their float operations: measured max |prompt logprob difference| ~1e-6 here.
+LOGPROB_TOL = 1e-4
+TIMEOUT = httpx.Timeout(300.0, connect=5.0)
+
+
+def png(rng: np.random.Generator, width: int, height: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def image_part(data: bytes, uuid: str | None = None) -> dict[str, Any]:
+    url = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+    part: dict[str, Any] = {"type": "image_url", "image_url": {"url": url}}
+    if uuid is not None:
+        part["uuid"] = uuid
+    return part
+
+
+def body(messages: list[dict[str, Any]], max_tokens: int = 12, scores: bool = True,
+         **extra: Any) -> dict[str, Any]:  # fmt: skip
+    """A greedy chat request; ``scores``: with the logprobs of its tokens and its prompt's."""
+    logprobs = {"logprobs": True, "top_logprobs": 1, "prompt_logprobs": 1} if scores else {}
+    return {"model": SERVED_NAME, "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, **logprobs, **extra}  # fmt: skip
+
+
+def user(images: list[bytes], text: str = "Describe this image.",
+         uuids: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+    parts = [image_part(d, u) for d, u in zip(images, uuids or [None] * len(images), strict=True)]
+    return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
+
+
+def post(url: str, payload: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", json=payload, timeout=TIMEOUT)
+
+
+def answer(response: httpx.Response) -> dict[str, Any]:
+    assert response.status_code == 200, response.text[:500]
+    return response.json()
+
+
+def tokens(doc: dict[str, Any]) -> list[str]:
+    return [t["token"] for t in doc["choices"][0]["logprobs"]["content"]]
+
+
+def prompt_logprobs(doc: dict[str, Any]) -> dict[tuple[int, str], float]:
+    """vLLM's ``prompt_logprobs``: per prompt position, the prompt token's and the top-1
+    token's logprobs, by (position, token id)."""
+    return {(i, tid): v["logprob"] for i, pos in enumerate(doc["prompt_logprobs"]) if pos
+            for tid, v in pos.items()}  # fmt: skip
+
+
+def logprob_gap(doc: dict[str, Any], ref: dict[str, Any]) -> float:
+    """The largest prompt-logprob difference; infinite if the top-1 tokens differ anywhere."""
+    mine, theirs = prompt_logprobs(doc), prompt_logprobs(ref)
+    if mine.keys() != theirs.keys():
+        return float("inf")
+    return max(abs(mine[k] - theirs[k]) for k in mine)
+
+
+def keys_of(url: str, images: list[bytes]) -> list[str]:
+    """The images' vitserve keys from the service at ``url`` (encoding them, as the front
+    does)."""
+    with EncoderClient(url) as client:
+        return [h.key for h in client.encode(images)]
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+# -- equal to vLLM alone ---------------------------------------------------------------------
+def test_the_front_gives_vllm_alones_answer_on_both_replicas(
+    vitserve: Vitserve, replicas: dict[str, Replica]
+) -> None:
+    """Two new images of different sizes: vLLM alone (A, its own tower) and the front (once to
+    each replica: round robin) give the same greedy tokens and prompt logprobs; each replica
+    loaded both images from vitserve and ran no fallback."""
+    rng = np.random.default_rng(1)
+    images = [png(rng, 224, 224), png(rng, 112, 168)]
+    a, b = replicas["a"], replicas["b"]
+    alone = answer(post(a.url, body([user(images)])))
+    before = {name: r.counts() for name, r in replicas.items()}
+    first = post(vitserve.front, body([user(images)]))
+    second = post(vitserve.front, body([user(images)]))
+    assert first.headers["x-vitserve-uploaded"] == "2"  # new to vitserve: uploaded, encoded
+    assert second.headers["x-vitserve-cached"] == "2"  # then held: not uploaded again
+    served = {first.headers["x-vitserve-vllm"], second.headers["x-vitserve-vllm"]}
+    assert served == {a.url, b.url}  # round robin: one each
+    for doc in (answer(first), answer(second)):
+        assert tokens(doc) == tokens(alone)
+        gap = logprob_gap(doc, alone)
+        assert gap < LOGPROB_TOL, gap
+    for name, replica in (("a", a), ("b", b)):
+        moved = delta(before[name], replica.counts())
+        assert moved["loads"] == 2 and moved["load_fallbacks"] == 0, (name, moved)
+        assert moved["load_bytes"] > 0
+
+
+def test_vllms_tower_never_runs_on_a_hit(vitserve: Vitserve, replicas: dict[str, Replica]) -> None:
+    """Replica B's vision weights are NaN: with vitserve's keys it gives vLLM alone's tokens;
+    the control, the same request without keys (B's own tower), gives other ones (no scores
+    asked: NaN logprobs are not JSON)."""
+    rng = np.random.default_rng(2)
+    images = [png(rng, 168, 112), png(rng, 224, 224)]
+    alone = answer(post(replicas["a"].url, body([user(images)], scores=False)))
+    keys = keys_of(vitserve.url, images)
+    hit = answer(post(replicas["b"].url, body([user(images, uuids=keys)], scores=False)))
+    control = answer(post(replicas["b"].url, body([user(images)], scores=False)))
+
+    def text(doc: dict[str, Any]) -> str:
+        return doc["choices"][0]["message"]["content"]
+
+    assert text(hit) == text(alone)
+    assert text(control) != text(alone)
+
+
+# -- shared across replicas --------------------------------------------------------------------
+def test_a_conversation_alternating_replicas_encodes_one_image_per_turn(
+    vitserve: Vitserve, replicas: dict[str, Replica]
+) -> None:
+    """12 turns through the front, each re-sending the whole history with one new image; turns
+    alternate between A and B. vitserve encodes one image per turn and the front uploads one;
+    the last turn's answer is vLLM alone's (A without keys, the same messages)."""
+    rng = np.random.default_rng(3)
+    messages: list[dict[str, Any]] = []
+    encoded = vitserve.metric("vitserve_images_encoded_total")
+    for turn in range(1, 13):
+        messages.append(user([png(rng, 112, 112)], text=f"Turn {turn}: what is new?"))
+        response = post(vitserve.front, body(messages, max_tokens=4))
+        doc = answer(response)
+        assert response.headers["x-vitserve-images"] == str(turn)
+        assert response.headers["x-vitserve-uploaded"] == "1", turn
+        assert response.headers["x-vitserve-cached"] == str(turn - 1), turn
+        now = vitserve.metric_after("vitserve_images_encoded_total", encoded + 1)
+        assert now - encoded == 1, (turn, now - encoded)  # a second encode shows next turn
+        encoded = now
+        messages.append({"role": "assistant", "content": doc["choices"][0]["message"]["content"]})
+    time.sleep(1.5)  # three export intervals: a late second encode of turn 12 shows
+    assert vitserve.metric("vitserve_images_encoded_total") == encoded
+    last = messages[:-1]
+    alone = answer(post(replicas["a"].url, body(last, max_tokens=4)))
+    assert tokens(doc) == tokens(alone)
+
+
+# -- faults ------------------------------------------------------------------------------------
+def _worker_pid(replica: Replica) -> int:
+    """The pid of the replica's model worker (vLLM's ``VLLM::Worker`` process)."""
+    import psutil
+
+    assert replica.server.proc is not None
+    tree = psutil.Process(replica.server.proc.pid).children(recursive=True)
+    workers = [p for p in tree if "Worker" in p.name() or "Worker" in " ".join(p.cmdline())]
+    assert len(workers) == 1, [(p.pid, p.name(), p.cmdline()[:3]) for p in tree]
+    return workers[0].pid
+
+
+def _getranges(store: Any) -> int:
+    import redis
+
+    stats = redis.Redis.from_url(store.url).info("commandstats")
+    return int(stats.get("cmdstat_getrange", {}).get("calls", 0))
+
+
+def _delete_keys(store: Any, keys: list[str]) -> int:
+    import redis
+
+    client = redis.Redis.from_url(store.url)
+    names = [n for k in keys for n in client.scan_iter(match=f"*{k}*")]
+    return client.delete(*names) if names else 0
+
+
+def test_an_entry_evicted_between_probe_and_load_is_encoded_by_vllm(
+    vitserve: Vitserve, replicas: dict[str, Replica], store: Any
+) -> None:
+    """A's model worker is stopped; the request arrives and A's scheduler probes the store
+    (hits); the entries are deleted; the worker goes on and cannot load them: vLLM encodes
+    them itself in the same step, and the answer is vLLM alone's. A keeps serving."""
+    a = replicas["a"]
+    rng = np.random.default_rng(4)
+    images = [png(rng, 224, 224), png(rng, 112, 168)]
+    alone = answer(post(a.url, body([user(images)])))
+    keys = keys_of(vitserve.url, images)
+    before = a.counts()
+    pid = _worker_pid(a)
+    reads = _getranges(store)
+    result: dict[str, httpx.Response] = {}
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        thread = threading.Thread(target=lambda: result.setdefault(
+            "r", post(a.url, body([user(images, uuids=keys)]))))  # fmt: skip
+        thread.start()
+        deadline = time.monotonic() + 60
+        while _getranges(store) == reads:  # the scheduler's probe: GETRANGE of the heads
+            assert time.monotonic() < deadline, "the scheduler never probed the store"
+            time.sleep(0.05)
+        assert _delete_keys(store, keys) == 2
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    thread.join(120)
+    moved = delta(before, a.counts())
+    assert tokens(answer(result["r"])) == tokens(alone)
+    assert moved["hits"] == 2 and moved["load_fallbacks"] == 2 and moved["loads"] == 0, moved
+    again = answer(post(a.url, body([user(images)])))
+    assert tokens(again) == tokens(alone)
+
+
+def test_the_store_down_for_one_request(
+    vitserve: Vitserve, replicas: dict[str, Replica], store: Any
+) -> None:
+    """With the store down, the front answers 503 + Retry-After (it cannot encode) and a vLLM
+    replica asked with vitserve's keys encodes the images itself (the probe failed: a miss),
+    giving vLLM alone's answer. With the store back (empty), the front answers again."""
+    a = replicas["a"]
+    rng = np.random.default_rng(5)
+    images = [png(rng, 112, 112), png(rng, 224, 112)]
+    alone = answer(post(a.url, body([user(images)])))
+    keys = keys_of(vitserve.url, images)
+    before = a.counts()
+    store.kill()
+    try:
+        refused = post(vitserve.front, body([user([png(rng, 112, 112)])]))
+        assert refused.status_code == 503, refused.text[:300]
+        assert "retry-after" in refused.headers
+        assert refused.json()["error"]["type"]
+        down = answer(post(a.url, body([user(images, uuids=keys)])))
+        assert tokens(down) == tokens(alone)
+        moved = delta(before, a.counts())
+        assert moved["probe_errors"] == 2 and moved["loads"] == 0, moved
+    finally:
+        store.start()  # the same port, empty
+    for replica in replicas.values():  # both replicas keep serving
+        assert httpx.get(f"{replica.url}/health", timeout=10).status_code == 200
+    deadline = time.monotonic() + 60
+    while True:  # the service's store client reconnects
+        back = post(vitserve.front, body([user(images)]))
+        if back.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert tokens(answer(back)) == tokens(alone)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["corrupt image", "too many images", "unknown model"])
+def test_bad_input_through_the_front_is_a_4xx(
+    case: str, vitserve: Vitserve, replicas: dict[str, Replica]
+) -> None:
+    rng = np.random.default_rng(6)
+    if case == "corrupt image":
+        payload = body([user([png(rng, 112, 112)[:200]])])
+    elif case == "too many images":  # over vLLM's --limit-mm-per-prompt (16)
+        payload = body([user([png(rng, 56, 56) for _ in range(17)])])
+    else:
+        payload = {**body([user([png(rng, 112, 112)])]), "model": "no-such-model"}
+    response = post(vitserve.front, payload)
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
+    assert "error" in response.json()
+    for replica in replicas.values():
+        assert httpx.get(f"{replica.url}/health", timeout=10).status_code == 200
+
+
+# -- models, with the official client ----------------------------------------------------------
+def test_openai_clients_list_models_on_the_front_and_the_prefill_app(
+    vitserve: Vitserve, replicas: dict[str, Replica]
+) -> None:
+    import openai
+
+    for base in (f"{vitserve.url}/vllm/v1", f"{vitserve.url}/prefill/v1"):
+        client = openai.OpenAI(base_url=base, api_key="unused")
+        models = client.models.list()
+        assert [m.id for m in models.data] == [SERVED_NAME], base
+        reply = client.chat.completions.create(
+            model=SERVED_NAME, max_tokens=3, temperature=0,
+            messages=[{"role": "user", "content": [
+                {"type": "text", "text": "Hello"},
+                image_part(png(np.random.default_rng(7), 112, 112))]}],
+        )  # fmt: skip
+        assert reply.choices[0].message.content is not None

@@ -1,0 +1,89 @@
+"""Every family vLLM's CPU build serves: vLLM with vitserve's connector == vLLM alone.
+
+Per family, a ``vitserve serve`` over the family's tiny test model (built ``vllm=True``: see
+:mod:`vitserve.encoder.testmodels` and ``families.py``) and one vLLM over the same folder with
+the connector. Two images of different sizes: vLLM alone (no ``uuid`` s: its own tower) and vLLM
+with the images' vitserve keys give the same greedy tokens and prompt logprobs, and the
+connector loaded every image. (Qwen2-VL runs in ``test_connector.py``, behind the front.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loadtest.vllm_peer import VllmServer
+from tests.cli_process import VITSERVE, cli_env, wait_healthy
+from tests.redis_process import RedisServer
+
+from .conftest import SERVED_NAME, Replica, ec_config, vllm_python
+from .families import SIZES, VLLM_FAMILIES
+from .test_connector import (
+    LOGPROB_TOL,
+    answer,
+    body,
+    delta,
+    keys_of,
+    logprob_gap,
+    png,
+    post,
+    tokens,
+    user,
+)
+
+FAMILIES = [f for f in VLLM_FAMILIES if f != "qwen2_vl"]
+
+
+@contextlib.contextmanager
+def vitserve_serve(model: Path, store: str, port: int, log: Path) -> Iterator[str]:
+    url = f"http://127.0.0.1:{port}"
+    cmd = [VITSERVE, "serve", "--model", str(model), "--store", store, "--dtype", "fp32",
+           "--device", "cpu", "--port", str(port)]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=cli_env(log.parent / "cache"), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        wait_healthy(proc, url, timeout=240)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 15)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_connector_equals_vllm_alone(family: str, store: RedisServer,
+                                     tmp_path: Path) -> None:  # fmt: skip
+    from vitserve.deployments.local import free_port
+    from vitserve.encoder.testmodels import cached_model
+
+    model = cached_model(family, "tiny", vllm=True)
+    rng = np.random.default_rng(11)
+    images = [png(rng, w, h) for w, h in SIZES[family]]
+    with vitserve_serve(model, store.url, free_port(), tmp_path / "serve.log") as url:
+        connector = ["--ec-transfer-config", ec_config(url, store.url)]
+        server = VllmServer(vllm_python(), str(model), free_port(), dtype="float32",
+                            log_path=str(tmp_path / "vllm.log"), served_model_name=SERVED_NAME,
+                            ready_timeout=300, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"},
+                            extra_args=connector)  # fmt: skip
+        with server:
+            replica = Replica(family, server)
+            alone = answer(post(server.url, body([user(images)])))
+            keys = keys_of(url, images)
+            before = replica.counts()
+            hit = answer(post(server.url, body([user(images, uuids=keys)])))
+            moved = delta(before, replica.counts())
+    assert tokens(hit) == tokens(alone)
+    gap = logprob_gap(hit, alone)
+    assert gap < LOGPROB_TOL, gap
+    assert moved["loads"] == len(set(keys)) and moved["load_fallbacks"] == 0, moved
