@@ -15,7 +15,7 @@ from vitserve.errors import ConfigError, VitserveError
 def _make_model(args: argparse.Namespace) -> None:
     from vitserve.encoder.testmodels import make_model
 
-    out = make_model(args.family, args.preset, args.out, seed=args.seed)
+    out = make_model(args.family, args.preset, args.out, seed=args.seed, vllm=args.vllm)
     print(f"wrote random {args.family} ({args.preset}) model, tokenizer and chat template to {out}")
 
 
@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--family", required=True, choices=FAMILIES, help="transformers model_type")
     make.add_argument("--preset", default="tiny", choices=PRESETS)
     make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--vllm", action="store_true",
+                      help="a model vLLM's CPU build serves too (32-wide text heads, published "
+                           "tensor names)")  # fmt: skip
     make.add_argument("out", help="folder to write the model to")
     make.set_defaults(func=_make_model)
 

@@ -71,6 +71,26 @@ def test_make_model_writes_a_loadable_sharded_checkpoint(tmp_path) -> None:
     assert engine.family == "llava"
 
 
+def test_make_model_for_vllm_has_heads_vllms_cpu_attention_takes(tmp_path) -> None:
+    """``--vllm``: the same tower, a language model with 32-wide heads (vLLM's CPU attention
+    has none narrower), LLaVA's tower under the published tensor names; vitserve loads it."""
+    from safetensors import safe_open
+
+    from vitserve.encoder.engine import EncoderEngine
+
+    out = tmp_path / "llava-tiny-vllm"
+    proc = _run("make-model", "--family", "llava", "--preset", "tiny", "--vllm", str(out),
+                cache=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((out / "config.json").read_text())["text_config"]["head_dim"] == 32
+    names = set()
+    for shard in out.glob("*.safetensors"):
+        with safe_open(shard, "np") as f:
+            names |= set(f.keys())
+    assert any(n.startswith("vision_tower.vision_model.") for n in names), sorted(names)[:5]
+    assert EncoderEngine.from_pretrained(str(out), device="cpu", dtype="fp32").family == "llava"
+
+
 def test_make_model_rejects_unknown_family(tmp_path) -> None:
     proc = _run("make-model", "--family", "bert", str(tmp_path / "x"), cache=tmp_path)
     assert proc.returncode == 2
