@@ -510,7 +510,7 @@ def vllm_inputs(images: Sequence[ImageEmbedding], *, family: str | None = None) 
 
     The form of vLLM's "Embedding Inputs" (``docs/features/multimodal_inputs.md``; the model code
     ``Qwen2VLImageEmbeddingInputs`` and Qwen3-VL's ``_compute_deepstack_embeds``). Run against
-    vLLM 0.32's CPU build (offline ``LLM``, ``loadtest/check_vllm_adapter.py``) for Qwen2-VL in
+    vLLM 0.32's CPU build (offline ``LLM``, ``tests/vllm/check_adapter.py``) for Qwen2-VL in
     fp32 and bf16: the same greedy tokens and prompt logprobs (within 1e-6 in fp32) as vLLM fed
     the pixels; the Qwen3-VL deepstack form and LLaVA's are from the sources only. The server
     must be started with

