@@ -148,19 +148,17 @@ def ports() -> dict[str, int]:
     return {"vitserve": free_port(), "a": free_port(), "b": free_port()}
 
 
-@pytest.fixture(scope="session")
-def vitserve(model_dir: Path, store: RedisServer, ports: dict[str, int],
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vitserve]:  # fmt: skip
-    url = f"http://127.0.0.1:{ports['vitserve']}"
-    cmd = [VITSERVE, "serve", "--model", str(model_dir), "--store", store.url, "--dtype", "fp32",
-           "--device", "cpu", "--port", str(ports["vitserve"]), "--prefill",
-           "--vllm-url", f"http://127.0.0.1:{ports['a']}",
-           "--vllm-url", f"http://127.0.0.1:{ports['b']}",
-           "--set", f"prefill.served_model_name={SERVED_NAME}"]  # fmt: skip
-    log = tmp_path_factory.mktemp("vitserve") / "serve.log"
+@contextlib.contextmanager
+def vitserve_serve(model: Path, store: str, port: int, log: Path,
+                   extra: tuple[str, ...] = ()) -> Iterator[Vitserve]:  # fmt: skip
+    """``vitserve serve`` of ``model`` in fp32 on the CPU with ``store``, as a user runs it,
+    logging to ``log``; stopped (its process group) on exit."""
+    url = f"http://127.0.0.1:{port}"
+    cmd = [VITSERVE, "serve", "--model", str(model), "--store", store, "--dtype", "fp32",
+           "--device", "cpu", "--port", str(port), *extra]  # fmt: skip
+    # its metrics reach /metrics every half second (Ray's default: 10 s)
+    env = {**cli_env(log.parent / "cache"), "RAY_metrics_report_interval_ms": "500"}
     with open(log, "wb") as out:
-        # its metrics reach /metrics every half second (Ray's default: 10 s)
-        env = {**cli_env(tmp_path_factory.mktemp("cache")), "RAY_metrics_report_interval_ms": "500"}
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
     try:
@@ -175,6 +173,18 @@ def vitserve(model_dir: Path, store: RedisServer, ports: dict[str, int],
             os.killpg(proc.pid, 9)
             proc.wait()
         sys.stderr.write(f"vitserve serve log: {log}\n")
+
+
+@pytest.fixture(scope="session")
+def vitserve(model_dir: Path, store: RedisServer, ports: dict[str, int],
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vitserve]:  # fmt: skip
+    """The session's ``vitserve serve``: the prefill application and the front for A and B."""
+    extra = ("--prefill", "--vllm-url", f"http://127.0.0.1:{ports['a']}",
+             "--vllm-url", f"http://127.0.0.1:{ports['b']}",
+             "--set", f"prefill.served_model_name={SERVED_NAME}")  # fmt: skip
+    log = tmp_path_factory.mktemp("vitserve") / "serve.log"
+    with vitserve_serve(model_dir, store.url, ports["vitserve"], log, extra) as service:
+        yield service
 
 
 @pytest.fixture(scope="session")

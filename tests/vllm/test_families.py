@@ -9,20 +9,15 @@ connector loaded every image. (Qwen2-VL runs in ``test_connector.py``, behind th
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from loadtest.vllm_peer import VllmServer
-from tests.cli_process import VITSERVE, cli_env, wait_healthy
 from tests.redis_process import RedisServer
 
-from .conftest import SERVED_NAME, Replica, ec_config, vllm_python
+from .conftest import SERVED_NAME, Replica, ec_config, vitserve_serve, vllm_python
 from .families import SIZES, VLLM_FAMILIES
 from .test_connector import (
     LOGPROB_TOL,
@@ -40,27 +35,6 @@ from .test_connector import (
 FAMILIES = [f for f in VLLM_FAMILIES if f != "qwen2_vl"]
 
 
-@contextlib.contextmanager
-def vitserve_serve(model: Path, store: str, port: int, log: Path) -> Iterator[str]:
-    url = f"http://127.0.0.1:{port}"
-    cmd = [VITSERVE, "serve", "--model", str(model), "--store", store, "--dtype", "fp32",
-           "--device", "cpu", "--port", str(port)]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=cli_env(log.parent / "cache"), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    try:
-        wait_healthy(proc, url, timeout=240)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 15)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_connector_equals_vllm_alone(family: str, store: RedisServer,
                                      tmp_path: Path) -> None:  # fmt: skip
@@ -70,7 +44,8 @@ def test_connector_equals_vllm_alone(family: str, store: RedisServer,
     model = cached_model(family, "tiny", vllm=True)
     rng = np.random.default_rng(11)
     images = [png(rng, w, h) for w, h in SIZES[family]]
-    with vitserve_serve(model, store.url, free_port(), tmp_path / "serve.log") as url:
+    with vitserve_serve(model, store.url, free_port(), tmp_path / "serve.log") as service:
+        url = service.url
         connector = ["--ec-transfer-config", ec_config(url, store.url)]
         server = VllmServer(vllm_python(), str(model), free_port(), dtype="float32",
                             log_path=str(tmp_path / "vllm.log"), served_model_name=SERVED_NAME,
