@@ -1,0 +1,960 @@
+"""Time to first token of vLLM alone, of vLLM behind vitserve, and of vLLM's own encoder
+disaggregation (EPD): one run, one machine, the same model folders and the same kind of images.
+
+Setups (every vLLM server fp32, ``VLLM_CPU_OMP_THREADS_BIND=--omp-bind``, default ``0-1``):
+
+* ``A`` vLLM alone: two vLLM OpenAI servers; the client sends each request to one of them,
+  alternating.
+* ``B`` vLLM + vitserve: ``vitserve serve --vllm-url`` of two vLLM servers started with
+  vitserve's encoder-cache connector (``vitserve.client.vllm.VitserveECConnector``,
+  ``ec_consumer``, reading vitserve's Redis store); the client sends each request to vitserve's
+  vLLM front (``/vllm/v1/chat/completions``), which encodes the images through vitserve (fp32,
+  torch threads on all cores), names each by its key (the part's ``uuid``) and forwards the
+  request, alternating between the two.
+* ``C`` vLLM EPD: an encoder-only vLLM producer (``--mm-encoder-only``, no prefix caching,
+  ``ECExampleConnector`` ``ec_producer``) and two consumers (``ECExampleConnector``
+  ``ec_consumer``) sharing a folder; the client sends each request to the producer
+  (``max_tokens: 1``, not streamed), then the same request, streamed, to a consumer
+  (alternating).
+
+Scenarios, in this order in every block:
+
+* ``new1``: one-image requests (``--requests``), each a new random-RGB 448x448 JPEG;
+* ``new4``: four-image requests (``--requests4``), four new images each;
+* ``conv``: a 16-turn conversation, one new image per turn, the whole history re-sent every turn
+  (fixed assistant replies, so every setup sees the same prompts); turns alternate between the
+  two vLLM servers, each of which keeps its prefix cache.
+
+Blocks run in ``--blocks`` order per model (default ``ABCA``), one setup at a time on the
+machine: a ``B`` or ``C`` block starts its servers and stops them after; ``A``'s servers are
+started once and kept, idle, for its later blocks (an idle vLLM server uses next to no CPU,
+measured and reported). A setup's k-th block uses image set k (new to its servers; vitserve's
+Redis database is flushed before each ``B`` block), warmed up first with ``--warmup`` one-image
+requests and one four-image request. Every request is sent ``--gap`` seconds after the previous
+one finished: vLLM's processes busy-wait for a second after each engine step (the shared-memory
+queue's readers, ``SpinCondition``), which on two shared cores stalls the next server's OpenMP
+work by up to that second; in ``C`` the producer's request and the consumer's are timed
+``--gap`` apart and added, as if on separate machines.
+
+TTFT: from sending the request to the first SSE ``data:`` chunk of the streamed answer
+(``max_tokens: --max-tokens``, temperature 0); vLLM sends that chunk (the assistant role) when
+its engine has the first generated token, the token's own chunk right behind it. A setup's
+figure is the median over its blocks of each block's p50 (p90); ratios are against ``A``.
+
+Encoder forwards (images run through a vision tower): vLLM's own tower from the servers' logs
+(``--enable-logging-iteration-details`` logs each engine step with the encoder inputs it ran
+through the tower; items a connector loads are not among them), in ``B`` plus the connector's
+load fallbacks (``vllm:vitserve_ec_load_fallbacks_total``) and vitserve's
+``vitserve_images_encoded_total``. Where the time goes: vLLM's own TTFT histogram, its logged
+tower steps, the EPD producer's request latency, and in ``B`` blocks vitserve alone (``--probes``
+SDK encodes of one new image, one of four, straight to its HTTP API).
+
+    .venv/bin/python loadtest/bench_vllm.py --out loadtest/results/vllm-cpu.md
+
+Needs vLLM's virtual environment (``tests/vllm/make_env.sh``: vllm-cpu with vitserve's light
+client; ``--vllm-python``) and a Redis server (``--store``; its database is flushed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from PIL import Image
+from vllm_peer import VllmServer  # loadtest/ is the script's folder
+
+REPO = Path(__file__).resolve().parents[1]
+SETUPS = {"A": "vLLM alone", "B": "vLLM + vitserve", "C": "vLLM EPD"}
+SCENARIOS = ("new1", "new4", "conv")
+SCENARIO_NAMES = {"new1": "1 new image", "new4": "4 new images", "conv": "conversation"}
+TURNS = 16
+SIDE = 448
+MODEL_NAME = "bench"
+# targets: vitserve against vLLM alone in the same run
+TARGET_NEW = {"tiny": 1.3, "small": 1.1}
+TARGET_TURN = 0.7
+_STEP = re.compile(
+    rb"iteration elapsed time: ([0-9.]+) ms[^\n]*?(?:encoder inputs: (\d+), "
+    rb"encoder output embeddings: (\d+))?\n"
+)
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+# -- images and requests ------------------------------------------------------------------------
+def new_jpeg(seed: int) -> bytes:
+    """A random-RGB ``SIDE`` x ``SIDE`` JPEG: new pixels for every seed."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def image_part(seed: int) -> dict[str, Any]:
+    url = "data:image/jpeg;base64," + base64.b64encode(new_jpeg(seed)).decode("ascii")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+@dataclass
+class Request:
+    """One chat request, serialized before it is timed: streamed, and (EPD) for the producer."""
+
+    stream: bytes
+    producer: bytes
+    images: int  # image parts
+    new: int  # images no earlier request had
+
+
+def chat(messages: list[dict[str, Any]], max_tokens: int, new: int | None = None) -> Request:
+    body = {"model": MODEL_NAME, "messages": messages, "temperature": 0}
+    images = sum(1 for m in messages if isinstance(m["content"], list)
+                 for p in m["content"] if p["type"] == "image_url")  # fmt: skip
+    return Request(
+        stream=json.dumps({**body, "max_tokens": max_tokens, "stream": True}).encode(),
+        producer=json.dumps({**body, "max_tokens": 1}).encode(),
+        images=images,
+        new=images if new is None else new,
+    )
+
+
+def new_image_requests(base: int, count: int, per_request: int, max_tokens: int) -> list[Request]:
+    text = "Describe this image." if per_request == 1 else "Describe these images."
+    seeds = [[base + i * per_request + j for j in range(per_request)] for i in range(count)]
+    return [chat([user(s, text)], max_tokens) for s in seeds]
+
+
+def user(seeds: list[int], text: str) -> dict[str, Any]:
+    """A user message: a new image per seed, then the text."""
+    return {"role": "user", "content": [*map(image_part, seeds), {"type": "text", "text": text}]}
+
+
+def conversation(base: int, max_tokens: int) -> list[Request]:
+    """Turn k re-sends turns 1..k-1 (user image + text, a fixed assistant reply) and adds one
+    new image."""
+    history: list[dict[str, Any]] = []
+    out = []
+    for k in range(1, TURNS + 1):
+        history.append(user([base + k], f"Turn {k}: what is new here?"))
+        out.append(chat(history, max_tokens, new=1))
+        history.append({"role": "assistant", "content": f"Noted, image {k}."})
+    return out
+
+
+# -- measuring ----------------------------------------------------------------------------------
+def stream_ttft(client: httpx.Client, url: str, body: bytes, t0: float | None = None) -> float:
+    """Seconds from ``t0`` (default: now) to the first SSE data chunk of a streamed chat; the
+    stream is read to its end."""
+    t0 = time.perf_counter() if t0 is None else t0
+    first = None
+    headers = {"content-type": "application/json"}
+    with client.stream("POST", url, content=body, headers=headers) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url} answered {r.status_code}: {r.read()[:400]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if first is None:
+                first = time.perf_counter() - t0
+            if data == "[DONE]":
+                break
+            if '"error"' in data and "error" in json.loads(data):
+                raise RuntimeError(f"{url} stream failed: {data[:400]}")
+    if first is None:
+        raise RuntimeError(f"{url} sent no data chunk")
+    return first
+
+
+def post(client: httpx.Client, url: str, body: bytes) -> None:
+    r = client.post(url, content=body, headers={"content-type": "application/json"})
+    if r.status_code != 200:
+        raise RuntimeError(f"{url} answered {r.status_code}: {r.text[:400]}")
+
+
+def prom_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus text page's samples named ``name`` carrying ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m[1] == name and all(f'{k}="{v}"' in (m[2] or "") for k, v in labels.items()):
+            total += float(m[3])
+    return total
+
+
+def log_steps(path: str) -> dict[str, float]:
+    """What a vLLM server's log reports so far of its engine steps (one line each with
+    ``--enable-logging-iteration-details``): ``tower`` (encoder inputs run through its vision
+    tower), ``tower_tokens`` (their output embeddings), ``tower_steps`` / ``tower_step_ms``
+    (the steps that ran the tower, and their time: tower plus that step's prefill chunk),
+    ``steps`` / ``step_ms`` (all steps)."""
+    out = dict.fromkeys(("tower", "tower_tokens", "tower_steps", "tower_step_ms", "steps",
+                         "step_ms"), 0.0)  # fmt: skip
+    for ms_, inputs, tokens in _STEP.findall(Path(path).read_bytes()):
+        out["steps"] += 1
+        out["step_ms"] += float(ms_)
+        if inputs:
+            out["tower"] += int(inputs)
+            out["tower_tokens"] += int(tokens)
+            out["tower_steps"] += 1
+            out["tower_step_ms"] += float(ms_)
+    return out
+
+
+def pct(values: list[float], q: int) -> float:
+    return float(np.percentile(values, q))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(root: int) -> list[int]:
+    """``root`` and every process below it (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields_ = f.read().rsplit(")", 1)[1].split()
+            total += int(fields_[11]) + int(fields_[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cores(roots: list[int], seconds: float = 3.0) -> float:
+    """Cores the processes under ``roots`` use while nothing is asked of them."""
+    pids = [p for root in roots for p in descendants(root)]
+    before = cpu_seconds(pids)
+    time.sleep(seconds)
+    return (cpu_seconds(pids) - before) / seconds
+
+
+# -- vitserve -----------------------------------------------------------------------------------
+class VitserveServer:
+    """``vitserve serve`` (encoder + vLLM front) in its own session; stopped with its tree."""
+
+    def __init__(self, exe: str, model: Path, store: str, port: int, vllm_urls: list[str],
+                 log_path: str, ready_timeout: float = 240.0) -> None:  # fmt: skip
+        self.cmd = [exe, "serve", "--model", str(model), "--store", store, "--dtype", "fp32",
+                    "--device", "cpu", "--port", str(port), "--grace", "1"]  # fmt: skip
+        for url in vllm_urls:
+            self.cmd += ["--vllm-url", url]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.ready_timeout = ready_timeout
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> VitserveServer:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT,
+                                         start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + self.ready_timeout
+        try:
+            with httpx.Client(timeout=2.0) as client:
+                while True:
+                    if self.proc.poll() is not None:
+                        raise RuntimeError(f"vitserve serve exited ({self.proc.returncode}); "
+                                           f"see {self.log_path}")  # fmt: skip
+                    with contextlib.suppress(httpx.HTTPError):
+                        if all(client.get(self.url + path).status_code == 200
+                               for path in ("/healthz", "/vllm/healthz")):  # fmt: skip
+                            return self
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"vitserve not ready; see {self.log_path}")
+                    time.sleep(0.5)
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        tree = descendants(proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)  # a graceful stop: Ray shut down with it
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(60)
+        for pid in tree:  # whatever is left of it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def flush_redis(store: str) -> None:
+    import redis
+
+    redis.Redis.from_url(store).flushdb()
+
+
+# -- one block: a setup's servers, warmed up, through the three scenarios -----------------------
+@dataclass
+class Scenario:
+    ttft: list[float] = field(default_factory=list)
+    images: int = 0  # distinct images the scenario sends
+    counts: dict[str, float] = field(default_factory=dict)  # counter deltas
+
+
+@dataclass
+class Block:
+    setup: str
+    startup_s: float = 0.0
+    idle_cores: float = 0.0
+    scenarios: dict[str, Scenario] = field(default_factory=dict)
+    probes: dict[int, list[float]] = field(default_factory=dict)  # images -> vitserve alone, s
+    error: str | None = None
+
+
+class Setup:
+    """The servers of one setup for one block, and how a request is sent through them."""
+
+    def __init__(self, name: str, args: argparse.Namespace, model: Path, logs: Path,
+                 tag: str) -> None:  # fmt: skip
+        self.name, self.args, self.model, self.logs, self.tag = name, args, model, logs, tag
+        self.stack = contextlib.ExitStack()
+        self.llm: list[VllmServer] = []  # the servers that answer (prefill + first token)
+        self.producer: VllmServer | None = None
+        self.vitserve: VitserveServer | None = None
+        self.ec_dir: str | None = None
+        self.turn = 0
+        self.new_images = 0  # images sent so far that no earlier request had
+        self.metrics_wait_s = 0.0
+
+    def _vllm(self, label: str, extra: list[str]) -> VllmServer:
+        env = {"VLLM_CPU_OMP_THREADS_BIND": self.args.omp_bind,
+               "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}  # fmt: skip
+        common = ["--enable-logging-iteration-details", "--max-model-len", "8192",
+                  "--limit-mm-per-prompt", json.dumps({"image": TURNS, "video": 0})]  # fmt: skip
+        return VllmServer(self.args.vllm_python, str(self.model), free_port(), "float32",
+                          str(self.logs / f"{self.tag}-{label}.log"),
+                          served_model_name=MODEL_NAME, ready_timeout=300.0, extra_env=env,
+                          extra_args=common + extra)  # fmt: skip
+
+    def __enter__(self) -> Setup:
+        t0 = time.perf_counter()
+        starting: list[Any] = []
+        try:
+            if self.name == "A":
+                self.llm = [self._vllm(f"vllm{i}", []) for i in range(2)]
+            elif self.name == "B":
+                flush_redis(self.args.store)
+                vport = free_port()
+                ec = {"ec_connector": "VitserveECConnector",
+                      "ec_connector_module_path": "vitserve.client.vllm",
+                      "ec_role": "ec_consumer",
+                      "ec_connector_extra_config": {"url": f"http://127.0.0.1:{vport}",
+                                                    "store": self.args.store}}  # fmt: skip
+                self.llm = [self._vllm(f"consumer{i}", ["--ec-transfer-config", json.dumps(ec)])
+                            for i in range(2)]  # fmt: skip
+                self.vitserve = VitserveServer(
+                    self.args.vitserve,
+                    self.model,
+                    self.args.store,
+                    vport,
+                    [s.url for s in self.llm],
+                    str(self.logs / f"{self.tag}-vitserve.log"),
+                )
+            else:
+                self.ec_dir = tempfile.mkdtemp(prefix="epd-", dir=self.logs)
+
+                def ec(role: str) -> list[str]:
+                    extra = {"shared_storage_path": self.ec_dir}
+                    cfg = {"ec_connector": "ECExampleConnector", "ec_role": role,
+                           "ec_connector_extra_config": extra}  # fmt: skip
+                    return ["--ec-transfer-config", json.dumps(cfg)]
+
+                self.producer = self._vllm("producer", ["--mm-encoder-only",
+                                                        "--no-enable-prefix-caching",
+                                                        *ec("ec_producer")])  # fmt: skip
+                self.llm = [self._vllm(f"consumer{i}", ec("ec_consumer")) for i in range(2)]
+            starting = [*self.llm, *([self.producer] if self.producer else []),
+                        *([self.vitserve] if self.vitserve else [])]  # fmt: skip
+            self._start_all(starting)
+        except BaseException:
+            self.stack.close()
+            raise
+        self.startup_s = time.perf_counter() - t0
+        return self
+
+    def _start_all(self, servers: list[Any]) -> None:
+        """Start the servers side by side; on any failure, stop those that started."""
+        errors: list[BaseException] = []
+        started: list[Any] = []
+        lock = threading.Lock()
+
+        def start(server: Any) -> None:
+            try:
+                server.__enter__()
+                with lock:
+                    started.append(server)
+            except BaseException as exc:
+                with lock:
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for server in started:
+            self.stack.push(server)
+        if errors:
+            raise errors[0]
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
+        if self.ec_dir:
+            shutil.rmtree(self.ec_dir, ignore_errors=True)
+
+    def roots(self) -> list[int]:
+        procs = [s.proc for s in [*self.llm, self.producer, self.vitserve] if s is not None]
+        return [p.pid for p in procs if p is not None]
+
+    def send(self, client: httpx.Client, request: Request) -> float:
+        """One request through the setup, ``--gap`` seconds after the last one; its TTFT (in
+        EPD the producer's request time plus the consumer's TTFT, timed ``--gap`` apart)."""
+        turn, self.turn = self.turn, self.turn + 1
+        self.new_images += request.new
+        path = "/v1/chat/completions"
+        time.sleep(self.args.gap)
+        if self.name == "B":
+            assert self.vitserve is not None
+            return stream_ttft(client, self.vitserve.url + "/vllm" + path, request.stream)
+        server = self.llm[turn % len(self.llm)]
+        if self.name == "A":
+            return stream_ttft(client, server.url + path, request.stream)
+        assert self.producer is not None
+        t0 = time.perf_counter()
+        post(client, self.producer.url + path, request.producer)
+        produced = time.perf_counter() - t0
+        time.sleep(self.args.gap)
+        return produced + stream_ttft(client, server.url + path, request.stream)
+
+    def counters(self, client: httpx.Client) -> dict[str, float]:
+        """The counters this setup's figures are deltas of."""
+        out: dict[str, float] = {}
+        for server in [*self.llm, *([self.producer] if self.producer else [])]:
+            for key, value in log_steps(str(server.log_path)).items():
+                out[key] = out.get(key, 0.0) + value
+            page = client.get(server.url + "/metrics").text
+            role = "producer" if server is self.producer else "llm"
+            for key, name in (("ttft", "vllm:time_to_first_token_seconds"),
+                              ("e2e", "vllm:e2e_request_latency_seconds")):  # fmt: skip
+                for part in ("sum", "count"):
+                    k = f"{role}_{key}_{part}"
+                    out[k] = out.get(k, 0.0) + prom_sum(page, f"{name}_{part}")
+            for name in ("loads", "load_fallbacks", "load_seconds", "hits", "misses"):
+                k = f"ec_{name}"
+                out[k] = out.get(k, 0.0) + prom_sum(page, f"vllm:vitserve_ec_{name}_total")
+        if self.vitserve is not None:
+            page = client.get(self.vitserve.url + "/metrics").text
+            out["vitserve_encoded"] = prom_sum(page, "vitserve_images_encoded_total")
+        if self.ec_dir is not None:
+            out["epd_files"] = float(len(os.listdir(self.ec_dir)))
+        return out
+
+    def settled(self, client: httpx.Client) -> dict[str, float]:
+        """The counters once they count every request sent: vLLM's at once (after a short pause
+        for the last step's stats); vitserve's reach its metrics with Ray's next report, awaited
+        until its encoded-images counter counts every new image sent (``--metrics-wait`` at
+        most; an image vitserve did not encode shows as a shortfall)."""
+        time.sleep(1.0)
+        now = self.counters(client)
+        t0 = time.monotonic()
+        while (self.vitserve is not None and time.monotonic() < t0 + self.args.metrics_wait
+               and now["vitserve_encoded"] < self.new_images):  # fmt: skip
+            time.sleep(1.0)
+            now = self.counters(client)
+        self.metrics_wait_s += time.monotonic() - t0
+        return now
+
+    def probe_encode(self, images: list[list[int]]) -> list[float]:
+        """vitserve alone: seconds of each SDK ``encode`` (hash first, then the upload) of new
+        images straight to vitserve's HTTP API, ``--gap`` apart."""
+        from vitserve.client import EncoderClient
+
+        assert self.vitserve is not None
+        out = []
+        with EncoderClient(self.vitserve.url, store=self.args.store) as client:
+            for seeds in images:
+                data = [new_jpeg(seed) for seed in seeds]
+                time.sleep(self.args.gap)
+                t0 = time.perf_counter()
+                client.encode(data)
+                out.append(time.perf_counter() - t0)
+                self.new_images += len(seeds)
+        return out
+
+
+def measure(setup: Setup, tag: str, work: dict[str, list[Request]], warm: list[Request],
+            probe_seed: int) -> Block:  # fmt: skip
+    """One block on a started setup: warm-up, the scenarios, and with vitserve its encode of
+    new images alone (``--probes`` of one image, one of four)."""
+    block = Block(setup.name, startup_s=setup.startup_s)
+    setup.startup_s = 0.0  # a setup measured again was started once
+    setup.metrics_wait_s = 0.0
+    with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+        setup.turn = 0
+        for request in warm:
+            setup.send(client, request)
+        time.sleep(setup.args.gap)
+        block.idle_cores = idle_cores(setup.roots())
+        before = setup.settled(client)
+        for name in SCENARIOS:
+            requests = work[name]
+            scenario = Scenario(images=sum(r.new for r in requests))
+            setup.turn = 0
+            for request in requests:
+                scenario.ttft.append(setup.send(client, request))
+            after = setup.settled(client)
+            scenario.counts = {k: after[k] - before.get(k, 0.0) for k in after}
+            before = after
+            block.scenarios[name] = scenario
+            print(f"  {tag} {SETUPS[setup.name]:<16} {name:<5} p50 "
+                  f"{statistics.median(scenario.ttft) * 1e3:8.1f} ms  p90 "
+                  f"{pct(scenario.ttft, 90) * 1e3:8.1f} ms  tower "
+                  f"{scenario.counts['tower']:.0f}  vitserve "
+                  f"{scenario.counts.get('vitserve_encoded', 0):.0f}  images "
+                  f"{scenario.images}", flush=True)  # fmt: skip
+        if setup.vitserve is not None and setup.args.probes:
+            seeds = [[probe_seed + i] for i in range(setup.args.probes)]
+            block.probes[1] = setup.probe_encode(seeds)
+            block.probes[4] = setup.probe_encode([[probe_seed + 100 + j for j in range(4)]])
+            print(f"  {tag} vitserve alone: encode 1 new image p50 "
+                  f"{statistics.median(block.probes[1]) * 1e3:.1f} ms, 4 new images "
+                  f"{block.probes[4][0] * 1e3:.1f} ms; waited {setup.metrics_wait_s:.0f} s "
+                  "for vitserve's metrics", flush=True)  # fmt: skip
+    return block
+
+
+def per_model(value: str, preset: str) -> int:
+    """``12`` or ``tiny=12,small=6`` -> the count for ``preset``."""
+    if "=" not in value:
+        return int(value)
+    counts = dict(pair.split("=", 1) for pair in value.split(","))
+    return int(counts[preset])
+
+
+def image_set(k: int, run: ModelRun, args: argparse.Namespace) -> dict[str, list[Request]]:
+    """The scenarios' requests of image set ``k`` (a setup's k-th block uses set k)."""
+    base = 10_000_000 * (k + 1)
+    return {
+        "new1": new_image_requests(base + 1_000_000, run.n1, 1, args.max_tokens),
+        "new4": new_image_requests(base + 2_000_000, run.n4, 4, args.max_tokens),
+        "conv": conversation(base + 3_000_000, args.max_tokens),
+    }
+
+
+def run_model(run: ModelRun, args: argparse.Namespace, logs: Path) -> None:
+    """The model's blocks in ``--blocks`` order. vLLM alone's servers are started once and
+    kept (idle, they use next to no CPU) while the other setups' blocks run; every other block
+    starts its setup's servers and stops them after."""
+    sets: dict[int, dict[str, list[Request]]] = {}
+    seen: dict[str, int] = {}
+    with contextlib.ExitStack() as keep:
+        alone: Setup | None = None
+        for i, name in enumerate(args.blocks):
+            k = seen[name] = seen.get(name, -1) + 1
+            if k not in sets:
+                sets[k] = image_set(k, run, args)
+            # warm-up images new to every block
+            warm = new_image_requests(1_000 * (i + 1), args.warmup, 1, args.max_tokens)
+            warm += new_image_requests(1_000 * (i + 1) + 500, 1, 4, args.max_tokens)
+            tag = f"{run.preset}-{i}{name}"
+            t0 = time.perf_counter()
+            try:
+                if name == "A":
+                    if alone is None:
+                        alone = keep.enter_context(Setup("A", args, run.folder, logs, tag))
+                    block = measure(alone, tag, sets[k], warm, 1_000 * (i + 1) + 700)
+                else:
+                    with Setup(name, args, run.folder, logs, tag) as setup:
+                        block = measure(setup, tag, sets[k], warm, 1_000 * (i + 1) + 700)
+            except Exception as exc:  # a setup that cannot run is reported, the run goes on
+                block = Block(name, error=f"{type(exc).__name__}: {exc}"[:600])
+                print(f"  {tag} FAILED: {block.error}", flush=True)
+            run.blocks.append(block)
+            print(f"  {tag} block took {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+# -- the page -----------------------------------------------------------------------------------
+def med(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+@dataclass
+class ModelRun:
+    preset: str
+    folder: Path
+    n1: int  # requests of the one-image scenario
+    n4: int  # of the four-image one
+    blocks: list[Block] = field(default_factory=list)
+
+    def of(self, setup: str) -> list[Block]:
+        return [b for b in self.blocks if b.setup == setup and b.error is None]
+
+    def stat(self, setup: str, scenario: str, q: int) -> float:
+        """The median over the setup's blocks of each block's ``q`` percentile, seconds."""
+        return med([pct(b.scenarios[scenario].ttft, q) for b in self.of(setup)
+                    if scenario in b.scenarios])  # fmt: skip
+
+    def turn(self, setup: str, k: int) -> float:
+        return med([b.scenarios["conv"].ttft[k] for b in self.of(setup) if "conv" in b.scenarios])
+
+    def count(self, setup: str, scenario: str, key: str) -> float:
+        return med([b.scenarios[scenario].counts.get(key, 0.0) for b in self.of(setup)
+                    if scenario in b.scenarios])  # fmt: skip
+
+    def mean_per_request(self, setup: str, scenario: str, key: str, n: str) -> float:
+        vals = []
+        for b in self.of(setup):
+            c = b.scenarios[scenario].counts if scenario in b.scenarios else {}
+            if c.get(n):
+                vals.append(c[key] / c[n])
+        return med(vals)
+
+
+def ms(seconds: float) -> str:
+    return "-" if seconds != seconds else f"{seconds * 1e3:.0f}"
+
+
+def ratio(a: float, b: float) -> str:
+    return "n/a" if a != a or b != b or not b else f"{a / b:.2f}x"
+
+
+def forwards(run: ModelRun, setup: str, scenario: str) -> tuple[float, float, float]:
+    """(vLLM's own tower incl. connector fallbacks, vitserve's encoder, images sent)."""
+    tower = run.count(setup, scenario, "tower") + run.count(setup, scenario, "ec_load_fallbacks")
+    images = med([b.scenarios[scenario].images for b in run.of(setup) if scenario in b.scenarios])
+    return tower, run.count(setup, scenario, "vitserve_encoded"), images
+
+
+def model_section(run: ModelRun) -> tuple[list[str], list[str]]:
+    """The page's section of one model, and its target lines."""
+    present = [s for s in SETUPS if run.of(s)]
+    lines = [f"## `{run.preset}` model (`{run.folder.name}`)", ""]
+    order = " ".join(f"{b.setup}" + ("" if b.error is None else " (failed)") for b in run.blocks)
+    ok = [b for b in run.blocks if b.error is None]
+    starts = [f"{b.setup} {b.startup_s:.0f}" if b.startup_s else f"{b.setup} kept" for b in ok]
+    lines += [
+        f"Blocks in order: {order}. Start-up of each block's servers (s): "
+        + ", ".join(starts)
+        + ". Cores used by the block's servers while idle (after warm-up, 3 s): "
+        + ", ".join(f"{b.setup} {b.idle_cores:.2f}" for b in run.blocks if b.error is None)
+        + ".",
+        "",
+    ]
+    for b in run.blocks:
+        if b.error is not None:
+            lines += [f"**Block {b.setup} failed**: `{b.error}`", ""]
+    tokens = [b.scenarios["new1"].counts for b in run.of("A") if "new1" in b.scenarios]
+    if tokens and tokens[0].get("tower"):
+        per = tokens[0]["tower_tokens"] / tokens[0]["tower"]
+        lines += [f"One 448x448 image is {per:.0f} embedding rows (LLM tokens) in this model.", ""]
+    # TTFT table
+    lines += [
+        f"### Time to first token, ms (median over blocks of each block's p50 / p90; "
+        f"per block {run.n1} one-image requests, {run.n4} four-image requests, the "
+        "conversation's 16 turns)",
+        "",
+        "| scenario | setup | blocks | p50 | p90 | p50 vs vLLM alone | p90 vs vLLM alone | "
+        "p50 per block |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for scenario in SCENARIOS:
+        a50, a90 = run.stat("A", scenario, 50), run.stat("A", scenario, 90)
+        for s in present:
+            p50, p90 = run.stat(s, scenario, 50), run.stat(s, scenario, 90)
+            per_block = ", ".join(ms(pct(b.scenarios[scenario].ttft, 50)) for b in run.of(s))
+            lines.append(f"| {SCENARIO_NAMES[scenario]} | {SETUPS[s]} | {len(run.of(s))} | "
+                         f"{ms(p50)} | {ms(p90)} | {ratio(p50, a50)} | {ratio(p90, a90)} | "
+                         f"{per_block} |")  # fmt: skip
+    # per-turn table
+    lines += ["", "### Conversation: TTFT per turn, ms (median over blocks)", ""]
+    head = "| turn | " + " | ".join(SETUPS[s] for s in present)
+    rest = [s for s in present if s != "A"]
+    head += "".join(f" | {SETUPS[s]} / alone" for s in rest) + " |"
+    lines += [head, "|---" * (1 + len(present) + len(rest)) + "|"]
+    for k in range(TURNS):
+        a = run.turn("A", k)
+        row = f"| {k + 1} | " + " | ".join(ms(run.turn(s, k)) for s in present)
+        row += "".join(f" | {ratio(run.turn(s, k), a)}" for s in rest) + " |"
+        lines.append(row)
+    # encoder forwards
+    lines += [
+        "",
+        "### Encoder forwards (images run through a vision tower, median over blocks)",
+        "",
+        "| scenario | setup | images sent (distinct) | vLLM's tower | vitserve's encoder | "
+        "total | per image |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for scenario in SCENARIOS:
+        for s in present:
+            tower, vit, images = forwards(run, s, scenario)
+            lines.append(f"| {SCENARIO_NAMES[scenario]} | {SETUPS[s]} | {images:.0f} | "
+                         f"{tower:.0f} | {vit:.0f} | {tower + vit:.0f} | "
+                         f"{(tower + vit) / images:.2f} |")  # fmt: skip
+    # where the time goes
+    lines += [
+        "",
+        "### Where the time goes (ms; means per request, median over blocks)",
+        "",
+        "*vLLM TTFT*: the answering vLLM server's own `vllm:time_to_first_token_seconds` (from "
+        "the start of rendering the chat, decoding and preprocessing the images included, to "
+        "the first token). *Before vLLM*: client TTFT minus that (HTTP and JSON; with vitserve "
+        "the front and vitserve's encode; in EPD the producer's request and the consumer's "
+        "HTTP). *Tower steps*: vLLM's engine steps that ran its vision tower, ms per image run "
+        "(the tower plus that step's prefill chunk; from the servers' logs). *vitserve alone*: "
+        "the median of the block's SDK `encode` calls (hash first, then the upload) of new "
+        "images straight to vitserve's HTTP API, one image (new image, conversation rows) or "
+        "four; *front + hops* is before-vLLM minus that. *Loads*: the connector's reading and "
+        "copying (`vllm:vitserve_ec_load_seconds_total`) per request. *Producer*: the EPD "
+        "producer's own request latency (`vllm:e2e_request_latency_seconds`).",
+        "",
+        "| scenario | setup | client TTFT | vLLM TTFT | before vLLM | tower steps, per image "
+        "| vitserve alone | front + hops | loads | producer |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for scenario in SCENARIOS:
+        for s in present:
+            p = parts(run, s, scenario)
+            keys = ("client", "vllm", "before", "tower", "alone", "front", "loads", "producer")
+            row = [SCENARIO_NAMES[scenario], SETUPS[s], *(ms(p[k]) if k in p else "" for k in keys)]
+            lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    return lines, targets(run)
+
+
+def parts(run: ModelRun, setup: str, scenario: str) -> dict[str, float]:
+    """Where a setup's time goes in a scenario: seconds per request (see the page's table)."""
+    client = med([statistics.fmean(b.scenarios[scenario].ttft) for b in run.of(setup)])
+    vllm = run.mean_per_request(setup, scenario, "llm_ttft_sum", "llm_ttft_count")
+    tower = run.mean_per_request(setup, scenario, "tower_step_ms", "tower") / 1e3
+    out = {"client": client, "vllm": vllm, "before": client - vllm, "tower": tower}
+    if setup == "B":
+        k = 4 if scenario == "new4" else 1
+        out["alone"] = med([statistics.median(b.probes[k]) for b in run.of(setup) if b.probes])
+        out["front"] = out["before"] - out["alone"]
+        out["loads"] = run.mean_per_request(setup, scenario, "ec_load_seconds", "llm_ttft_count")
+    elif setup == "C":
+        out["producer"] = run.mean_per_request(setup, scenario, "producer_e2e_sum",
+                                               "producer_e2e_count")  # fmt: skip
+    return out
+
+
+def where(run: ModelRun, scenario: str) -> str:
+    """A missed target's account: where vLLM + vitserve's time goes against vLLM alone's."""
+    a, b = parts(run, "A", scenario), parts(run, "B", scenario)
+    return (f"  - where the time goes ({SCENARIO_NAMES[scenario]}, means per request): vLLM + "
+            f"vitserve {ms(b['client'])} ms = {ms(b['before'])} before vLLM (vitserve alone "
+            f"{ms(b['alone'])}, front + hops {ms(b['front'])}) + {ms(b['vllm'])} in vLLM (its "
+            f"TTFT, no tower; the connector's loads {ms(b['loads'])}); vLLM alone "
+            f"{ms(a['client'])} ms = {ms(a['before'])} before vLLM + {ms(a['vllm'])} in vLLM "
+            f"(tower steps {ms(a['tower'])} ms per image run)")  # fmt: skip
+
+
+def verdict(alone: float, got: float, limit: float) -> str:
+    """``met``, or by how much (ratio and milliseconds) ``got`` is over ``limit`` x ``alone``."""
+    r = got / alone
+    if r <= limit:
+        return "met"
+    return f"**missed** by {r - limit:.2f}x ({(got - limit * alone) * 1e3:.0f} ms over)"
+
+
+def targets(run: ModelRun) -> list[str]:
+    out = []
+    if not run.of("A") or not run.of("B"):
+        return [f"- `{run.preset}`: not evaluated (vLLM alone or vLLM + vitserve did not run)"]
+    limit = TARGET_NEW.get(run.preset)
+    a, b = run.stat("A", "new1", 50), run.stat("B", "new1", 50)
+    if limit is not None:
+        p90 = run.stat("B", "new1", 90) / run.stat("A", "new1", 90)
+        out.append(f"- `{run.preset}`, a new image, p50: {ms(b)} vs {ms(a)} ms, {b / a:.2f}x "
+                   f"(target <= {limit}x): {verdict(a, b, limit)}; p90 {p90:.2f}x")  # fmt: skip
+        if b / a > limit:
+            out.append(where(run, "new1"))
+    a16, b16 = run.turn("A", TURNS - 1), run.turn("B", TURNS - 1)
+    out.append(f"- `{run.preset}`, conversation turn 16: {ms(b16)} vs {ms(a16)} ms, "
+               f"{b16 / a16:.2f}x (target <= {TARGET_TURN}x): "
+               f"{verdict(a16, b16, TARGET_TURN)}")  # fmt: skip
+    if b16 / a16 > TARGET_TURN:
+        out.append(where(run, "conv"))
+    for scenario in SCENARIOS:
+        tower, vit, images = forwards(run, "B", scenario)
+        ok = "met" if tower + vit == images else "**missed**"
+        out.append(f"- `{run.preset}`, {SCENARIO_NAMES[scenario]}: encoder forwards "
+                   f"{tower + vit:.0f} for {images:.0f} images (vitserve {vit:.0f}, vLLM's tower "
+                   f"{tower:.0f}; target one per image): {ok}")  # fmt: skip
+    return out
+
+
+def header(args: argparse.Namespace, started: datetime, minutes: float) -> list[str]:
+    from vitserve.encoder.device import cpu_model
+
+    def git(*cmd: str) -> str:
+        done = subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True)
+        return done.stdout.strip()
+
+    dirty = " (working tree with uncommitted changes)" if git("status", "--porcelain") else ""
+    vllm_version = subprocess.run(
+        [args.vllm_python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+        capture_output=True, text=True).stdout.strip() or "unknown"  # fmt: skip
+    return [
+        "# vLLM on CPU: alone, with vitserve, and vLLM's own EPD (`loadtest/bench_vllm.py`)",
+        "",
+        f"Commit `{git('rev-parse', '--short', 'HEAD')}`{dirty}, run {started:%Y-%m-%d %H:%M} "
+        f"UTC ({minutes:.0f} min). Machine: {cpu_model()}, {os.cpu_count()} vCPUs, no GPU. "
+        f"vllm-cpu {vllm_version}; every server fp32 (vLLM `--dtype float32`, vitserve "
+        "`--dtype fp32 --device cpu`). Command: `" + " ".join(sys.argv) + "`.",
+        "",
+        "Setups: **vLLM alone** (two vLLM servers; the client alternates between them), "
+        "**vLLM + vitserve** (`vitserve serve --vllm-url` of two vLLM servers that load the "
+        "embeddings from vitserve's Redis store through `VitserveECConnector`; the client talks "
+        "to vitserve's vLLM front, which encodes the images through vitserve and alternates "
+        "between the two), **vLLM EPD** (an encoder-only producer, `--mm-encoder-only "
+        "--no-enable-prefix-caching`, `ECExampleConnector` `ec_producer`, and two `ec_consumer` "
+        "servers sharing its folder; the client sends each request to the producer, "
+        "`max_tokens` 1, then streamed to a consumer, alternating).",
+        "",
+        f"Blocks (`--blocks {args.blocks}`, per model) run one setup at a time: a vLLM + "
+        "vitserve or EPD block starts its servers, measures, and stops them; vLLM alone's two "
+        "servers are started at its first block and kept, idle, for its later ones (idle they "
+        "use about 0.05 of a core, see each model's line). A setup's k-th block uses image set "
+        "k (new to its servers; vitserve's Redis database flushed before each of its blocks), "
+        f"after a warm-up of {args.warmup} one-image requests and one four-image request, all "
+        "new images. Figures: the median over a setup's blocks of each block's p50 (p90).",
+        "",
+        f"Requests are sent one at a time, each {args.gap} s after the previous one finished "
+        "(not timed): after every engine step vLLM's processes busy-wait for a second on their "
+        "shared-memory queues (`SpinCondition`, `busy_loop_s=1`), and on two shared cores that "
+        "stalls the next server's OpenMP work by up to that second (measured: 60 ms one-image "
+        "TTFTs on one server became 600-1000 ms when two servers alternated back to back). For "
+        f"the same reason the EPD figure is the producer's request time plus, {args.gap} s "
+        "later, the consumer's TTFT: the two hops as if on separate machines.",
+        "",
+        f"Cores: every vLLM server `VLLM_CPU_OMP_THREADS_BIND={args.omp_bind}` (its worker's "
+        "OpenMP threads on those cores); vitserve's encoder replica: torch threads on all cores; "
+        "Ray's and vLLM's other processes unbound. One stage works at a time. All vLLM servers: "
+        "`--max-model-len 8192` (over the test models' 4096 positions, so "
+        "`VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`: the `small` model's 16-turn conversation is over "
+        "4096 tokens), up to 16 images a prompt, `--max-num-seqs 4 --enforce-eager`, prefix "
+        "caching on (off on the EPD producer), `--enable-logging-iteration-details`.",
+        "",
+        "TTFT: from sending the request to the first SSE `data:` chunk of the streamed answer "
+        f"(`max_tokens` {args.max_tokens}, temperature 0); vLLM sends that chunk (the assistant "
+        "role) once its engine has the first token, the token's own chunk right behind it. "
+        "Images: random RGB 448x448 JPEGs (quality 90), new pixels for every image. Encoder "
+        "forwards: vLLM's own tower counted from its logs (the encoder inputs of each engine "
+        "step; items a connector loads are not among them) plus, with vitserve, the connector's "
+        "load fallbacks and vitserve's `vitserve_images_encoded_total`.",
+        "",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="tiny,small",
+                        help="test-model presets (qwen2_vl, vllm=True)")  # fmt: skip
+    parser.add_argument("--blocks", default="ABCA", help="setup order, per model")
+    parser.add_argument(
+        "--requests",
+        default="tiny=12,small=6",
+        help="one-image requests per block: N, or per model (tiny=N,small=M)",
+    )
+    parser.add_argument("--requests4", default="tiny=6,small=3",
+                        help="four-image requests per block, as --requests")  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--probes", type=int, default=3,
+                        help="vitserve alone: one-image encodes per vitserve block")  # fmt: skip
+    parser.add_argument("--gap", type=float, default=1.1,
+                        help="idle seconds before each request and between EPD's two "
+                             "hops (vLLM's busy-wait after a step)")  # fmt: skip
+    parser.add_argument("--max-tokens", type=int, default=2)
+    parser.add_argument("--omp-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
+    parser.add_argument("--store", default="redis://127.0.0.1:6379/11",
+                        help="vitserve's store (flushed before each vitserve block)")  # fmt: skip
+    parser.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
+    parser.add_argument("--vitserve", default=str(Path(sys.executable).parent / "vitserve"))
+    parser.add_argument("--metrics-wait", type=float, default=30.0,
+                        help="seconds to await vitserve's metrics after a scenario")  # fmt: skip
+    parser.add_argument("--logs", type=Path, help="server logs (default: a new temp folder)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if set(args.blocks) - set(SETUPS):
+        parser.error(f"--blocks takes letters of {''.join(SETUPS)}")
+
+    from vitserve.encoder.testmodels import cached_model
+
+    started = datetime.now(timezone.utc)
+    t_start = time.perf_counter()
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    print(f"server logs in {logs}", flush=True)
+    runs: list[ModelRun] = []
+    for preset in args.models.split(","):
+        folder = cached_model("qwen2_vl", preset, vllm=True)
+        run = ModelRun(preset, folder, per_model(args.requests, preset),
+                       per_model(args.requests4, preset))  # fmt: skip
+        runs.append(run)
+        print(f"{preset}: {folder}", flush=True)
+        run_model(run, args, logs)
+    minutes = (time.perf_counter() - t_start) / 60
+    with contextlib.suppress(Exception):
+        flush_redis(args.store)
+    lines = header(args, started, minutes)
+    target_lines: list[str] = []
+    for run in runs:
+        section, t = model_section(run)
+        lines += section
+        target_lines += t
+    lines += ["## Targets (vLLM + vitserve against vLLM alone in this run)", "", *target_lines, ""]
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+        print(f"wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
