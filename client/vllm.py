@@ -46,7 +46,6 @@ Heavy on purpose: this module imports vLLM and torch, and is loaded only by vLLM
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import warnings
 from collections.abc import Mapping
@@ -68,7 +67,7 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from vitserve.client.core import RetryPolicy
-from vitserve.client.ec_plan import ECCounts, ItemLoad, LoadPlan, ProbeBook, is_vitserve_key
+from vitserve.client.ec_plan import ECCounts, ItemLoad, LoadPlan, ProbeBook
 from vitserve.client.sync import EncoderClient
 from vitserve.errors import CacheMissError, ConfigError, VitserveError
 
@@ -83,7 +82,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vitserve.client.vllm")
 
-_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _EXTRA_KEYS = frozenset({"url", "store", "token", "timeout_s", "attempts"})
 
 
@@ -200,8 +198,9 @@ class VitserveECConnector(ECConnectorBase):
         self.client = client_from_extra(config.ec_connector_extra_config or {})
         self.width = int(vllm_config.model_config.get_inputs_embeds_size())
         self.dtype = vllm_config.model_config.dtype
+        # Each side's calls, the stats ones included, come from the one engine thread of its
+        # process (the scheduler's busy loop; the worker's execute_model): no lock.
         self.counts = ECCounts()
-        self._lock = threading.Lock()  # counts: the engine thread vs the stats reader
         # scheduler side
         self.book = ProbeBook()
         self.pending: list[ItemLoad] = []
@@ -228,14 +227,12 @@ class VitserveECConnector(ECConnectorBase):
         except Exception as exc:  # the scheduler must not die of a store or service fault
             log.warning("vitserve probe of %d key(s) failed (%s: %s); vLLM encodes them",
                         len(keys), type(exc).__name__, exc)  # fmt: skip
-            with self._lock:
-                self.book.failed(keys, self.counts)
+            self.book.failed(keys, self.counts)
             return
-        with self._lock:
-            self.book.record(keys, found, rows, self.width, self.counts)
+        self.book.record(keys, found, rows, self.width, self.counts)
 
     def has_cache_item(self, identifier: str) -> bool:
-        return is_vitserve_key(identifier) and self.book.hit(identifier) is not None
+        return self.book.hit(identifier) is not None  # only keys are ever probed
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         handle = self.book.hit(request.mm_features[index].identifier)
@@ -254,14 +251,10 @@ class VitserveECConnector(ECConnectorBase):
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         meta = connector_output.ec_connector_worker_meta
         if isinstance(meta, VitserveWorkerMeta):
-            with self._lock:
-                self.counts.add(meta.counts)
+            self.counts.add(meta.counts)
 
     def get_ec_connector_stats(self) -> ECConnectorStats | None:
-        with self._lock:
-            if self.counts.is_empty():
-                return None
-            return VitserveECStats(self.counts.take().as_dict())
+        return None if self.counts.is_empty() else VitserveECStats(self.counts.take().as_dict())
 
     # -- worker side ---------------------------------------------------------------------------
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
@@ -276,8 +269,8 @@ class VitserveECConnector(ECConnectorBase):
         device = self._device()
         loaded_bytes = 0
         for handle in handles:
-            record = records.get(handle.key)
-            if record is None or record.num_tokens != handle.num_tokens:
+            record = records.get(handle.key)  # checked by the store: key, fingerprint, sums
+            if record is None:
                 plan.failed.add(handle.key)
                 continue
             tensor = cache_tensor(record, device, self.dtype)
@@ -295,11 +288,10 @@ class VitserveECConnector(ECConnectorBase):
                 meta.encoder_inputs.setdefault(req_id, []).extend(indices)
             log.warning("vitserve: %d hit(s) could not be loaded; vLLM encodes them this step",
                         len(plan.failed))  # fmt: skip
-        with self._lock:
-            self.counts.loads += len(plan.loaded)
-            self.counts.load_bytes += loaded_bytes
-            self.counts.load_fallbacks += len(plan.failed)
-            self.counts.load_seconds += time.perf_counter() - started
+        self.counts.loads += len(plan.loaded)
+        self.counts.load_bytes += loaded_bytes
+        self.counts.load_fallbacks += len(plan.failed)
+        self.counts.load_seconds += time.perf_counter() - started
 
     def _read(self, handles: list[ImageHandle], plan: LoadPlan) -> dict[str, EmbeddingRecord]:
         """The whole records of ``handles`` by key, in one batched read; keys gone from the
@@ -337,10 +329,7 @@ class VitserveECConnector(ECConnectorBase):
         return None  # a consumer saves nothing: vitserve's encoders publish
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
-        with self._lock:
-            if self.counts.is_empty():
-                return None
-            return VitserveWorkerMeta(self.counts.take().as_dict())
+        return None if self.counts.is_empty() else VitserveWorkerMeta(self.counts.take().as_dict())
 
     def shutdown(self) -> None:
         self.client.close()

@@ -89,6 +89,28 @@ def make_client(cfg: VitserveConfig, token: str | None = None,
     return EncoderClient(handle=handle, store=store, token=token, retry=retry)
 
 
+class TenantClients:
+    """The encoder clients of an application that calls the encoder for its callers (the
+    prefill application, the vLLM front): one per tenant, made with the tenant's token at its
+    first request and kept; with auth off, one client. Made lazily: the application may start
+    before the encoder application does (its requests get 503 until then)."""
+
+    def __init__(self, cfg: VitserveConfig, section: EncoderAccessConfig | None = None) -> None:
+        self.cfg = cfg
+        self.section = section
+        self._lock = threading.Lock()
+        self._clients: dict[str | None, Any] = {}  # tenant name (None: auth off) -> client
+
+    def get(self, tenant: Tenant | None, token: str | None) -> Any:
+        name = None if tenant is None else tenant.name
+        with self._lock:
+            client = self._clients.get(name)
+            if client is None:
+                client = make_client(self.cfg, token if name else None, section=self.section)
+                self._clients[name] = client
+            return client
+
+
 @serve.deployment
 @serve.ingress(api)
 class PrefillServer:
@@ -96,29 +118,13 @@ class PrefillServer:
         from vitserve.deployments.chat_service import ChatService
 
         self.cfg = VitserveConfig.model_validate(config)
-        # The client is made at the first request: the prefill application may start before
-        # the encoder application does (it answers 503 until then).
-        self.service = ChatService(self.cfg, client=None)
-        self._client_lock = threading.Lock()
+        self.service = ChatService(self.cfg, client=None)  # each request passes its client
+        self.clients = TenantClients(self.cfg)
         self.auth = Authenticator.from_config(self.cfg)  # None: auth off
-        self._clients: dict[str, Any] = {}  # auth on: tenant -> its client
         self.created = int(time.time())  # the model list's ``created``: when this replica began
 
     def _prepare(self, body: Any, tenant: Tenant | None, token: str | None) -> Any:
-        return self.service.prepare(body, client=self._client(tenant, token))
-
-    def _client(self, tenant: Tenant | None, token: str | None) -> Any:
-        """The encoder client of ``tenant`` (made with its token at its first request), or the
-        one client (auth off)."""
-        with self._client_lock:
-            if tenant is None or tenant.name is None:
-                if self.service.client is None:
-                    self.service.client = make_client(self.cfg)
-                return self.service.client
-            client = self._clients.get(tenant.name)
-            if client is None:
-                client = self._clients[tenant.name] = make_client(self.cfg, token)
-            return client
+        return self.service.prepare(body, client=self.clients.get(tenant, token))
 
     @api.post("/v1/chat/completions", summary="OpenAI-style chat completion (stream or not)",
               responses=error_responses(400, 401, 404, 408, 413, 415, 422, 503))  # fmt: skip
@@ -207,4 +213,11 @@ def build_app(args: Mapping[str, Any]) -> Any:
     return build_prefill_application(VitserveConfig.load(args))
 
 
-__all__ = ["PrefillServer", "api", "build_app", "build_prefill_application", "make_client"]
+__all__ = [
+    "PrefillServer",
+    "TenantClients",
+    "api",
+    "build_app",
+    "build_prefill_application",
+    "make_client",
+]

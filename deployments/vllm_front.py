@@ -59,7 +59,6 @@ import binascii
 import itertools
 import json
 import logging
-import threading
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -76,7 +75,7 @@ from vitserve.deployments.auth import Authenticator, Tenant, bearer_token
 from vitserve.deployments.chat import DATA_URL
 from vitserve.deployments.config import VitserveConfig
 from vitserve.deployments.lifecycle import Draining
-from vitserve.deployments.prefill import make_client
+from vitserve.deployments.prefill import TenantClients
 from vitserve.deployments.responses import (
     error_response,
     error_responses,
@@ -275,22 +274,8 @@ class VllmFront:
         self.upstreams = Upstreams(v.urls, v.connect_timeout_s, v.read_timeout_s,
                                    v.max_ongoing_requests)  # fmt: skip
         self.api_key = v.api_key.get_secret_value() if v.api_key is not None else None
-        # The client is made at the first request with images: the front may start before
-        # the encoder application does (it answers 503 until then).
-        self._client_lock = threading.Lock()
+        self.clients = TenantClients(self.cfg, self.cfg.vllm)  # made at a first request
         self.auth = Authenticator.from_config(self.cfg)  # None: auth off
-        self._clients: dict[str | None, Any] = {}  # tenant (None: auth off) -> its client
-
-    def _client(self, tenant: Tenant | None, token: str | None) -> Any:
-        """The encoder client of ``tenant`` (made with its token at its first request), or the
-        one client (auth off)."""
-        name = None if tenant is None else tenant.name
-        with self._client_lock:
-            client = self._clients.get(name)
-            if client is None:
-                client = make_client(self.cfg, token if name else None, section=self.cfg.vllm)
-                self._clients[name] = client
-            return client
 
     def _prepare(self, raw: bytearray, tenant: Tenant | None, token: str | None) -> Prepared:
         """The body to forward: the request's images encoded, each named by its key (blocking:
@@ -300,7 +285,7 @@ class VllmFront:
         if not images:
             return Prepared(bytes(raw), count)
         try:
-            handles = self._client(tenant, token).encode([image.data for image in images])
+            handles = self.clients.get(tenant, token).encode([image.data for image in images])
         except ImageError as exc:  # its index in the encode call -> among the image parts
             if isinstance(exc.index, int) and 0 <= exc.index < len(images):
                 exc.index = images[exc.index].index

@@ -60,5 +60,6 @@ def test_connector_equals_vllm_alone(family: str, store: RedisServer,
             moved = delta(before, replica.counts())
     assert tokens(hit) == tokens(alone)
     gap = logprob_gap(hit, alone)
+    print(f"{family}: max |prompt logprob difference| from vLLM alone {gap:.2g}")
     assert gap < LOGPROB_TOL, gap
     assert moved["loads"] == len(set(keys)) and moved["load_fallbacks"] == 0, moved
