@@ -9,8 +9,12 @@ The session's servers, all on loopback:
 * ``vitserve serve`` over the tiny Qwen2-VL built for vLLM's CPU attention, fp32, the Redis
   store, with the prefill application and the front for vLLM (``--vllm-url`` A and B);
 * vLLM replica **A** over the same folder and replica **B** over a copy whose vision weights are
-  all NaN, both with vitserve's connector (``ec_consumer``), one pinned to each core. B answers
-  right only when its tower never runs: every image it needs comes from vitserve.
+  noise, both with vitserve's connector (``ec_consumer``), one pinned to each core. B answers
+  right only when its tower never runs: every image it needs comes from vitserve. Noise, not
+  NaN: a NaN tower's request leaves NaN keys and values in the KV blocks it wrote, vLLM reuses
+  those blocks once freed, and B's later answers came out NaN (measured: after one control
+  request without keys, the conversation test's B turns failed with vLLM's "Out of range float
+  values are not JSON compliant", and B's log showed no fallback to its tower).
 """
 
 from __future__ import annotations
@@ -62,18 +66,23 @@ def ec_config(vitserve_url: str, store: str) -> str:
     })  # fmt: skip
 
 
-def nan_vision_copy(src: Path, dst: Path) -> Path:
-    """A copy of the checkpoint ``src`` whose vision-tower and projector weights are NaN."""
+def noise_vision_copy(src: Path, dst: Path, seed: int = 0) -> Path:
+    """A copy of the checkpoint ``src`` whose vision-tower and projector weights each have
+    seeded noise of their own mean magnitude added (a tower that gives other embeddings)."""
     import torch
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
+    generator = torch.Generator().manual_seed(seed)
     changed = 0
-    for shard in dst.glob("*.safetensors"):
+    for shard in sorted(dst.glob("*.safetensors")):
         tensors = load_file(shard)
-        for name, tensor in tensors.items():
+        for name in sorted(tensors):
+            tensor = tensors[name]
             if VISION_WEIGHT.match(name) and tensor.is_floating_point():
-                tensors[name] = torch.full_like(tensor, float("nan"))
+                scale = tensor.float().abs().mean().item() + 0.02  # norms' ones, zero biases
+                noise = torch.randn(tensor.shape, generator=generator) * scale
+                tensors[name] = (tensor.float() + noise).to(tensor.dtype)
                 changed += 1
         save_file(tensors, shard, metadata={"format": "pt"})
     assert changed, f"no vision weight found in {src}"
@@ -99,6 +108,19 @@ class Vitserve:
         deadline = time.monotonic() + timeout
         while (value := self.metric(name)) < at_least and time.monotonic() < deadline:
             time.sleep(0.2)
+        return value
+
+    def settled(self, name: str, quiet: float = 1.5, timeout: float = 15) -> float:
+        """The metric once it held still for ``quiet`` seconds (three of the service's export
+        intervals: what earlier requests did has all reached it), or its value after
+        ``timeout``."""
+        deadline = time.monotonic() + timeout
+        value = self.metric(name)
+        while time.monotonic() < deadline:
+            time.sleep(quiet)
+            value, before = self.metric(name), value
+            if value == before:
+                break
         return value
 
 
@@ -130,8 +152,8 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def nan_model_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return nan_vision_copy(model_dir, tmp_path_factory.mktemp("nan") / "tiny-nan-vision")
+def noise_model_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return noise_vision_copy(model_dir, tmp_path_factory.mktemp("noise") / "tiny-noise-vision")
 
 
 @pytest.fixture(scope="session")
@@ -188,10 +210,10 @@ def vitserve(model_dir: Path, store: RedisServer, ports: dict[str, int],
 
 
 @pytest.fixture(scope="session")
-def replicas(vitserve: Vitserve, model_dir: Path, nan_model_dir: Path, store: RedisServer,
+def replicas(vitserve: Vitserve, model_dir: Path, noise_model_dir: Path, store: RedisServer,
              ports: dict[str, int],
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Replica]]:  # fmt: skip
-    """Replicas A (the checkpoint) and B (its NaN-vision copy), started side by side."""
+    """Replicas A (the checkpoint) and B (its noise-vision copy), started side by side."""
     logs = tmp_path_factory.mktemp("vllm")
     config = ec_config(vitserve.url, store.url)
     servers = {
@@ -199,7 +221,7 @@ def replicas(vitserve: Vitserve, model_dir: Path, nan_model_dir: Path, store: Re
                          log_path=str(logs / f"{name}.log"), served_model_name=SERVED_NAME,
                          ready_timeout=300, extra_env={"VLLM_CPU_OMP_THREADS_BIND": core},
                          extra_args=["--ec-transfer-config", config], max_images=MAX_IMAGES)
-        for name, folder, core in (("a", model_dir, "0"), ("b", nan_model_dir, "1"))
+        for name, folder, core in (("a", model_dir, "0"), ("b", noise_model_dir, "1"))
     }  # fmt: skip
     with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as pool:
         started = [pool.submit(stack.enter_context, s) for s in servers.values()]
