@@ -46,8 +46,12 @@ Encoder forwards (images run through a vision tower): vLLM's own tower from the 
 through the tower; items a connector loads are not among them), in ``B`` plus the connector's
 load fallbacks (``vllm:vitserve_ec_load_fallbacks_total``) and vitserve's
 ``vitserve_images_encoded_total``. Where the time goes: vLLM's own TTFT histogram, its logged
-tower steps, the EPD producer's request latency, and in ``B`` blocks vitserve alone (``--probes``
-SDK encodes of one new image, one of four, straight to its HTTP API).
+tower steps, the EPD producer's request latency, in ``B`` blocks vitserve alone (``--probes``
+SDK encodes of one new image, one of four, straight to its HTTP API), and in ``A`` and ``B``
+blocks vitserve's engine in this process (``--probes`` new images prepared and run through the
+tower by ``EncoderEngine``, no service), beside the block's idle servers: against the service's
+encode it shows what the service adds, and between the blocks what the idle servers beside a
+forward cost it.
 
     .venv/bin/python loadtest/bench_vllm.py --out loadtest/results/vllm-cpu.md
 
@@ -344,6 +348,7 @@ class Block:
     idle_cores: float = 0.0
     scenarios: dict[str, Scenario] = field(default_factory=dict)
     probes: dict[int, list[float]] = field(default_factory=dict)  # images -> vitserve alone, s
+    engine: dict[str, list[float]] = field(default_factory=dict)  # prepare/forward -> s
     error: str | None = None
 
 
@@ -528,6 +533,34 @@ class Setup:
         return out
 
 
+_ENGINES: dict[Path, Any] = {}
+
+
+def engine_probe(model: Path, seeds: list[int], gap: float) -> dict[str, list[float]]:
+    """vitserve's engine in this process, without the service: seconds to prepare (decode,
+    key, the processor) and to run (the tower forward) each new one-image request, ``gap``
+    apart. The model's ``EncoderEngine`` is loaded at its first probe and kept (torch is
+    imported here: heavy, and only this probe needs it)."""
+    from vitserve.encoder.engine import EncoderEngine
+
+    engine = _ENGINES.get(model)
+    if engine is None:
+        engine = _ENGINES[model] = EncoderEngine.from_pretrained(str(model), device="cpu",
+                                                                 dtype="fp32")  # fmt: skip
+        engine.run(engine.prepare([new_jpeg(seeds[0] - 1)]))  # warm-up
+    out: dict[str, list[float]] = {"prepare": [], "forward": []}
+    for seed in seeds:
+        data = new_jpeg(seed)
+        time.sleep(gap)
+        t0 = time.perf_counter()
+        prepared = engine.prepare([data])
+        t1 = time.perf_counter()
+        engine.run(prepared)
+        out["prepare"].append(t1 - t0)
+        out["forward"].append(time.perf_counter() - t1)
+    return out
+
+
 def measure(setup: Setup, tag: str, work: dict[str, list[Request]], warm: list[Request],
             probe_seed: int) -> Block:  # fmt: skip
     """One block on a started setup: warm-up, the scenarios, and with vitserve its encode of
@@ -566,6 +599,13 @@ def measure(setup: Setup, tag: str, work: dict[str, list[Request]], warm: list[R
                   f"{statistics.median(block.probes[1]) * 1e3:.1f} ms, 4 new images "
                   f"{block.probes[4][0] * 1e3:.1f} ms; waited {setup.metrics_wait_s:.0f} s "
                   "for vitserve's metrics", flush=True)  # fmt: skip
+        if setup.name in "AB" and setup.args.probes:
+            seeds = [probe_seed + 200 + i for i in range(setup.args.probes)]
+            block.engine = engine_probe(setup.model, seeds, setup.args.gap)
+            print(f"  {tag} vitserve's engine in this process, beside the idle servers: "
+                  f"prepare {statistics.median(block.engine['prepare']) * 1e3:.1f} ms, "
+                  f"forward {statistics.median(block.engine['forward']) * 1e3:.1f} ms",
+                  flush=True)  # fmt: skip
     return block
 
 
@@ -764,8 +804,48 @@ def model_section(run: ModelRun) -> tuple[list[str], list[str]]:
             keys = ("client", "vllm", "before", "tower", "alone", "front", "loads", "producer")
             row = [SCENARIO_NAMES[scenario], SETUPS[s], *(ms(p[k]) if k in p else "" for k in keys)]
             lines.append("| " + " | ".join(row) + " |")
-    lines.append("")
+    lines += encode_section(run)
     return lines, targets(run)
+
+
+def engine_stat(run: ModelRun, setup: str, part: str) -> float:
+    """The median over the setup's blocks of each block's median engine-probe seconds."""
+    return med([statistics.median(b.engine[part]) for b in run.of(setup) if b.engine])
+
+
+def encode_section(run: ModelRun) -> list[str]:
+    """One new image's encode: vitserve's engine in the bench process beside each setup's idle
+    servers, the service's encode, and vLLM's tower step."""
+    if not run.of("A") or not run.of("B"):
+        return [""]
+    alone_a, alone_b = parts(run, "A", "new1"), parts(run, "B", "new1")
+    rows = [
+        ("vLLM alone's two servers", "A", "", ms(alone_a["tower"])),
+        ("`vitserve serve` and its two vLLM servers", "B", ms(alone_b["alone"]), ""),
+    ]
+    probes = len(run.of("A")[0].engine.get("forward", []))
+    lines = [
+        "",
+        "### One new image's encode, ms (median over blocks of each block's median)",
+        "",
+        f"*Engine*: vitserve's `EncoderEngine` in the benchmark's own process, no service "
+        f"(torch threads on all cores), {probes} "
+        "new images per block, each after the same idle gap as the requests; *prepare* is the "
+        "decode, key and image processor, *forward* the tower and projector. It runs beside the "
+        "block's servers, idle: vLLM alone's (about 0.05 of a core, see above) or vitserve's "
+        "Ray cluster and the two vLLM servers. *vitserve alone* is the SDK's encode through the "
+        "service (as in the table above); *vLLM's tower step* is vLLM alone's engine step that "
+        "ran its tower (as above).",
+        "",
+        "| beside | engine prepare | engine forward | vitserve alone (the service) "
+        "| vLLM's tower step |",
+        "|---|---|---|---|---|",
+    ]
+    for label, setup, service, tower in rows:
+        prepare, forward = engine_stat(run, setup, "prepare"), engine_stat(run, setup, "forward")
+        lines.append(f"| {label} | {ms(prepare)} | {ms(forward)} | {service} | {tower} |")
+    lines.append("")
+    return lines
 
 
 def parts(run: ModelRun, setup: str, scenario: str) -> dict[str, float]:
@@ -788,12 +868,18 @@ def parts(run: ModelRun, setup: str, scenario: str) -> dict[str, float]:
 def where(run: ModelRun, scenario: str) -> str:
     """A missed target's account: where vLLM + vitserve's time goes against vLLM alone's."""
     a, b = parts(run, "A", scenario), parts(run, "B", scenario)
+    fwd_a, fwd_b = engine_stat(run, "A", "forward"), engine_stat(run, "B", "forward")
+    prep_b = engine_stat(run, "B", "prepare")
     return (f"  - where the time goes ({SCENARIO_NAMES[scenario]}, means per request): vLLM + "
             f"vitserve {ms(b['client'])} ms = {ms(b['before'])} before vLLM (vitserve alone "
             f"{ms(b['alone'])}, front + hops {ms(b['front'])}) + {ms(b['vllm'])} in vLLM (its "
             f"TTFT, no tower; the connector's loads {ms(b['loads'])}); vLLM alone "
             f"{ms(a['client'])} ms = {ms(a['before'])} before vLLM + {ms(a['vllm'])} in vLLM "
-            f"(tower steps {ms(a['tower'])} ms per image run)")  # fmt: skip
+            f"(tower steps {ms(a['tower'])} ms per image run). vitserve alone's one image "
+            f"{ms(b['alone'])} ms = the engine's prepare {ms(prep_b)} + forward {ms(fwd_b)} "
+            f"beside vitserve's idle servers (the same forward beside vLLM alone's: "
+            f"{ms(fwd_a)}) + the service's own {ms(b['alone'] - prep_b - fwd_b)} (HTTP, Ray's "
+            "hops, the device queue, the publish)")  # fmt: skip
 
 
 def verdict(alone: float, got: float, limit: float) -> str:

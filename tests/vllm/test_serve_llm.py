@@ -1,9 +1,9 @@
 """vitserve's connector under Ray Serve LLM (``ray.serve.llm``), set through ``engine_kwargs``.
 
-``serve_llm_app.py`` (its docstring has the recipe) serves the NaN-vision copy of the tiny
+``serve_llm_app.py`` (its docstring has the recipe) serves the noise-vision copy of the tiny
 Qwen2-VL as Ray Serve LLM's OpenAI app, in its own local Ray cluster, with vitserve's
 connector in ``engine_kwargs["ec_transfer_config"]``. With vitserve's keys as ``uuid`` s it must
-give vLLM alone's answer (replica A, no keys): its own tower, all NaN, never runs.
+give vLLM alone's answer (replica A, no keys): its own tower, of noise weights, never runs.
 """
 
 from __future__ import annotations
@@ -24,7 +24,17 @@ import psutil
 import pytest
 
 from .conftest import SERVED_NAME, Replica, Vitserve, vllm_python
-from .test_connector import answer, body, keys_of, png, post, user
+from .test_connector import (
+    LOGPROB_TOL,
+    answer,
+    body,
+    keys_of,
+    logprob_gap,
+    png,
+    post,
+    tokens,
+    user,
+)
 
 APP = Path(__file__).with_name("serve_llm_app.py")
 READY_TIMEOUT = 300.0
@@ -106,10 +116,10 @@ def _stop(proc: subprocess.Popen, session_dir: str | None) -> None:
 
 
 @pytest.fixture(scope="module")
-def serve_llm(vitserve: Vitserve, store: Any, nan_model_dir: Path,
+def serve_llm(vitserve: Vitserve, store: Any, noise_model_dir: Path,
               replicas: dict[str, Replica],
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeLlm]:  # fmt: skip
-    """serve_llm_app.py on the NaN-vision model, started after replicas A and B (idle, one
+    """serve_llm_app.py on the noise-vision model, started after replicas A and B (idle, one
     pinned to each core); its engine binds both cores."""
     from vitserve.deployments.local import free_port
 
@@ -118,7 +128,7 @@ def serve_llm(vitserve: Vitserve, store: Any, nan_model_dir: Path,
     metrics_dir.mkdir()
     log = work / "app.log"
     port = free_port()
-    cmd = [vllm_python(), str(APP), "--model", str(nan_model_dir), "--port", str(port),
+    cmd = [vllm_python(), str(APP), "--model", str(noise_model_dir), "--port", str(port),
            "--vitserve-url", vitserve.url, "--store", store.url,
            "--metrics-dir", str(metrics_dir), "--served-model-name", SERVED_NAME]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "VITSERVE_"))}
@@ -152,23 +162,22 @@ def serve_llm(vitserve: Vitserve, store: Any, nan_model_dir: Path,
 def test_ray_serve_llm_with_the_connector_in_engine_kwargs_gives_vllm_alones_answer(
     serve_llm: ServeLlm, vitserve: Vitserve, replicas: dict[str, Replica]
 ) -> None:
-    """Two new images: Ray Serve LLM's app (NaN vision tower) asked with vitserve's keys gives
-    replica A's answer without keys; its connector loaded both images and ran no fallback. The
-    control, the same request without keys (the NaN tower), gives another answer (no scores
-    asked: NaN logprobs are not JSON)."""
+    """Two new images: Ray Serve LLM's app (noise vision tower) asked with vitserve's keys gives
+    replica A's answer without keys (tokens and prompt logprobs); its connector loaded both
+    images and ran no fallback. The control, the same request without keys (its own tower),
+    gives other tokens."""
     rng = np.random.default_rng(21)
     images = [png(rng, 224, 224), png(rng, 112, 168)]
-    alone = answer(post(replicas["a"].url, body([user(images)], scores=False)))
+    alone = answer(post(replicas["a"].url, body([user(images)])))
     keys = keys_of(vitserve.url, images)
     before = serve_llm.counts()
-    hit = answer(post(serve_llm.url, body([user(images, uuids=keys)], scores=False)))
+    hit = answer(post(serve_llm.url, body([user(images, uuids=keys)])))
     after = serve_llm.counts_after("loads", before.get("loads", 0.0) + 2)
-    control = answer(post(serve_llm.url, body([user(images)], scores=False)))
-
-    def text(doc: dict[str, Any]) -> str:
-        return doc["choices"][0]["message"]["content"]
-
-    assert text(hit) == text(alone)
+    control = answer(post(serve_llm.url, body([user(images)])))
+    gap = logprob_gap(hit, alone)
+    print(f"max |prompt logprob difference| from vLLM alone: {gap:.2g}")
+    assert tokens(hit) == tokens(alone)
+    assert gap < LOGPROB_TOL, gap
     assert after.get("loads", 0.0) - before.get("loads", 0.0) >= 2, after
     assert after.get("load_fallbacks", 0.0) == 0, after
-    assert text(control) != text(alone)
+    assert tokens(control) != tokens(alone)
