@@ -832,8 +832,9 @@ def encode_section(run: ModelRun) -> list[str]:
         f"(torch threads on all cores), {probes} "
         "new images per block, each after the same idle gap as the requests; *prepare* is the "
         "decode, key and image processor, *forward* the tower and projector. It runs beside the "
-        "block's servers, idle: vLLM alone's (about 0.05 of a core, see above) or vitserve's "
-        "Ray cluster and the two vLLM servers. *vitserve alone* is the SDK's encode through the "
+        "block's servers, idle: vLLM alone's, or vitserve's Ray cluster and the two vLLM "
+        "servers (the cores each set used idle: the model's first line). *vitserve alone* is "
+        "the SDK's encode through the "
         "service (as in the table above); *vLLM's tower step* is vLLM alone's engine step that "
         "ran its tower (as above).",
         "",
@@ -955,7 +956,7 @@ def header(args: argparse.Namespace, commit: str, started: datetime,
         f"Blocks (`--blocks {args.blocks}`, per model) run one setup at a time: a vLLM + "
         "vitserve or EPD block starts its servers, measures, and stops them; vLLM alone's two "
         "servers are started at its first block and kept, idle, for its later ones (idle they "
-        "use about 0.05 of a core, see each model's line). A setup's k-th block uses image set "
+        "use next to no CPU: see each model's line). A setup's k-th block uses image set "
         "k (new to its servers; vitserve's Redis database flushed before each of its blocks), "
         f"after a warm-up of {args.warmup} one-image requests and one four-image request, all "
         "new images. Figures: the median over a setup's blocks of each block's p50 (p90).",
@@ -963,8 +964,9 @@ def header(args: argparse.Namespace, commit: str, started: datetime,
         f"Requests are sent one at a time, each {args.gap} s after the previous one finished "
         "(not timed): after every engine step vLLM's processes busy-wait for a second on their "
         "shared-memory queues (`SpinCondition`, `busy_loop_s=1`), and on two shared cores that "
-        "stalls the next server's OpenMP work by up to that second (measured: 60 ms one-image "
-        "TTFTs on one server became 600-1000 ms when two servers alternated back to back). For "
+        "stalls the next server's OpenMP work by up to that second (measured while this "
+        "benchmark was written, on a 2-vCPU AMD EPYC: 60 ms one-image TTFTs on one server "
+        "became 600-1000 ms when two servers alternated back to back). For "
         f"the same reason the EPD figure is the producer's request time plus, {args.gap} s "
         "later, the consumer's TTFT: the two hops as if on separate machines.",
         "",
@@ -1021,6 +1023,9 @@ def main() -> None:
 
     from vitserve.encoder.testmodels import cached_model
 
+    # A stopped run (SIGTERM) unwinds as Ctrl-C does: each server it started is stopped (a
+    # plain SIGTERM ended the script and left its vLLM servers running).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started, commit = datetime.now(timezone.utc), git_state()
     t_start = time.perf_counter()
     logs = args.logs or Path(tempfile.mkdtemp(prefix="bench-vllm-"))
