@@ -135,7 +135,7 @@ def max_side(data: bytes) -> int:
 def patch_dimensions(data: bytes, width: int, height: int) -> bytes:
     """``data`` with the dimensions in its header replaced (where the format keeps them)."""
     out = bytearray(data)
-    if out.startswith(b"\x89PNG"):
+    if out.startswith(b"\x89PNG") and len(out) >= 33:  # the IHDR chunk and its CRC
         struct.pack_into(">II", out, 16, width, height)
         _png_crc(out, 8, 13)  # a valid CRC, so the decoder (not the CRC check) meets the lie
     elif out.startswith(b"BM") and len(out) >= 26:
