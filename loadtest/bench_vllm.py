@@ -70,7 +70,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -84,10 +83,17 @@ from typing import Any
 
 import httpx
 import numpy as np
+import psutil
 from PIL import Image
-from vllm_peer import VllmServer  # loadtest/ is the script's folder
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script: loadtest.* from the repository
+
+from loadtest.harness.monitor import tree_cpu_s  # noqa: E402
+from loadtest.harness.promtext import parse, scalar  # noqa: E402
+from loadtest.vllm_peer import VllmServer  # noqa: E402
+from vitserve.deployments.local import free_port  # noqa: E402
+
 SETUPS = {"A": "vLLM alone", "B": "vLLM + vitserve", "C": "vLLM EPD"}
 SCENARIOS = ("new1", "new4", "conv")
 SCENARIO_NAMES = {"new1": "1 new image", "new4": "4 new images", "conv": "conversation"}
@@ -101,7 +107,6 @@ _STEP = re.compile(
     rb"iteration elapsed time: ([0-9.]+) ms[^\n]*?(?:encoder inputs: (\d+), "
     rb"encoder output embeddings: (\d+))?\n"
 )
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
 # -- images and requests ------------------------------------------------------------------------
@@ -194,16 +199,6 @@ def post(client: httpx.Client, url: str, body: bytes) -> None:
         raise RuntimeError(f"{url} answered {r.status_code}: {r.text[:400]}")
 
 
-def prom_sum(text: str, name: str, **labels: str) -> float:
-    """The sum of a Prometheus text page's samples named ``name`` carrying ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m and m[1] == name and all(f'{k}="{v}"' in (m[2] or "") for k, v in labels.items()):
-            total += float(m[3])
-    return total
-
-
 def log_steps(path: str) -> dict[str, float]:
     """What a vLLM server's log reports so far of its engine steps (one line each with
     ``--enable-logging-iteration-details``): ``tower`` (encoder inputs run through its vision
@@ -227,49 +222,11 @@ def pct(values: list[float], q: int) -> float:
     return float(np.percentile(values, q))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def descendants(root: int) -> list[int]:
-    """``root`` and every process below it (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields_ = f.read().rsplit(")", 1)[1].split()
-            total += int(fields_[11]) + int(fields_[12])
-        except (OSError, IndexError, ValueError):
-            pass
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 def idle_cores(roots: list[int], seconds: float = 3.0) -> float:
     """Cores the processes under ``roots`` use while nothing is asked of them."""
-    pids = [p for root in roots for p in descendants(root)]
-    before = cpu_seconds(pids)
+    before = sum(tree_cpu_s(root) for root in roots)
     time.sleep(seconds)
-    return (cpu_seconds(pids) - before) / seconds
+    return (sum(tree_cpu_s(root) for root in roots) - before) / seconds
 
 
 # -- vitserve -----------------------------------------------------------------------------------
@@ -314,7 +271,7 @@ class VitserveServer:
         proc, self.proc = self.proc, None
         if proc is None:
             return
-        tree = descendants(proc.pid)
+        tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)  # a graceful stop: Ray shut down with it
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -483,19 +440,19 @@ class Setup:
         for server in [*self.llm, *([self.producer] if self.producer else [])]:
             for key, value in log_steps(str(server.log_path)).items():
                 out[key] = out.get(key, 0.0) + value
-            page = client.get(server.url + "/metrics").text
+            page = parse(client.get(server.url + "/metrics").text)
             role = "producer" if server is self.producer else "llm"
             for key, name in (("ttft", "vllm:time_to_first_token_seconds"),
                               ("e2e", "vllm:e2e_request_latency_seconds")):  # fmt: skip
                 for part in ("sum", "count"):
                     k = f"{role}_{key}_{part}"
-                    out[k] = out.get(k, 0.0) + prom_sum(page, f"{name}_{part}")
+                    out[k] = out.get(k, 0.0) + scalar(page, f"{name}_{part}")
             for name in ("loads", "load_fallbacks", "load_seconds", "hits", "misses"):
                 k = f"ec_{name}"
-                out[k] = out.get(k, 0.0) + prom_sum(page, f"vllm:vitserve_ec_{name}_total")
+                out[k] = out.get(k, 0.0) + scalar(page, f"vllm:vitserve_ec_{name}_total")
         if self.vitserve is not None:
-            page = client.get(self.vitserve.url + "/metrics").text
-            out["vitserve_encoded"] = prom_sum(page, "vitserve_images_encoded_total")
+            page = parse(client.get(self.vitserve.url + "/metrics").text)
+            out["vitserve_encoded"] = scalar(page, "vitserve_images_encoded_total")
         if self.ec_dir is not None:
             out["epd_files"] = float(len(os.listdir(self.ec_dir)))
         return out
@@ -541,10 +498,13 @@ def engine_probe(model: Path, seeds: list[int], gap: float) -> dict[str, list[fl
     key, the processor) and to run (the tower forward) each new one-image request, ``gap``
     apart. The model's ``EncoderEngine`` is loaded at its first probe and kept (torch is
     imported here: heavy, and only this probe needs it)."""
+    import torch
+
     from vitserve.encoder.engine import EncoderEngine
 
     engine = _ENGINES.get(model)
     if engine is None:
+        torch.set_num_threads(os.cpu_count() or 1)  # as vitserve's encoder replica does
         engine = _ENGINES[model] = EncoderEngine.from_pretrained(str(model), device="cpu",
                                                                  dtype="fp32")  # fmt: skip
         engine.run(engine.prepare([new_jpeg(seeds[0] - 1)]))  # warm-up

@@ -8,8 +8,6 @@ are noise, so B gives A's answer only if its tower never runs.
 
 from __future__ import annotations
 
-import base64
-import io
 import os
 import signal
 import threading
@@ -19,83 +17,21 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from PIL import Image
 
-from vitserve.client import EncoderClient
-
+from .chat import (
+    LOGPROB_TOL,
+    answer,
+    body,
+    delta,
+    image_part,
+    keys_of,
+    logprob_gap,
+    png,
+    post,
+    tokens,
+    user,
+)
 from .conftest import SERVED_NAME, Replica, Vitserve
-
-# fp32 on both sides. vLLM's own Qwen2-VL tower and vitserve's (transformers') differ in the
-# order of their float operations (each test prints the largest prompt-logprob difference it saw).
-LOGPROB_TOL = 1e-4
-TIMEOUT = httpx.Timeout(300.0, connect=5.0)
-
-
-def png(rng: np.random.Generator, width: int, height: int) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
-
-
-def image_part(data: bytes, uuid: str | None = None) -> dict[str, Any]:
-    url = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
-    part: dict[str, Any] = {"type": "image_url", "image_url": {"url": url}}
-    if uuid is not None:
-        part["uuid"] = uuid
-    return part
-
-
-def body(messages: list[dict[str, Any]], max_tokens: int = 12, scores: bool = True,
-         **extra: Any) -> dict[str, Any]:  # fmt: skip
-    """A greedy chat request; ``scores``: with the logprobs of its tokens and its prompt's."""
-    logprobs = {"logprobs": True, "top_logprobs": 1, "prompt_logprobs": 1} if scores else {}
-    return {"model": SERVED_NAME, "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0, **logprobs, **extra}  # fmt: skip
-
-
-def user(images: list[bytes], text: str = "Describe this image.",
-         uuids: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
-    parts = [image_part(d, u) for d, u in zip(images, uuids or [None] * len(images), strict=True)]
-    return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
-
-
-def post(url: str, payload: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{url}/v1/chat/completions", json=payload, timeout=TIMEOUT)
-
-
-def answer(response: httpx.Response) -> dict[str, Any]:
-    assert response.status_code == 200, response.text[:500]
-    return response.json()
-
-
-def tokens(doc: dict[str, Any]) -> list[str]:
-    return [t["token"] for t in doc["choices"][0]["logprobs"]["content"]]
-
-
-def prompt_logprobs(doc: dict[str, Any]) -> dict[tuple[int, str], float]:
-    """vLLM's ``prompt_logprobs``: per prompt position, the prompt token's and the top-1
-    token's logprobs, by (position, token id)."""
-    return {(i, tid): v["logprob"] for i, pos in enumerate(doc["prompt_logprobs"]) if pos
-            for tid, v in pos.items()}  # fmt: skip
-
-
-def logprob_gap(doc: dict[str, Any], ref: dict[str, Any]) -> float:
-    """The largest prompt-logprob difference; infinite if the top-1 tokens differ anywhere."""
-    mine, theirs = prompt_logprobs(doc), prompt_logprobs(ref)
-    if mine.keys() != theirs.keys():
-        return float("inf")
-    return max(abs(mine[k] - theirs[k]) for k in mine)
-
-
-def keys_of(url: str, images: list[bytes]) -> list[str]:
-    """The images' vitserve keys from the service at ``url`` (encoding them, as the front
-    does)."""
-    with EncoderClient(url) as client:
-        return [h.key for h in client.encode(images)]
-
-
-def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
 
 # -- equal to vLLM alone ---------------------------------------------------------------------

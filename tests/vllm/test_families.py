@@ -17,9 +17,7 @@ import pytest
 from loadtest.vllm_peer import VllmServer
 from tests.redis_process import RedisServer
 
-from .conftest import SERVED_NAME, Replica, ec_config, vitserve_serve, vllm_python
-from .families import SIZES, VLLM_FAMILIES
-from .test_connector import (
+from .chat import (
     LOGPROB_TOL,
     answer,
     body,
@@ -31,6 +29,8 @@ from .test_connector import (
     tokens,
     user,
 )
+from .conftest import SERVED_NAME, Replica, ec_config, vitserve_serve, vllm_python
+from .families import SIZES, VLLM_FAMILIES
 
 FAMILIES = [f for f in VLLM_FAMILIES if f != "qwen2_vl"]
 

@@ -23,8 +23,7 @@ import numpy as np
 import psutil
 import pytest
 
-from .conftest import SERVED_NAME, Replica, Vitserve, vllm_python
-from .test_connector import (
+from .chat import (
     LOGPROB_TOL,
     answer,
     body,
@@ -35,6 +34,7 @@ from .test_connector import (
     tokens,
     user,
 )
+from .conftest import SERVED_NAME, Replica, Vitserve, vllm_python
 
 APP = Path(__file__).with_name("serve_llm_app.py")
 READY_TIMEOUT = 300.0
