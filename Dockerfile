@@ -45,6 +45,6 @@ RUN pip install "/home/ray/vitserve[server,redis]" \
         "safetensors==0.8.0" \
         "pillow==13.0.0" \
         "numpy==2.4.6" \
-    && python -c "import vitserve.deployments.app, vitserve.deployments.prefill"
+    && python -c "import vitserve.deployments.encoder.app, vitserve.deployments.prefill.app"
 
 WORKDIR /home/ray

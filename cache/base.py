@@ -1,22 +1,39 @@
-"""The one protocol every embedding store implements, and what all of them share.
+"""The one protocol every embedding store implements: a policy over a shared connection.
 
-A store maps content keys (64-hex, see ``vitserve.keys``) to values in the record
-format of :mod:`vitserve.cache.codec`, under a namespace prefix. Subclasses implement the raw
-value operations (``_put_values``, ``_get_values``, ``_get_spans_many``, ...); this base class does
-the encoding, the decoding and integrity checks, and the counting, so that every store treats a
-bad value the same way: **a value that fails any check is a miss, counted in
-``stats()["integrity_misses"]``, and is never returned.**
+**The rule.** A store is two things kept apart. Its *connection*
+(:class:`~vitserve.cache.connection.Connection`: the in-process LRU, the node-local actor, Redis,
+the tiered pair) moves bytes under full keys. The store itself is the *policy*: its namespace,
+the model fingerprint its records must carry, its default ttl (:class:`StorePolicy`, frozen),
+and the counters its reads and writes count in. A store is an ordinary object built from a
+connection and a policy; any number of stores share one connection (one per tenant namespace,
+:class:`~vitserve.cache.views.StoreViews`), each seeing only its own namespace.
+
+A store maps content keys (64-hex, see ``vitserve.keys``) to values in the record format of
+:mod:`vitserve.cache.codec`, under its namespace prefix. It does the encoding, the decoding and
+integrity checks, and the counting, so that every backend treats a bad value the same way:
+**a value that fails any check is a miss, counted in ``stats()["integrity_misses"]``, and is
+never returned.**
 
 Invariants:
 
+* The policy is fixed at construction: ``namespace``, ``fingerprint`` and ``ttl_s`` cannot be
+  set afterwards (a store for another fingerprint is another store over the same connection).
+* Counters: a store counts its record-level events (hits, misses, integrity misses, puts,
+  bytes) in ``counters``, its own unless it was given one to share (``StoreViews`` shares one
+  among its namespaces: one ``stats()`` per replica). ``stats()`` adds the connection's
+  (``errors``, the backend's figures), which are per connection, whichever store called.
+* Closing: a store closes its connection only if it owns it (``owns_connection``: the backend
+  classes and ``open_store`` open one for the store alone); a store over a connection that
+  someone else opened closes nothing.
 * ``get_many``/``exists_many`` return one entry per key, in order; missing -> ``None``/``False``.
-* Stores whose bytes cannot change once stored (in-process) check each value in full when it is
-  put and refuse a bad one (``rejected``); the others check every value they read.
+* Connections whose bytes cannot change once stored (in-process) have each value checked in
+  full when it is put and refuse a bad one (``rejected``); the others have every value they
+  read checked.
 * Returned arrays are read-only views of the fetched (or held) bytes: never copied again here.
 * Claims implement single flight: ``claim`` returns True for exactly one caller until that
   caller ``release``s or the claim's ttl passes; ``wait_for`` returns True as soon as the key
   is present, False when the timeout passes or the claim is gone without a value. A claim is
-  held under a token (by default the store object's ``token``); only that token releases it,
+  held under a token (by default the connection's ``token``); only that token releases it,
   so one process may claim for another (the ingress claims, the encoder publishes).
 * The hot path's two calls, each one backend round trip where the backend allows it (node and
   Redis stores do): ``lookup_or_claim`` answers per key with its header, or else claims it
@@ -33,13 +50,8 @@ Invariants:
 from __future__ import annotations
 
 import enum
-import threading
-import time
-import uuid
-from abc import ABC, abstractmethod
-from collections import Counter
 from collections.abc import MutableMapping, Sequence
-from typing import Any
+from dataclasses import dataclass
 
 from vitserve.cache.codec import (
     EmbeddingRecord,
@@ -51,9 +63,23 @@ from vitserve.cache.codec import (
     read_header,
     row_spans,
 )
+from vitserve.cache.connection import Buffer, Connection, Counters, buffer_nbytes
 from vitserve.errors import ConfigError, RecordFormatError
 
-Buffer = Any  # bytes, memoryview or a 1-D uint8 numpy array
+#: the counters every ``stats()`` shows, zero until counted
+STAT_NAMES = (
+    "hits",
+    "misses",
+    "integrity_misses",
+    "rejected",
+    "puts",
+    "bytes_put",
+    "bytes_fetched",
+    "bytes_read",
+    "evictions",
+    "expired",
+    "errors",
+)
 
 
 class Claim(enum.Enum):
@@ -70,66 +96,105 @@ class Pending(enum.Enum):
     FREE = "free"  # nobody does (released or expired): nothing comes unless someone claims it
 
 
-def buffer_nbytes(value: Buffer) -> int:
-    """Size in bytes of a value buffer."""
-    nbytes = getattr(value, "nbytes", None)
-    return int(nbytes) if nbytes is not None else len(value)
+@dataclass(frozen=True, slots=True)
+class StorePolicy:
+    """What a store adds to its connection: the namespace its keys live under, the model
+    fingerprint its records must carry (None: any), its default ttl (None: no expiry)."""
+
+    namespace: str = ""
+    fingerprint: str | None = None
+    ttl_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.ttl_s is not None and self.ttl_s <= 0:
+            raise ConfigError(f"ttl_s must be positive, got {self.ttl_s}")
+        if ":" in self.namespace or "/" in self.namespace:
+            raise ConfigError(f"namespace may not contain ':' or '/': {self.namespace!r}")
 
 
-class EmbeddingStore(ABC):
-    """Base of every store; see the module docstring for the contract."""
-
-    #: short backend name, for errors, metrics and URLs
-    kind: str = "store"
-    #: whether values read back are checked against their payload checksum (stores whose
-    #: bytes are shared with other processes or cross a network)
-    verify_payload: bool = True
-    #: whether values are checked in full when they are put (stores whose bytes cannot change
-    #: after the put: then a bad value is refused up front, counted in ``rejected``)
-    verify_on_put: bool = False
-    #: whether ``_get_head`` returns the whole value (local stores) rather than a prefix
-    head_is_whole_value: bool = True
+class EmbeddingStore:
+    """A policy over a connection; see the module docstring for the contract."""
 
     def __init__(
         self,
+        connection: Connection,
+        policy: StorePolicy | None = None,
         *,
-        namespace: str = "",
-        fingerprint: str | None = None,
-        ttl_s: float | None = None,
+        counters: Counters | None = None,
+        owns_connection: bool = False,
     ) -> None:
-        if ttl_s is not None and ttl_s <= 0:
-            raise ConfigError(f"ttl_s must be positive, got {ttl_s}")
-        if ":" in namespace or "/" in namespace:
-            raise ConfigError(f"namespace may not contain ':' or '/': {namespace!r}")
-        self.namespace = namespace
-        self.fingerprint = fingerprint
-        self.ttl_s = ttl_s
-        self._counts: Counter[str] = Counter()
-        self._counts_lock = threading.Lock()
-        #: the token this object's claims are held under (see ``claim``)
-        self.token = uuid.uuid4().hex
+        """``counters``: shared with other stores (None: this store's own);
+        ``owns_connection``: whether this store's ``close`` closes ``connection``."""
+        self._connection = connection
+        self._policy = policy if policy is not None else StorePolicy()
+        self._owns_connection = owns_connection
+        self.counters = counters if counters is not None else Counters()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self._connection!r}, namespace={self.namespace!r}, "
+            f"fingerprint={self.fingerprint!r})"
+        )
+
+    # -- the policy (read-only) and the connection ---------------------------------------------
+    @property
+    def connection(self) -> Connection:
+        return self._connection
+
+    @property
+    def policy(self) -> StorePolicy:
+        return self._policy
+
+    @property
+    def owns_connection(self) -> bool:
+        return self._owns_connection
+
+    @property
+    def namespace(self) -> str:
+        return self._policy.namespace
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self._policy.fingerprint
+
+    @property
+    def ttl_s(self) -> float | None:
+        return self._policy.ttl_s
+
+    @property
+    def kind(self) -> str:
+        return self._connection.kind
+
+    @property
+    def verify_payload(self) -> bool:
+        return self._connection.verify_payload
+
+    @property
+    def verify_on_put(self) -> bool:
+        return self._connection.verify_on_put
+
+    @property
+    def head_is_whole_value(self) -> bool:
+        return self._connection.head_is_whole_value
+
+    @property
+    def token(self) -> str:
+        """The token claims are held under by default: the connection's."""
+        return self._connection.token
 
     # -- counting ------------------------------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
-        if n:
-            with self._counts_lock:
-                self._counts[name] += n
+        self.counters.add(name, n)
 
     def stats(self) -> dict[str, int]:
-        """Counters since the store was opened: hits, misses, integrity_misses, rejected, puts,
-        bytes_put, bytes_fetched, bytes_read, evictions, expired, errors (backends add their
-        own)."""
-        with self._counts_lock:
-            counts = dict(self._counts)
-        base = dict.fromkeys(
-            ("hits", "misses", "integrity_misses", "rejected", "puts", "bytes_put",
-             "bytes_fetched", "bytes_read", "evictions", "expired", "errors"),
-            0,
-        )  # fmt: skip
-        return {**base, **counts, **self._backend_stats()}
-
-    def _backend_stats(self) -> dict[str, int]:
-        return {}
+        """This store's counters (hits, misses, integrity_misses, rejected, puts, bytes_put,
+        bytes_fetched, bytes_read: shared with the stores it shares them with), then its
+        connection's (errors and the backend's own: evictions, expired, ...)."""
+        return {
+            **dict.fromkeys(STAT_NAMES, 0),
+            **self.counters.snapshot(),
+            **self._connection.stats(),
+        }
 
     # -- records -------------------------------------------------------------------------------
     def full_key(self, key: str) -> str:
@@ -140,8 +205,12 @@ class EmbeddingStore(ABC):
         """Encode and store each record under its key (replacing any value)."""
         self.put_values([(r.key, encode_record(r)) for r in records], ttl_s=ttl_s)
 
-    def put_values(self, items: Sequence[tuple[str, Buffer]], ttl_s: float | None = None,
-                   release: Sequence[tuple[str, str]] = ()) -> None:  # fmt: skip
+    def put_values(
+        self,
+        items: Sequence[tuple[str, Buffer]],
+        ttl_s: float | None = None,
+        release: Sequence[tuple[str, str]] = (),
+    ) -> None:
         """Store already-encoded values (the publish path encodes once for every tier), then
         release the claims ``release`` names as ``(key, token)``, in the same round trip where
         the backend allows (a value refused as invalid still releases its claim)."""
@@ -152,9 +221,9 @@ class EmbeddingStore(ABC):
             items = [(k, v) for k, v in items if self._valid_for_put(k, v)]
         full = [(self.full_key(k), v) for k, v in items]
         if release:
-            self._put_and_release(full, ttl, [(self.full_key(k), t) for k, t in release])
+            self._connection.put_and_release(full, ttl, [(self.full_key(k), t) for k, t in release])
         else:
-            self._put_values(full, ttl)
+            self._connection.put_values(full, ttl)
         self._count("puts", len(items))
         self._count("bytes_put", sum(buffer_nbytes(v) for _, v in items))
 
@@ -163,13 +232,13 @@ class EmbeddingStore(ABC):
             decode_record(value, key=key, fingerprint=self.fingerprint, verify=True)
         except RecordFormatError as exc:
             self._count("rejected")
-            self._on_bad_value(self.full_key(key), exc.reason)
+            self._connection.drop_bad_value(self.full_key(key), exc.reason)
             return False
         return True
 
     def get_many(self, keys: Sequence[str]) -> list[EmbeddingRecord | None]:
         """The records of ``keys`` in order; ``None`` where missing or invalid."""
-        values = self._get_values([self.full_key(k) for k in keys])
+        values = self._connection.get_values([self.full_key(k) for k in keys])
         out: list[EmbeddingRecord | None] = []
         for key, value in zip(keys, values, strict=True):
             if value is None:
@@ -198,15 +267,12 @@ class EmbeddingStore(ABC):
         self._count("integrity_misses")
         self._count("misses")
         if not exc.newer_version:  # during a rolling upgrade newer readers still want it
-            self._on_bad_value(self.full_key(key), exc.reason)
-
-    def _on_bad_value(self, full_key: str, reason: str) -> None:  # noqa: B027 - optional hook
-        """Called for a value that failed a check (stores may drop it)."""
+            self._connection.drop_bad_value(self.full_key(key), exc.reason)
 
     def get_value(self, key: str) -> Buffer | None:
         """The stored value of ``key`` as it is stored (record format), after the same checks
         as ``get``: for passing a record on (HTTP) without re-encoding it."""
-        value = self._get_values([self.full_key(key)])[0]
+        value = self._connection.get_values([self.full_key(key)])[0]
         if value is None:
             self._count("misses")
             return None
@@ -215,7 +281,7 @@ class EmbeddingStore(ABC):
     def headers_many(self, keys: Sequence[str]) -> list[Header | None]:
         """The record headers of ``keys`` (dtype, shape, tokens, grid), reading no payload
         where the backend can avoid it; None where missing or invalid."""
-        heads = self._get_heads([self.full_key(k) for k in keys])
+        heads = self._connection.get_heads([self.full_key(k) for k in keys])
         return [self._header_of(key, head) for key, head in zip(keys, heads, strict=True)]
 
     def _header_of(self, key: str, head: Buffer | None) -> Header | None:
@@ -235,11 +301,12 @@ class EmbeddingStore(ABC):
             return None
         return header
 
-    def lookup_or_claim(self, keys: Sequence[str], ttl_s: float,
-                        token: str | None = None) -> list[Header | Claim]:  # fmt: skip
+    def lookup_or_claim(
+        self, keys: Sequence[str], ttl_s: float, token: str | None = None
+    ) -> list[Header | Claim]:
         """Per key, in one backend round trip where the backend allows: the header of the value
-        the store holds, else a claim for ``ttl_s`` on behalf of ``token`` (default this
-        object's): ``Claim.WON`` (it is the caller's now) or ``Claim.BUSY`` (someone else's).
+        the store holds, else a claim for ``ttl_s`` on behalf of ``token`` (default the
+        connection's): ``Claim.WON`` (it is the caller's now) or ``Claim.BUSY`` (someone else's).
 
         A held value that fails the header checks is a miss (counted) and is then claimed in a
         second call; a ``WON`` claim must end with ``put_values(..., release=...)`` or
@@ -249,7 +316,7 @@ class EmbeddingStore(ABC):
             raise ConfigError(f"claim ttl_s must be positive, got {ttl_s}")
         token = token or self.token
         full_keys = [self.full_key(k) for k in keys]
-        answers = self._lookup_or_claim(full_keys, ttl_s, token)
+        answers = self._connection.lookup_or_claim(full_keys, ttl_s, token)
         out: list[Header | Claim] = []
         for key, fk, answer in zip(keys, full_keys, answers, strict=True):
             if isinstance(answer, bool):
@@ -257,18 +324,13 @@ class EmbeddingStore(ABC):
                 out.append(Claim.WON if answer else Claim.BUSY)
                 continue
             header = self._header_of(key, answer)
-            if header is None:  # an invalid value: a miss, claimed like any other
-                header = Claim.WON if self._claim(fk, ttl_s, token) else Claim.BUSY
-            out.append(header)
+            if header is not None:
+                out.append(header)
+            elif self._connection.claim(fk, ttl_s, token):  # invalid: a miss, claimed as any
+                out.append(Claim.WON)
+            else:
+                out.append(Claim.BUSY)
         return out
-
-    def _lookup_or_claim(self, full_keys: list[str], ttl_s: float,
-                         token: str) -> list[Buffer | bool]:  # fmt: skip
-        """Per key its head bytes (as ``_get_heads``), else the outcome of ``_claim``. This
-        default makes one call per missing key; remote backends override it with one."""
-        heads = self._get_heads(full_keys)
-        return [head if head is not None else self._claim(fk, ttl_s, token)
-                for fk, head in zip(full_keys, heads, strict=True)]  # fmt: skip
 
     def lookup_states(self, keys: Sequence[str]) -> list[Header | Pending]:
         """Per key, in one backend round trip where the backend allows: the header of the value
@@ -277,31 +339,22 @@ class EmbeddingStore(ABC):
         answers as an absent one."""
         full_keys = [self.full_key(k) for k in keys]
         out: list[Header | Pending] = []
-        for key, fk, answer in zip(keys, full_keys, self._lookup_states(full_keys), strict=True):
+        for key, fk, answer in zip(
+            keys, full_keys, self._connection.lookup_states(full_keys), strict=True
+        ):
             if isinstance(answer, bool):
                 out.append(Pending.CLAIMED if answer else Pending.FREE)
                 continue
             header = self._header_of(key, answer)
-            if header is None:  # an invalid value (dropped where the store can): not there
-                header = Pending.CLAIMED if self._claimed(fk) else Pending.FREE
-            out.append(header)
+            if header is not None:
+                out.append(header)
+            else:  # an invalid value (dropped where the store can): not there
+                out.append(Pending.CLAIMED if self._connection.claimed(fk) else Pending.FREE)
         return out
-
-    def _lookup_states(self, full_keys: list[str]) -> list[Buffer | bool]:
-        """Per key its head bytes (as ``_get_heads``), else whether anyone holds an unexpired
-        claim on it. This default makes one call per missing key; remote backends override it
-        with one."""
-        heads = self._get_heads(full_keys)
-        return [head if head is not None else self._claimed(fk)
-                for fk, head in zip(full_keys, heads, strict=True)]  # fmt: skip
-
-    def _get_heads(self, full_keys: list[str]) -> list[Buffer | None]:
-        """``_get_head`` of several keys (backends may batch it)."""
-        return [self._get_head(fk) for fk in full_keys]
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         """Which keys hold a value (a cheap probe: no payload is read or checked)."""
-        return self._exists([self.full_key(k) for k in keys])
+        return self._connection.exists([self.full_key(k) for k in keys])
 
     def get_rows(self, key: str, r0: int, r1: int | None = None) -> EmbeddingRecord | None:
         """Rows ``[r0, r1)`` of every tensor of ``key`` (``r1=None``: to the last row), reading
@@ -328,16 +381,19 @@ class EmbeddingStore(ABC):
         cache = headers if headers is not None else {}
         if self.head_is_whole_value:
             keys = list(dict.fromkeys(k for k, _, _ in reads))
-            values = self._get_values([self.full_key(k) for k in keys])
+            values = self._connection.get_values([self.full_key(k) for k in keys])
             heads = {k: (self._header_of(k, v), v) for k, v in zip(keys, values, strict=True)}
         else:
-            heads = self._read_heads([k for k in dict.fromkeys(k for k, _, _ in reads)
-                                      if k not in cache])  # fmt: skip
-        for key, (header, _) in heads.items():
-            if header is not None:
+            heads = self._read_heads(
+                [k for k in dict.fromkeys(k for k, _, _ in reads) if k not in cache]
+            )
+        for key, (header, head) in heads.items():
+            if header is not None and head is not None:  # a header is read from its head
                 cache[key] = header
-                self._count("bytes_read", header.payload_offset if self.head_is_whole_value
-                            else len(heads[key][1]))  # fmt: skip
+                self._count(
+                    "bytes_read",
+                    header.payload_offset if self.head_is_whole_value else len(head),
+                )
         out: list[EmbeddingRecord | None] = [None] * len(reads)
         fetch: list[tuple[int, int, int, list[RowSpan]]] = []
         for i, (key, r0, r1) in enumerate(reads):
@@ -351,11 +407,14 @@ class EmbeddingStore(ABC):
             if head is not None and (self.head_is_whole_value or len(head) >= spans[-1].end):
                 # the rows are at hand: slice them (a truncated value gives short chunks)
                 view = memoryview(head).cast("B")
-                out[i] = self._decode_rows(key, header, [view[sp.start : sp.end] for sp in spans],
-                                           r0, r1, spans=spans)  # fmt: skip
+                out[i] = self._decode_rows(
+                    key, header, [view[sp.start : sp.end] for sp in spans], r0, r1, spans=spans
+                )
             else:
                 fetch.append((i, r0, r1, spans))
-        fetched = self._get_spans_many([(self.full_key(reads[i][0]), sp) for i, _, _, sp in fetch])
+        fetched = self._connection.get_spans_many(
+            [(self.full_key(reads[i][0]), sp) for i, _, _, sp in fetch]
+        )
         for (i, r0, r1, spans), chunks in zip(fetch, fetched, strict=True):
             key = reads[i][0]
             if chunks is None:
@@ -363,8 +422,9 @@ class EmbeddingStore(ABC):
             elif key in heads:
                 out[i] = self._decode_rows(key, cache[key], chunks, r0, r1, spans=spans)
             else:  # the header came from the caller's cache: a mismatch may mean it is stale
-                out[i] = self._decode_rows(key, cache[key], chunks, r0, r1, stale_ok=True,
-                                           spans=spans)  # fmt: skip
+                out[i] = self._decode_rows(
+                    key, cache[key], chunks, r0, r1, stale_ok=True, spans=spans
+                )
                 if out[i] is None:
                     self._count("stale_headers")
                     cache.pop(key, None)
@@ -374,19 +434,34 @@ class EmbeddingStore(ABC):
     def _read_heads(self, keys: list[str]) -> dict[str, tuple[Header | None, Buffer | None]]:
         """Per key its checked header and head bytes, in one batched read; (None, None) for a
         miss or an invalid value (counted)."""
-        heads = self._get_heads([self.full_key(k) for k in keys])
+        heads = self._connection.get_heads([self.full_key(k) for k in keys])
         return {k: (self._header_of(k, h), h) for k, h in zip(keys, heads, strict=True)}
 
-    def _decode_rows(self, key: str, header: Header, chunks: list[Buffer], r0: int, r1: int,
-                     stale_ok: bool = False,
-                     spans: list[RowSpan] | None = None) -> EmbeddingRecord | None:  # fmt: skip
+    def _decode_rows(
+        self,
+        key: str,
+        header: Header,
+        chunks: list[Buffer],
+        r0: int,
+        r1: int,
+        stale_ok: bool = False,
+        spans: list[RowSpan] | None = None,
+    ) -> EmbeddingRecord | None:
         """The checked rows, counted; None (an integrity miss, unless ``stale_ok`` says the
         header may be stale and the caller reads again) where a check fails."""
         nbytes = sum(len(c) for c in chunks)
         self._count("bytes_read", nbytes)
         try:
-            record = decode_rows(header, chunks, r0, r1, key=key, fingerprint=self.fingerprint,
-                                 verify=self.verify_payload, spans=spans)  # fmt: skip
+            record = decode_rows(
+                header,
+                chunks,
+                r0,
+                r1,
+                key=key,
+                fingerprint=self.fingerprint,
+                verify=self.verify_payload,
+                spans=spans,
+            )
         except RecordFormatError as exc:
             if not stale_ok:
                 self._integrity_miss(key, exc)
@@ -398,40 +473,31 @@ class EmbeddingStore(ABC):
     def delete(self, keys: str | Sequence[str]) -> int:
         """Delete keys; returns how many existed."""
         keys = [keys] if isinstance(keys, str) else list(keys)
-        return self._delete([self.full_key(k) for k in keys])
+        return self._connection.delete([self.full_key(k) for k in keys])
 
     # -- single flight -------------------------------------------------------------------------
     def claim(self, key: str, ttl_s: float, token: str | None = None) -> bool:
         """Try to become the one encoder of ``key`` for ``ttl_s`` seconds, as ``token``
-        (default this object's)."""
+        (default the connection's)."""
         if ttl_s <= 0:
             raise ConfigError(f"claim ttl_s must be positive, got {ttl_s}")
-        return self._claim(self.full_key(key), ttl_s, token or self.token)
+        return self._connection.claim(self.full_key(key), ttl_s, token or self.token)
 
     def release(self, key: str, token: str | None = None) -> None:
-        """Give up the claim ``token`` (default this object's) holds on ``key`` (no-op if it
+        """Give up the claim ``token`` (default the connection's) holds on ``key`` (no-op if it
         holds none)."""
-        self._release(self.full_key(key), token or self.token)
+        self._connection.release(self.full_key(key), token or self.token)
 
     def wait_for(self, key: str, timeout_s: float) -> bool:
         """Block until ``key`` is present (True), or until ``timeout_s`` passes or the claim
-        on it is gone without a value (False)."""
-        fk = self.full_key(key)
-        deadline = time.monotonic() + timeout_s
-        delay = 0.002
-        while True:
-            if self._exists([fk])[0]:
-                return True
-            if not self._claimed(fk):
-                return self._exists([fk])[0]
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, 0.05)
+        on it is gone without a value (False): the connection's wait (woken by the backend
+        where it can be)."""
+        return self._connection.wait_for(self.full_key(key), timeout_s)
 
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release connections or handles."""
+    def close(self) -> None:
+        """Close the connection if this store owns it; else nothing (its owner closes it)."""
+        if self._owns_connection:
+            self._connection.close()
 
     def __enter__(self) -> EmbeddingStore:
         return self
@@ -439,53 +505,12 @@ class EmbeddingStore(ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- backend -------------------------------------------------------------------------------
-    @abstractmethod
-    def _put_values(self, items: list[tuple[str, Buffer]], ttl_s: float | None) -> None: ...
 
-    @abstractmethod
-    def _get_values(self, full_keys: list[str]) -> list[Buffer | None]: ...
-
-    @abstractmethod
-    def _exists(self, full_keys: list[str]) -> list[bool]: ...
-
-    @abstractmethod
-    def _get_head(self, full_key: str) -> Buffer | None:
-        """The whole value, or (``head_is_whole_value = False``) at least its prefix and header
-        bytes; row reads slice a whole value and call ``_get_spans_many`` only after a prefix."""
-
-    def _get_spans_many(self, items: list[tuple[str, list[RowSpan]]]
-                        ) -> list[list[Buffer] | None]:  # fmt: skip
-        """Per ``(full key, spans)``, the bytes ``[span.start, span.end)`` of its value, per
-        span; None if the value vanished. Called by ``get_rows_many`` for spans beyond a head;
-        a remote store reads them all in one round trip. This default serves a store whose head
-        is the whole value, from its values (one ``_get_values``)."""
-        if not self.head_is_whole_value:
-            raise NotImplementedError(f"{type(self).__name__} reads prefixes: read the spans")
-        values = self._get_values([fk for fk, _ in items]) if items else []
-        return [None if v is None else [memoryview(v).cast("B")[sp.start : sp.end] for sp in spans]
-                for (_, spans), v in zip(items, values, strict=True)]  # fmt: skip
-
-    @abstractmethod
-    def _delete(self, full_keys: list[str]) -> int: ...
-
-    def _put_and_release(self, items: list[tuple[str, Buffer]], ttl_s: float | None,
-                         releases: list[tuple[str, str]]) -> None:  # fmt: skip
-        """``_put_values`` then ``_release`` of each ``(full key, token)``; backends that can
-        do both in one round trip override it. The claims are released even if the put
-        fails (the claimant cannot publish; waiters must not wait for its ttl)."""
-        try:
-            self._put_values(items, ttl_s)
-        finally:
-            for full_key, token in releases:
-                self._release(full_key, token)
-
-    @abstractmethod
-    def _claim(self, full_key: str, ttl_s: float, token: str) -> bool: ...
-
-    @abstractmethod
-    def _release(self, full_key: str, token: str) -> None: ...
-
-    @abstractmethod
-    def _claimed(self, full_key: str) -> bool:
-        """Whether anyone holds an unexpired claim on the key."""
+__all__ = [
+    "Buffer",
+    "Claim",
+    "EmbeddingStore",
+    "Pending",
+    "StorePolicy",
+    "buffer_nbytes",
+]

@@ -240,8 +240,15 @@ def encode_record(record: EmbeddingRecord) -> memoryview:
         step = block_rows * row_bytes
         sums = block_digests(raw, step)
         end = _align(offset + a.nbytes)
-        entries.append({"name": name, "shape": list(a.shape), "offset": offset,
-                        "block_rows": block_rows, "sums": sums})  # fmt: skip
+        entries.append(
+            {
+                "name": name,
+                "shape": list(a.shape),
+                "offset": offset,
+                "block_rows": block_rows,
+                "sums": sums,
+            }
+        )
         offset = end
     doc = {
         "key": record.key,
@@ -271,7 +278,7 @@ def _write_head(out: bytearray, header: bytes, payload_offset: int) -> None:
     out[end : end + SUM_BYTES] = _digest(memoryview(out)[:end])
 
 
-def header_bytes_needed(prefix: bytes | memoryview) -> int:
+def header_bytes_needed(prefix: bytes | bytearray | memoryview | np.ndarray) -> int:
     """How many bytes from the start hold the prefix, header and header checksum (from the
     16-byte prefix)."""
     _, _, header_len = _parse_prefix(prefix)
@@ -343,13 +350,23 @@ def _parse_header(doc: Any, version: int, payload_offset: int) -> Header:
         if len(shape) != 2:
             raise RecordFormatError(f"tensor {name!r} is not 2-D")
         rows, width = (_field({"shape": n}, "shape", int) for n in shape)
-        info = TensorInfo(name=name, rows=rows, width=width,
-                          offset=_field(entry, "offset", int),
-                          block_rows=_field(entry, "block_rows", int),
-                          sums=_field(entry, "sums", bytes))  # fmt: skip
+        info = TensorInfo(
+            name=name,
+            rows=rows,
+            width=width,
+            offset=_field(entry, "offset", int),
+            block_rows=_field(entry, "block_rows", int),
+            sums=_field(entry, "sums", bytes),
+        )
         blocks = -(-rows // info.block_rows) if info.block_rows else -1
-        if (rows != num_tokens or width < 1 or blocks < 0 or len(info.sums) != blocks * SUM_BYTES
-                or info.offset % ALIGN or info.offset < end):  # fmt: skip
+        if (
+            rows != num_tokens
+            or width < 1
+            or blocks < 0
+            or len(info.sums) != blocks * SUM_BYTES
+            or info.offset % ALIGN
+            or info.offset < end
+        ):
             raise RecordFormatError(f"tensor {name!r} does not match the header")
         end = _align(info.offset + rows * width * itemsize)
         tensors.append(info)
@@ -360,9 +377,18 @@ def _parse_header(doc: Any, version: int, payload_offset: int) -> Header:
     payload_sum = _field(doc, "sum", bytes)
     if len(payload_sum) != SUM_BYTES or payload_offset % ALIGN:
         raise RecordFormatError("record payload checksum or offset is malformed")
-    return Header(version=version, key=_field(doc, "key", str), fingerprint=_field(doc, "fp", str),
-                  dtype=dtype, num_tokens=num_tokens, grid=grid, payload_offset=payload_offset,
-                  payload_bytes=end, payload_sum=payload_sum, tensors=tuple(tensors))  # fmt: skip
+    return Header(
+        version=version,
+        key=_field(doc, "key", str),
+        fingerprint=_field(doc, "fp", str),
+        dtype=dtype,
+        num_tokens=num_tokens,
+        grid=grid,
+        payload_offset=payload_offset,
+        payload_bytes=end,
+        payload_sum=payload_sum,
+        tensors=tuple(tensors),
+    )
 
 
 def _check_identity(header: Header, key: str | None, fingerprint: str | None) -> None:
@@ -379,9 +405,15 @@ def _view(buf: Any, dtype: np.dtype, offset: int, rows: int, width: int) -> np.n
 
 
 def _record(header: Header, tensors: dict[str, np.ndarray], row_start: int = 0) -> EmbeddingRecord:
-    return EmbeddingRecord(key=header.key, fingerprint=header.fingerprint, dtype=header.dtype,
-                           num_tokens=header.num_tokens, grid=header.grid, tensors=tensors,
-                           row_start=row_start)  # fmt: skip
+    return EmbeddingRecord(
+        key=header.key,
+        fingerprint=header.fingerprint,
+        dtype=header.dtype,
+        num_tokens=header.num_tokens,
+        grid=header.grid,
+        tensors=tensors,
+        row_start=row_start,
+    )
 
 
 def decode_record(

@@ -1,6 +1,7 @@
-"""The node-local store: one Ray actor per node owns the values; readers map them zero-copy.
+"""The node-local connection: one Ray actor per node owns the values; readers map them zero-copy.
 
-Every process on a node (encoder replicas, LLM-side readers) opens a :class:`NodeStore`; they all
+Every process on a node (encoder replicas, LLM-side readers) opens a :class:`NodeConnection`
+(directly, or as the connection of a :class:`NodeStore`, a store over one of its own); they all
 talk to one long-lived **store actor** (:class:`NodeStoreActor`) on that node, named
 ``vitserve-node-store-<node id>`` in the Ray namespace ``"vitserve"``, detached, with
 ``num_cpus=0`` and hard node affinity. The first opener creates it (``get_if_exists=True``, so
@@ -31,10 +32,10 @@ Invariants:
   object store, and the codec decodes views over them. A reader's arrays stay valid after the
   entry is evicted, replaced or deleted: Ray keeps a borrowed / mapped object alive.
 * **Readers keep what they read, briefly.** A content key's value never changes, so each
-  ``NodeStore`` keeps the mapped values it read (``read_cache_bytes``, LRU) for up to
+  ``NodeConnection`` keeps the mapped values it read (``read_cache_bytes``, LRU) for up to
   ``read_cache_s`` seconds (never past the entry's ttl) and serves repeated reads of them
   without an actor call (a prefill reading an image chunk by chunk). The price, bounded by those
-  two settings: a delete or an eviction made through another ``NodeStore`` is seen by this one
+  two settings: a delete or an eviction made through another ``NodeConnection`` is seen by this one
   only when its kept copy ages out (its own deletes at once), and kept values stay mapped, so
   the node's object store holds up to ``read_cache_bytes`` per reader beyond ``max_bytes``.
   ``read_cache_bytes=0`` turns it off.
@@ -45,7 +46,7 @@ Invariants:
   it (with a warning). Keep ``max_bytes`` plus the readers' ``read_cache_bytes`` well below the
   node's object store memory, or Ray spills entries to disk (still correct, no longer
   zero-copy).
-* **Claims** live in the actor: full key -> (deadline, token); the token is per ``NodeStore``
+* **Claims** live in the actor: full key -> (deadline, token); the token is per ``NodeConnection``
   object, so only the claimant's ``release`` counts; a claim whose caller timed out is never
   granted behind its back. ``wait_for`` is one actor call that sleeps on a
   ``threading.Event`` per key, woken by the put / release / delete of that key. ``put``
@@ -73,14 +74,18 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import ray
+from ray import exceptions as rex
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from vitserve.cache.base import Buffer, EmbeddingStore, buffer_nbytes
+from vitserve.cache.base import EmbeddingStore, StorePolicy
 from vitserve.cache.codec import decode_record, header_bytes_needed
+from vitserve.cache.connection import Buffer, Connection, buffer_nbytes
 from vitserve.cache.lru import ByteBudgetLru
 from vitserve.errors import ConfigError, RecordFormatError, StoreUnavailableError
 
@@ -156,12 +161,11 @@ class NodeStoreActor:
     slow step, copying values into owned objects, runs outside it. ``wait_for`` runs in its own
     concurrency group (``WAIT_THREADS``), so waiters never hold up lookups and puts."""
 
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
-        import ray
-
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, share_bytes: int | None = None) -> None:
         self._ray = ray
         self._lock = threading.Lock()
-        self._lru = ByteBudgetLru(max_bytes)  # full key -> _Held (an object this actor owns)
+        # full key -> _Held (an object this actor owns)
+        self._lru = ByteBudgetLru(max_bytes, share_bytes)
         self._claims: dict[str, _Claim] = {}
         self._wakes: dict[str, _Wake] = {}
         self._node_id = ray.get_runtime_context().get_node_id()
@@ -198,16 +202,28 @@ class NodeStoreActor:
         return True
 
     # -- methods -------------------------------------------------------------------------------
-    def configure(self, max_bytes: int) -> dict[str, Any]:
-        """Set the byte budget (evicting to fit) and describe the actor."""
+    def configure(self, max_bytes: int, share_bytes: int | None = None) -> dict[str, Any]:
+        """Set the byte budget (evicting to fit) and each namespace's share, and describe the
+        actor."""
         with self._lock:
-            previous = self._lru.max_bytes
+            previous = self._lru.max_bytes, self._lru.share_bytes
             self._lru.resize(max_bytes)  # evicts to fit a smaller budget
-            return {"max_bytes": self._lru.max_bytes, "previous_max_bytes": previous,
-                    "node_id": self._node_id, "pid": os.getpid()}  # fmt: skip
+            self._lru.set_share(share_bytes)
+            return {
+                "max_bytes": self._lru.max_bytes,
+                "previous_max_bytes": previous[0],
+                "share_bytes": self._lru.share_bytes,
+                "previous_share_bytes": previous[1],
+                "node_id": self._node_id,
+                "pid": os.getpid(),
+            }
 
-    def put(self, items: list[tuple[str, np.ndarray]], ttl_s: float | None,
-            releases: list[tuple[str, str]] = ()) -> None:  # fmt: skip
+    def put(
+        self,
+        items: list[tuple[str, np.ndarray]],
+        ttl_s: float | None,
+        releases: Sequence[tuple[str, str]] = (),
+    ) -> None:
         """Check each value, copy the good ones into objects this actor owns and index them
         (replacing any); then release the claims ``releases`` names as (full key, token)."""
         try:
@@ -227,8 +243,9 @@ class NodeStoreActor:
                 expires = now + ttl_s if ttl_s is not None else None
                 for (fk, value), held in zip(items, owned, strict=True):
                     if held is not None:
-                        self._lru.put(fk, _Held(held[0], held[1], expires), int(value.nbytes),
-                                      expires)  # fmt: skip
+                        self._lru.put(
+                            fk, _Held(held[0], held[1], expires), int(value.nbytes), expires
+                        )
                         self._notify(fk)
         finally:
             with self._lock:
@@ -253,27 +270,32 @@ class NodeStoreActor:
         """The header bytes of each key's value (None where missing); marks them used."""
         with self._lock:
             now = time.monotonic()
-            return [None if (h := self._lru.get(fk, now)) is None else h.head
-                    for fk in full_keys]  # fmt: skip
+            return [None if (h := self._lru.get(fk, now)) is None else h.head for fk in full_keys]
 
-    def lookup_or_claim(self, full_keys: list[str], ttl_s: float, token: str,
-                        give_up_at: float | None = None) -> list[bytes | bool]:  # fmt: skip
+    def lookup_or_claim(
+        self, full_keys: list[str], ttl_s: float, token: str, give_up_at: float | None = None
+    ) -> list[bytes | bool]:
         """Per key its header bytes (marking it used), else the outcome of ``claim``."""
         with self._lock:
             now = time.monotonic()
             out: list[bytes | bool] = []
             for fk in full_keys:
                 held = self._lru.get(fk, now)
-                out.append(held.head if held is not None else
-                           self._claim(fk, ttl_s, token, give_up_at))  # fmt: skip
+                out.append(
+                    held.head if held is not None else self._claim(fk, ttl_s, token, give_up_at)
+                )
             return out
 
     def states(self, full_keys: list[str]) -> list[bytes | bool]:
         """Per key its header bytes (marking it used), else whether a live claim holds it."""
         with self._lock:
             now = time.monotonic()
-            return [held.head if (held := self._lru.get(fk, now)) is not None else
-                    self._live_claim(fk, now) is not None for fk in full_keys]  # fmt: skip
+            return [
+                held.head
+                if (held := self._lru.get(fk, now)) is not None
+                else self._live_claim(fk, now) is not None
+                for fk in full_keys
+            ]
 
     def exists(self, full_keys: list[str]) -> list[bool]:
         with self._lock:
@@ -340,8 +362,7 @@ class NodeStoreActor:
 @functools.cache
 def node_store_actor_class() -> Any:
     """:class:`NodeStoreActor` as a threaded Ray actor class, ``wait_for`` in its own
-    concurrency group (made on first use: Ray loads lazily)."""
-    import ray
+    concurrency group (made on first use)."""
 
     class VitserveNodeStore(NodeStoreActor):
         @ray.method(concurrency_group="waits")
@@ -358,8 +379,6 @@ def _ensure_ray(store: str, timeout_s: float) -> Any:
     ``ray.init`` waits a long time for a cluster address that does not answer, so the address
     is first probed with a TCP connect bounded by ``timeout_s``.
     """
-    import ray
-
     if ray.is_initialized():
         return ray
     try:
@@ -387,7 +406,7 @@ def _cluster_address() -> str | None:
     return canonicalize_bootstrap_address_or_die("auto")  # ConnectionError when none runs
 
 
-class NodeStore(EmbeddingStore):
+class NodeConnection(Connection):
     """A client of this node's store actor; see the module docstring for the contract.
 
     ``actor_name`` defaults to the node's actor; give a private one to get an isolated store
@@ -404,15 +423,13 @@ class NodeStore(EmbeddingStore):
         self,
         *,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        share_bytes: int | None = None,
         actor_name: str | None = None,
-        namespace: str = "",
-        fingerprint: str | None = None,
-        ttl_s: float | None = None,
         timeout_s: float = 10.0,
         read_cache_bytes: int = DEFAULT_READ_CACHE_BYTES,
         read_cache_s: float = DEFAULT_READ_CACHE_S,
     ) -> None:
-        super().__init__(namespace=namespace, fingerprint=fingerprint, ttl_s=ttl_s)
+        super().__init__()
         if max_bytes <= 0:
             raise ConfigError(f"max_bytes must be positive, got {max_bytes}")
         if timeout_s <= 0:
@@ -431,26 +448,41 @@ class NodeStore(EmbeddingStore):
         self.actor_name = actor_name or default_actor_name(self.node_id)
         self.actor_namespace = RAY_NAMESPACE
         self._requested_max_bytes = int(max_bytes)
+        self._requested_share_bytes = None if share_bytes is None else int(share_bytes)
         self._handle: Any = None
         self._handle_lock = threading.Lock()
 
-        info = self._call("configure", lambda a: a.configure.remote(self._requested_max_bytes))
+        info = self._call(
+            "configure",
+            lambda a: a.configure.remote(self._requested_max_bytes, self._requested_share_bytes),
+        )
         self.max_bytes: int = info["max_bytes"]
         self.actor_node_id: str = info["node_id"]
         self.actor_pid: int = info["pid"]
+        if info["previous_share_bytes"] != info["share_bytes"]:
+            logger.warning(
+                "store actor %s: each namespace's share changed from %s to %s bytes by this opener",
+                self.actor_name,
+                info["previous_share_bytes"],
+                info["share_bytes"],
+            )
         if info["previous_max_bytes"] != info["max_bytes"]:
             logger.warning(
                 "store actor %s: byte budget changed from %d to %d by this opener",
-                self.actor_name, info["previous_max_bytes"], info["max_bytes"],
-            )  # fmt: skip
+                self.actor_name,
+                info["previous_max_bytes"],
+                info["max_bytes"],
+            )
         if self.actor_node_id != self.node_id:
             logger.warning(
                 "store actor %s runs on node %s, not this node %s: reads will copy",
-                self.actor_name, self.actor_node_id, self.node_id,
-            )  # fmt: skip
+                self.actor_name,
+                self.actor_node_id,
+                self.node_id,
+            )
 
     def __repr__(self) -> str:
-        return f"NodeStore(actor={self.actor_name!r}, namespace={self.namespace!r})"
+        return f"NodeConnection(actor={self.actor_name!r})"
 
     # -- the actor -----------------------------------------------------------------------------
     @property
@@ -461,8 +493,6 @@ class NodeStore(EmbeddingStore):
         """The handle of the store actor, found by name or created on this node."""
         with self._handle_lock:
             if self._handle is None:
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
                 try:
                     self._handle = (
                         node_store_actor_class()
@@ -479,10 +509,10 @@ class NodeStore(EmbeddingStore):
                                 self.node_id, soft=False
                             ),
                         )
-                        .remote(self._requested_max_bytes)
+                        .remote(self._requested_max_bytes, self._requested_share_bytes)
                     )
                 except Exception as exc:  # the GCS unreachable, Ray shut down, ...
-                    self._count("errors")
+                    self.counters.add("errors")
                     raise StoreUnavailableError(
                         self._label, f"cannot find or create the store actor: {exc}"
                     ) from None
@@ -499,23 +529,21 @@ class NodeStore(EmbeddingStore):
         handle = self._actor()
         return self._wait(what, lambda: submit(handle), timeout, handle)
 
-    def _wait(self, what: str, submit: Callable[[], Any], timeout: float | None,
-              handle: Any = None) -> Any:  # fmt: skip
-        import ray
-        from ray import exceptions as rex
-
+    def _wait(
+        self, what: str, submit: Callable[[], Any], timeout: float | None, handle: Any = None
+    ) -> Any:
         limit = self.timeout_s if timeout is None else timeout
         try:
             return ray.get(submit(), timeout=limit)
         except rex.GetTimeoutError:
-            self._count("errors")
+            self.counters.add("errors")
             raise StoreUnavailableError(
                 self._label, f"{what} timed out after {limit:g} s"
             ) from None
         except (rex.RayActorError, rex.ObjectLostError, rex.RaySystemError) as exc:
             # The actor died or is restarting, or the objects it owned went with it: the next
             # call looks the actor up again (re-creating it, empty, if it is gone).
-            self._count("errors")
+            self.counters.add("errors")
             self._forget_actor(handle if handle is not None else self._handle)
             reason = f"{what} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
             raise StoreUnavailableError(self._label, reason) from None
@@ -525,11 +553,12 @@ class NodeStore(EmbeddingStore):
         return self._wait("fetch", lambda: refs, None) if refs else []
 
     # -- backend -------------------------------------------------------------------------------
-    def _put_values(self, items: list[tuple[str, Buffer]], ttl_s: float | None) -> None:
-        self._put_and_release(items, ttl_s, [])
+    def put_values(self, items: list[tuple[str, Buffer]], ttl_s: float | None) -> None:
+        self.put_and_release(items, ttl_s, [])
 
-    def _put_and_release(self, items: list[tuple[str, Buffer]], ttl_s: float | None,
-                         releases: list[tuple[str, str]]) -> None:  # fmt: skip
+    def put_and_release(
+        self, items: list[tuple[str, Buffer]], ttl_s: float | None, releases: list[tuple[str, str]]
+    ) -> None:
         """One actor call per ``_PUT_CALL_BYTES`` of values (one in all, usually); the claims
         are released by the last of them. This reader's kept copies of those keys are
         forgotten: it reads its own writes."""
@@ -579,11 +608,11 @@ class NodeStore(EmbeddingStore):
             if kept is not None:
                 self._kept_bytes -= kept[0].nbytes
 
-    def _get_values(self, full_keys: list[str]) -> list[Buffer | None]:
+    def get_values(self, full_keys: list[str]) -> list[Buffer | None]:
         now = time.monotonic()
         out: list[Buffer | None] = [self._kept_value(fk, now) for fk in full_keys]
         asked = [i for i, v in enumerate(out) if v is None]
-        self._count("read_cache_hits", len(full_keys) - len(asked))
+        self.counters.add("read_cache_hits", len(full_keys) - len(asked))
         if not asked:
             return out
         answers = self._call("get_refs", lambda a: a.get_refs.remote([full_keys[i] for i in asked]))
@@ -598,23 +627,24 @@ class NodeStore(EmbeddingStore):
                 self._keep(full_keys[i], value, now + keep_s)
         return out
 
-    def _exists(self, full_keys: list[str]) -> list[bool]:
+    def exists(self, full_keys: list[str]) -> list[bool]:
         return self._call("exists", lambda a: a.exists.remote(full_keys))
 
-    def _get_head(self, full_key: str) -> Buffer | None:
-        return self._get_values([full_key])[0]  # the whole value, zero-copy: get_rows slices it
+    def get_head(self, full_key: str) -> Buffer | None:
+        return self.get_values([full_key])[0]  # the whole value, zero-copy: get_rows slices it
 
-    def _get_heads(self, full_keys: list[str]) -> list[Buffer | None]:
+    def get_heads(self, full_keys: list[str]) -> list[Buffer | None]:
         return self._call("heads", lambda a: a.heads.remote(full_keys))  # headers only
 
-    def _lookup_or_claim(self, full_keys: list[str], ttl_s: float,
-                         token: str) -> list[Buffer | bool]:  # fmt: skip
+    def lookup_or_claim(
+        self, full_keys: list[str], ttl_s: float, token: str
+    ) -> list[Buffer | bool]:
         return self._claiming("lookup_or_claim", full_keys, ttl_s, token)
 
-    def _lookup_states(self, full_keys: list[str]) -> list[Buffer | bool]:
+    def lookup_states(self, full_keys: list[str]) -> list[Buffer | bool]:
         return self._call("states", lambda a: a.states.remote(full_keys))
 
-    def _delete(self, full_keys: list[str]) -> int:
+    def delete(self, full_keys: list[str]) -> int:
         with self._kept_lock:
             self._drop_kept(full_keys)
         return self._call("delete", lambda a: a.delete.remote(full_keys))
@@ -642,30 +672,32 @@ class NodeStore(EmbeddingStore):
                     handle.release.remote(fk, token)
             raise
 
-    def _claim(self, full_key: str, ttl_s: float, token: str) -> bool:
+    def claim(self, full_key: str, ttl_s: float, token: str) -> bool:
         return self._claiming("claim", [full_key], ttl_s, token)
 
-    def _release(self, full_key: str, token: str) -> None:
+    def release(self, full_key: str, token: str) -> None:
         self._call("release", lambda a: a.release.remote(full_key, token))
 
-    def _claimed(self, full_key: str) -> bool:
+    def claimed(self, full_key: str) -> bool:
         return self._call("claimed", lambda a: a.claimed.remote(full_key))
 
-    def wait_for(self, key: str, timeout_s: float) -> bool:
+    def wait_for(self, full_key: str, timeout_s: float) -> bool:
         """As the base contract, in one actor call that is woken by the key's put, release or
         delete (no polling)."""
-        fk = self.full_key(key)
         timeout_s = max(0.0, float(timeout_s))
-        return self._call("wait_for", lambda a: a.wait_for.remote(fk, timeout_s),
-                          timeout=timeout_s + self.timeout_s)  # fmt: skip
+        return self._call(
+            "wait_for",
+            lambda a: a.wait_for.remote(full_key, timeout_s),
+            timeout=timeout_s + self.timeout_s,
+        )
 
-    def _backend_stats(self) -> dict[str, int]:
+    def backend_stats(self) -> dict[str, int]:
         """The actor's counters: node-wide, since the actor started."""
         return self._call("stats", lambda a: a.stats.remote())
 
     def close(self) -> None:
-        """Give up this object's claims (best effort) and drop the actor handle; the actor and
-        its entries stay."""
+        """Give up the claims held under this connection's token (best effort) and drop the
+        actor handle; the actor and its entries stay."""
         if self._handle is not None:
             with contextlib.suppress(StoreUnavailableError):
                 self._call("release_all", lambda a: a.release_all.remote(self.token))
@@ -674,10 +706,24 @@ class NodeStore(EmbeddingStore):
     def kill_actor(self) -> None:
         """Kill the store actor: every entry it holds is gone, for every process on the node
         (tests and operators; the next call re-creates it, empty)."""
-        import ray
-
         handle = self._actor()
         ray.kill(handle, no_restart=True)
         self._forget_actor(handle)
         with self._kept_lock:
             self._drop_kept(list(self._kept))
+
+
+class NodeStore(EmbeddingStore):
+    """A store over a node-store connection of its own (the connection's options as
+    :class:`NodeConnection`)."""
+
+    def __init__(
+        self,
+        *,
+        namespace: str = "",
+        fingerprint: str | None = None,
+        ttl_s: float | None = None,
+        **options: Any,
+    ) -> None:
+        policy = StorePolicy(namespace=namespace, fingerprint=fingerprint, ttl_s=ttl_s)
+        super().__init__(NodeConnection(**options), policy, owns_connection=True)

@@ -37,13 +37,19 @@ def make_record(
         return values
 
     tensors = {"embedding": tensor()} | {f"deepstack_{i}": tensor() for i in range(extras)}
-    return EmbeddingRecord(key=key or new_key(), fingerprint=fingerprint, dtype=dtype,
-                           num_tokens=rows, grid=(1, 2 * rows, 2) if rows else None,
-                           tensors=tensors)  # fmt: skip
+    return EmbeddingRecord(
+        key=key or new_key(),
+        fingerprint=fingerprint,
+        dtype=dtype,
+        num_tokens=rows,
+        grid=(1, 2 * rows, 2) if rows else None,
+        tensors=tensors,
+    )
 
 
-def expected_read_bytes(store: Any, reads: Sequence[tuple[str, int, int]],
-                        first_read: set[str]) -> int:  # fmt: skip
+def expected_read_bytes(
+    store: Any, reads: Sequence[tuple[str, int, int]], first_read: set[str]
+) -> int:
     """Bytes a batched row read (``get_rows_many`` of ``reads``, each ``(key, row_start,
     row_end)``) must move, found by reading the records whole from ``store``: per read and
     tensor, its rows widened to whole checksum blocks; plus each key's head where it is read:

@@ -1,4 +1,7 @@
-"""A local tier (in-process or node-local) in front of a shared tier (Redis).
+"""A local tier (in-process or node-local) in front of a shared tier (Redis): one connection.
+
+:class:`TieredConnection` joins two connections; :class:`TieredStore` is a store over a tiered
+connection of its own.
 
 Reads hit the local tier first; a value found only in the shared tier is promoted into the local
 one (the bytes fetched are held as they are, no copy). Writes go to both. Claims go to the
@@ -12,8 +15,10 @@ unavailability are not hidden.
 A value that fails a check (corrupt, truncated, another model's) is dropped from both tiers, so
 the next encode recomputes it instead of finding the bad value's header again in the other tier.
 
-Both tiers must be opened without a namespace of their own; the tiered store's namespace
-applies to both.
+The tiers are connections: they know no namespace, so the namespace of the store over the
+tiered connection applies to both. A promoted value is held in the local tier for the tiered
+connection's ``promote_ttl_s`` (the ``ttl_s`` of its URL; None: until evicted), whichever store
+read it. Closing the tiered connection closes both tiers.
 """
 
 from __future__ import annotations
@@ -22,158 +27,195 @@ import contextlib
 from collections.abc import Callable
 from typing import TypeVar
 
-from vitserve.cache.base import Buffer, EmbeddingStore
+from vitserve.cache.base import EmbeddingStore, StorePolicy
 from vitserve.cache.codec import RowSpan
+from vitserve.cache.connection import Buffer, Connection
 from vitserve.errors import ConfigError, StoreError, StoreUnavailableError
 
 T = TypeVar("T")
 
 
-class TieredStore(EmbeddingStore):
+class TieredConnection(Connection):
     kind = "tiered"
     head_is_whole_value = False  # the head may be the shared tier's prefix
     verify_payload = True  # a value may come from the shared tier
 
-    def __init__(self, local: EmbeddingStore, shared: EmbeddingStore, **kwargs) -> None:
-        super().__init__(**kwargs)
-        if local.namespace or shared.namespace:
-            raise ConfigError("the tiers of a tiered store must not have namespaces of their own")
+    def __init__(
+        self, local: Connection, shared: Connection, *, promote_ttl_s: float | None = None
+    ) -> None:
+        super().__init__()
+        if promote_ttl_s is not None and promote_ttl_s <= 0:
+            raise ConfigError(f"promote_ttl_s must be positive, got {promote_ttl_s}")
         self.local = local
         self.shared = shared
+        self.promote_ttl_s = promote_ttl_s
 
     def _shared(self, call: Callable[[], T], fallback: T) -> T:
         try:
             return call()
         except StoreUnavailableError:
-            self._count("shared_unavailable")
+            self.counters.add("shared_unavailable")
             return fallback
 
-    def _put_values(self, items: list[tuple[str, Buffer]], ttl_s: float | None) -> None:
-        self.local._put_values(items, ttl_s)
-        self._shared(lambda: self.shared._put_values(items, ttl_s), None)
+    def put_values(self, items: list[tuple[str, Buffer]], ttl_s: float | None) -> None:
+        self.local.put_values(items, ttl_s)
+        self._shared(lambda: self.shared.put_values(items, ttl_s), None)
 
-    def _get_values(self, full_keys: list[str]) -> list[Buffer | None]:
-        values = self.local._get_values(full_keys)
+    def get_values(self, full_keys: list[str]) -> list[Buffer | None]:
+        values = self.local.get_values(full_keys)
         missing = [i for i, v in enumerate(values) if v is None]
         if not missing:
             return values
+        absent: list[Buffer | None] = [None] * len(missing)
         fetched = self._shared(
-            lambda: self.shared._get_values([full_keys[i] for i in missing]), [None] * len(missing)
+            lambda: self.shared.get_values([full_keys[i] for i in missing]), absent
         )
-        promoted = []
+        promoted: list[tuple[str, Buffer]] = []
         for i, value in zip(missing, fetched, strict=True):
             if value is not None:
                 values[i] = value
                 promoted.append((full_keys[i], value))
         if promoted:
-            self.local._put_values(promoted, self.ttl_s)
-            self._count("promotions", len(promoted))
+            self.local.put_values(promoted, self.promote_ttl_s)
+            self.counters.add("promotions", len(promoted))
         return values
 
-    def _exists(self, full_keys: list[str]) -> list[bool]:
-        found = self.local._exists(full_keys)
+    def exists(self, full_keys: list[str]) -> list[bool]:
+        found = self.local.exists(full_keys)
         missing = [i for i, f in enumerate(found) if not f]
         if missing:
             shared = self._shared(
-                lambda: self.shared._exists([full_keys[i] for i in missing]), [False] * len(missing)
+                lambda: self.shared.exists([full_keys[i] for i in missing]), [False] * len(missing)
             )
             for i, f in zip(missing, shared, strict=True):
                 found[i] = f
         return found
 
-    def _get_head(self, full_key: str) -> Buffer | None:
-        head = self.local._get_head(full_key)
+    def get_head(self, full_key: str) -> Buffer | None:
+        head = self.local.get_head(full_key)
         if head is None:
-            head = self._shared(lambda: self.shared._get_head(full_key), None)
+            head = self._shared(lambda: self.shared.get_head(full_key), None)
         return head
 
-    def _get_spans_many(self, items: list[tuple[str, list[RowSpan]]]
-                        ) -> list[list[Buffer] | None]:  # fmt: skip
+    def get_spans_many(self, items: list[tuple[str, list[RowSpan]]]) -> list[list[Buffer] | None]:
         """The local tier's values sliced, the rest from the shared tier in one call."""
-        out = self.local._get_spans_many(items)
+        out = self.local.get_spans_many(items)
         missing = [i for i, chunks in enumerate(out) if chunks is None]
         if missing:
-            shared = self._shared(lambda: self.shared._get_spans_many([items[i] for i in missing]),
-                                  [None] * len(missing))  # fmt: skip
+            absent: list[list[Buffer] | None] = [None] * len(missing)
+            shared = self._shared(
+                lambda: self.shared.get_spans_many([items[i] for i in missing]), absent
+            )
             for i, chunks in zip(missing, shared, strict=True):
                 out[i] = chunks
         return out
 
-    def _delete(self, full_keys: list[str]) -> int:
-        local = self.local._delete(full_keys)
-        return max(local, self._shared(lambda: self.shared._delete(full_keys), 0))
+    def delete(self, full_keys: list[str]) -> int:
+        local = self.local.delete(full_keys)
+        return max(local, self._shared(lambda: self.shared.delete(full_keys), 0))
 
-    def _claim(self, full_key: str, ttl_s: float, token: str) -> bool:
+    def claim(self, full_key: str, ttl_s: float, token: str) -> bool:
         try:
-            return self.shared._claim(full_key, ttl_s, token)
+            return self.shared.claim(full_key, ttl_s, token)
         except StoreUnavailableError:
-            self._count("shared_unavailable")
-            return self.local._claim(full_key, ttl_s, token)
+            self.counters.add("shared_unavailable")
+            return self.local.claim(full_key, ttl_s, token)
 
-    def _release(self, full_key: str, token: str) -> None:
-        self.local._release(full_key, token)
-        self._shared(lambda: self.shared._release(full_key, token), None)
+    def release(self, full_key: str, token: str) -> None:
+        self.local.release(full_key, token)
+        self._shared(lambda: self.shared.release(full_key, token), None)
 
-    def _lookup_or_claim(self, full_keys: list[str], ttl_s: float,
-                         token: str) -> list[Buffer | bool]:  # fmt: skip
+    def lookup_or_claim(
+        self, full_keys: list[str], ttl_s: float, token: str
+    ) -> list[Buffer | bool]:
         """The local tier's heads; the rest in one call to the shared tier (its header, or
         its claim), falling back to claims in the local tier when it is unavailable."""
-        answers: list[Buffer | bool | None] = list(self.local._get_heads(full_keys))
+        answers: list[Buffer | bool | None] = list(self.local.get_heads(full_keys))
         missing = [i for i, a in enumerate(answers) if a is None]
         if missing:
             fks = [full_keys[i] for i in missing]
             try:
-                shared = self.shared._lookup_or_claim(fks, ttl_s, token)
+                shared = self.shared.lookup_or_claim(fks, ttl_s, token)
             except StoreUnavailableError:
-                self._count("shared_unavailable")
-                shared = [self.local._claim(fk, ttl_s, token) for fk in fks]
+                self.counters.add("shared_unavailable")
+                shared = [self.local.claim(fk, ttl_s, token) for fk in fks]
             for i, answer in zip(missing, shared, strict=True):
                 answers[i] = answer
-        return answers  # type: ignore[return-value]
+        return answers  # every None replaced above
 
-    def _lookup_states(self, full_keys: list[str]) -> list[Buffer | bool]:
+    def lookup_states(self, full_keys: list[str]) -> list[Buffer | bool]:
         """The local tier's heads; the rest in one call to the shared tier (its header, or
         whether its claim is held), falling back to the local tier's claims (those taken while
         the shared tier was down) when it is unavailable."""
-        answers: list[Buffer | bool | None] = list(self.local._get_heads(full_keys))
+        answers: list[Buffer | bool | None] = list(self.local.get_heads(full_keys))
         missing = [i for i, a in enumerate(answers) if a is None]
         if missing:
             fks = [full_keys[i] for i in missing]
             try:
-                shared = self.shared._lookup_states(fks)
+                shared = self.shared.lookup_states(fks)
             except StoreUnavailableError:
-                self._count("shared_unavailable")
-                shared = [self.local._claimed(fk) for fk in fks]
+                self.counters.add("shared_unavailable")
+                shared = [self.local.claimed(fk) for fk in fks]
             for i, answer in zip(missing, shared, strict=True):
                 answers[i] = answer
-        return answers  # type: ignore[return-value]
+        return answers  # every None replaced above
 
-    def _put_and_release(self, items: list[tuple[str, Buffer]], ttl_s: float | None,
-                         releases: list[tuple[str, str]]) -> None:  # fmt: skip
+    def put_and_release(
+        self, items: list[tuple[str, Buffer]], ttl_s: float | None, releases: list[tuple[str, str]]
+    ) -> None:
         try:
-            self.local._put_values(items, ttl_s)
+            self.local.put_values(items, ttl_s)
         finally:
             # claims taken while the shared tier was down live here (one call for them all)
-            self.local._put_and_release([], None, releases)
-            self._shared(lambda: self.shared._put_and_release(items, ttl_s, releases), None)
+            self.local.put_and_release([], None, releases)
+            self._shared(lambda: self.shared.put_and_release(items, ttl_s, releases), None)
 
-    def _claimed(self, full_key: str) -> bool:
-        if self.local._claimed(full_key):
+    def claimed(self, full_key: str) -> bool:
+        if self.local.claimed(full_key):
             return True
-        return self._shared(lambda: self.shared._claimed(full_key), False)
+        return self._shared(lambda: self.shared.claimed(full_key), False)
 
-    def _on_bad_value(self, full_key: str, reason: str) -> None:
+    def drop_bad_value(self, full_key: str, reason: str) -> None:
         """Drop the bad value from both tiers (best effort: the read is already a miss)."""
         for tier in (self.local, self.shared):
             with contextlib.suppress(StoreError):
-                tier._delete([full_key])
+                tier.delete([full_key])
 
-    def _backend_stats(self) -> dict[str, int]:
+    def backend_stats(self) -> dict[str, int]:
         stats = {f"local_{k}": v for k, v in self.local.stats().items()}
-        shared = self._shared(self.shared.stats, {})
+        unavailable: dict[str, int] = {}
+        shared = self._shared(self.shared.stats, unavailable)
         stats |= {f"shared_{k}": v for k, v in shared.items()}
         return stats
 
     def close(self) -> None:
         self.local.close()
         self.shared.close()
+
+
+class TieredStore(EmbeddingStore):
+    """A store over a tiered connection of its own. ``local`` and ``shared``: connections, or
+    stores without a namespace whose connections this store takes over (and closes); the
+    policy's ``ttl_s`` is also the promotions' ttl."""
+
+    def __init__(
+        self,
+        local: Connection | EmbeddingStore,
+        shared: Connection | EmbeddingStore,
+        *,
+        namespace: str = "",
+        fingerprint: str | None = None,
+        ttl_s: float | None = None,
+    ) -> None:
+        tiers = []
+        for tier in (local, shared):
+            if isinstance(tier, EmbeddingStore):
+                if tier.namespace:
+                    raise ConfigError(
+                        "the tiers of a tiered store must not have namespaces of their own"
+                    )
+                tier = tier.connection
+            tiers.append(tier)
+        policy = StorePolicy(namespace=namespace, fingerprint=fingerprint, ttl_s=ttl_s)
+        connection = TieredConnection(tiers[0], tiers[1], promote_ttl_s=ttl_s)
+        super().__init__(connection, policy, owns_connection=True)

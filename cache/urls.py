@@ -1,8 +1,9 @@
 """``open_store(url)``: every store from one URL, the same string the CLI's ``--store`` and the
-config take.
+config take; ``open_connection(url)``: the same URL as a connection and a policy, apart (for
+many stores over one connection, :mod:`vitserve.cache.views`).
 
     memory://?max_bytes=1GiB&ttl_s=3600&namespace=t1
-    node://?max_bytes=4GiB&ttl_s=3600&read_cache_bytes=256MiB&read_cache_s=5
+    node://?max_bytes=4GiB&share_bytes=1GiB&ttl_s=3600&read_cache_bytes=256MiB&read_cache_s=5
     redis://host:6379/0?timeout_s=2&prefix=vsm&ttl_s=86400
     redis://:password@host:6379/0                     (AUTH: requirepass / the default user)
     redis://user:password@host:6379/0                 (an ACL user)
@@ -10,9 +11,16 @@ config take.
         &ssl_certfile=/etc/redis/client.pem&ssl_keyfile=/etc/redis/client.key  (TLS, mTLS)
     tiered://?l1=memory%3A%2F%2F%3Fmax_bytes%3D1GiB&l2=redis%3A%2F%2Fhost%3A6379%2F0
 
-Every store takes ``namespace``, ``ttl_s`` and ``fingerprint``; unknown parameters are an error
+Every store takes ``namespace``, ``ttl_s`` and ``fingerprint`` (the policy: they do not reach the
+connection, except that a ``tiered://`` connection promotes values for ``ttl_s``); the other
+parameters are the connection's. Unknown parameters are an error
 (a misspelled option must not be ignored). Sizes take an integer or a binary suffix (KiB, MiB,
 GiB; k/m/g mean the same).
+
+``share_bytes`` (``memory://``, ``node://``, and so the local tier of a ``tiered://``): each
+namespace (each tenant's, with auth on) keeps that many bytes of its entries against the other
+namespaces' writes (:class:`~vitserve.cache.lru.ByteBudgetLru`'s shares); size ``max_bytes``
+for the tenants' shares. Redis evicts by its own ``maxmemory-policy`` and takes no share.
 
 Redis credentials go in the URL's user part (percent-encode ``@ : / %`` in them). TLS
 (``rediss://`` only) takes redis-py's settings as parameters: ``ssl_ca_certs`` (a CA bundle
@@ -30,7 +38,8 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
-from vitserve.cache.base import EmbeddingStore
+from vitserve.cache.base import EmbeddingStore, StorePolicy
+from vitserve.cache.connection import Connection
 from vitserve.errors import ConfigError
 
 _SIZE_UNITS = {"": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
@@ -54,9 +63,21 @@ def _cert_reqs(text: str) -> str:
     return text
 
 
-_REDIS = {"timeout_s": float, "prefix": str, "max_connections": int}
-_TLS = {"ssl_ca_certs": str, "ssl_ca_path": str, "ssl_certfile": str, "ssl_keyfile": str,
-        "ssl_cert_reqs": _cert_reqs, "ssl_check_hostname": _bool}  # fmt: skip
+_REDIS = {
+    "timeout_s": float,
+    "prefix": str,
+    "max_connections": int,
+    "max_bytes": "size",
+    "share_bytes": "size",
+}
+_TLS = {
+    "ssl_ca_certs": str,
+    "ssl_ca_path": str,
+    "ssl_certfile": str,
+    "ssl_keyfile": str,
+    "ssl_cert_reqs": _cert_reqs,
+    "ssl_check_hostname": _bool,
+}
 
 
 def redact_url(url: str) -> str:
@@ -80,8 +101,10 @@ def redact_url(url: str) -> str:
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
-        masked = [(k, _MASK if k in _SECRET_PARAMS else redact_url(v) if "://" in v else v)
-                  for k, v in pairs]  # fmt: skip
+        masked = [
+            (k, _MASK if k in _SECRET_PARAMS else redact_url(v) if "://" in v else v)
+            for k, v in pairs
+        ]
         if masked != pairs:
             query = urlencode(masked, safe="*:/@?=", quote_via=quote)
     query = f"?{query}" if query else ""
@@ -99,8 +122,9 @@ def parse_size(text: str) -> int:
     return int(float(digits) * _SIZE_UNITS[unit])
 
 
-def _options(url: str, query: str, allowed: dict[str, Any],
-             overrides: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+def _options(
+    url: str, query: str, allowed: dict[str, Any], overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in parse_qsl(query, keep_blank_values=True):
         kind = allowed.get(name) or _COMMON.get(name)
@@ -120,50 +144,98 @@ def _options(url: str, query: str, allowed: dict[str, Any],
 
 
 def open_store(url: str, **overrides: Any) -> EmbeddingStore:
-    """Build the store a URL names (see the module docstring); ``overrides`` (namespace,
-    fingerprint, ttl_s) take precedence over the URL's own."""
+    """The store a URL names (see the module docstring), over a connection of its own (its
+    ``close`` closes it); ``overrides`` (namespace, fingerprint, ttl_s) take precedence over
+    the URL's own."""
+    connection, policy = open_connection(url, **overrides)
+    return EmbeddingStore(connection, policy, owns_connection=True)
+
+
+def keeps_redis_ledger(url: str) -> bool:
+    """Whether a store URL has a Redis store keep vitserve's budget in Redis (``max_bytes`` on
+    a ``redis://`` URL, or on either tier of a ``tiered://`` one): its writer needs the
+    ledger's commands (:data:`vitserve.cache.redis_store.LEDGER_COMMANDS`). Parses only."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    if parts.scheme in ("redis", "rediss"):
+        return "max_bytes" in query
+    if parts.scheme == "tiered":
+        return any(keeps_redis_ledger(query[tier]) for tier in ("l1", "l2") if tier in query)
+    return False
+
+
+def open_connection(url: str, **overrides: Any) -> tuple[Connection, StorePolicy]:
+    """The connection a URL names, and the policy its parameters give (``overrides`` take
+    precedence); the caller closes the connection."""
     unknown = set(overrides) - set(_COMMON)
     if unknown:
         raise ConfigError(f"open_store overrides must be among {sorted(_COMMON)}: {unknown}")
     parts = urlsplit(url)
     scheme = parts.scheme
+    # Each backend's module is imported when its scheme is opened: node's loads Ray and
+    # redis_store's redis-py, which the light client and a memory store never need.
     if scheme == "memory":
-        from vitserve.cache.memory import MemoryStore
+        from vitserve.cache.memory import MemoryConnection
 
-        return MemoryStore(**_options(url, parts.query, {"max_bytes": "size"}, overrides))
+        opts = _options(url, parts.query, {"max_bytes": "size", "share_bytes": "size"}, overrides)
+        policy = _policy(opts)
+        return MemoryConnection(**opts), policy
     if scheme == "node":
-        from vitserve.cache.node import NodeStore
+        from vitserve.cache.node import NodeConnection
 
         allowed = {
             "max_bytes": "size",
+            "share_bytes": "size",
             "actor_name": str,
             "timeout_s": float,
             "read_cache_bytes": "size",
             "read_cache_s": float,
         }
-        return NodeStore(**_options(url, parts.query, allowed, overrides))
+        opts = _options(url, parts.query, allowed, overrides)
+        policy = _policy(opts)
+        return NodeConnection(**opts), policy
     if scheme in ("redis", "rediss"):
-        from vitserve.cache.redis_store import RedisStore
+        from vitserve.cache.redis_store import RedisConnection
 
-        # TLS options on a redis:// URL: the store refuses them (they need rediss://)
+        # TLS options on a redis:// URL: the connection refuses them (they need rediss://)
         opts = _options(url, parts.query, {**_REDIS, **_TLS}, overrides)
+        policy = _policy(opts)
         server = urlunsplit((parts.scheme, parts.netloc, parts.path or "/0", "", ""))
-        return RedisStore(server, **opts)
+        return RedisConnection(server, **opts), policy
     if scheme == "tiered":
-        from vitserve.cache.tiered import TieredStore
+        from vitserve.cache.tiered import TieredConnection
 
         opts = _options(url, parts.query, {"l1": str, "l2": str}, overrides)
         try:
-            local, shared = opts.pop("l1"), opts.pop("l2")
+            l1, l2 = opts.pop("l1"), opts.pop("l2")
         except KeyError:
             raise ConfigError(
                 f"tiered store needs l1= and l2= store URLs: {redact_url(url)!r}"
             ) from None
-        return TieredStore(open_store(local), open_store(shared), **opts)
+        policy = _policy(opts)
+        local, local_policy = open_connection(l1)
+        try:
+            shared, shared_policy = open_connection(l2)
+        except BaseException:
+            local.close()
+            raise
+        if (local_policy, shared_policy) != (StorePolicy(), StorePolicy()):
+            local.close()
+            shared.close()
+            raise ConfigError(
+                "the tiers of a tiered store take no namespace, fingerprint or ttl_s of their "
+                f"own (give them to the tiered URL): {redact_url(url)!r}"
+            )
+        return TieredConnection(local, shared, promote_ttl_s=policy.ttl_s), policy
     raise ConfigError(
         f"unknown store URL {redact_url(url)!r}; use memory://, node://, redis://host:port/db, "
         "rediss://... or tiered://"
     )
+
+
+def _policy(opts: dict[str, Any]) -> StorePolicy:
+    """The policy parameters of ``opts``, taken out of it (what is left is the connection's)."""
+    return StorePolicy(**{name: opts.pop(name) for name in _COMMON if name in opts})
 
 
 def tiered_url(l1: str, l2: str, **options: Any) -> str:

@@ -22,6 +22,10 @@ where bf16 arrays hold raw ``uint16`` words), e.g. :class:`vitserve.cache.codec.
   image grids alone (numpy), so a chunked prefill can slice them.
 * :func:`vllm_inputs` returns vLLM's ``multi_modal_data`` for embedding inputs.
 
+What a family needs is read from its spec (:mod:`vitserve.families`), never from its name:
+``spec.positions`` (M-RoPE or 1-D), ``spec.image_attention`` (Gemma 3's both-ways image
+attention: token types, whole images per chunk), ``spec.vision.deepstack`` and ``spec.vllm``.
+
 Invariants:
 
 * Image rows fill the placeholder tokens in prompt order: image 0's rows first. The number of
@@ -58,12 +62,13 @@ import numpy as np
 
 from vitserve.client.chunks import ImageSpan, chunk_bounds
 from vitserve.errors import ConfigError
+from vitserve.families import MODEL_TYPES, find_spec
+from vitserve.families.spec import FamilySpec, ImageAttention, Positions, VllmEmbeds
 
 if TYPE_CHECKING:
     import torch
 
-QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-FAMILIES = (*QWEN_FAMILIES, "llava", "gemma3")
+FAMILIES = MODEL_TYPES  # the model_types the adapters serve (vitserve.families)
 DEEPSTACK_PREFIX = "deepstack_"
 _DEEPSTACK_KEYS = ("visual_pos_masks", "deepstack_visual_embeds")
 
@@ -103,8 +108,8 @@ def mrope_positions(
     Raises ConfigError if the placeholders do not match the grids.
     """
     ids = _ids_1d(input_ids)
-    spans = _image_spans(ids, [_merged_grid(g, spatial_merge_size) for g in grids],
-                         image_token_id)  # fmt: skip
+    merged = [_merged_grid(g, spatial_merge_size) for g in grids]
+    spans = _image_spans(ids, merged, image_token_id)
     positions = np.empty((3, ids.size), dtype=np.int64)
     pos = cursor = 0
     for (start, end), (t, h, w) in spans:
@@ -199,18 +204,27 @@ def _rows(images: Sequence[ImageEmbedding], name: str | None) -> list[torch.Tens
 
 def _deepstack_names(images: Sequence[ImageEmbedding]) -> list[str]:
     """The deepstack extras of the images (the same for all), in level order."""
-    per_image = [sorted((n for n in i.extras if n.startswith(DEEPSTACK_PREFIX)),
-                        key=lambda n: int(n[len(DEEPSTACK_PREFIX):])) for i in images]  # fmt: skip
+    per_image = [
+        sorted(
+            (n for n in i.extras if n.startswith(DEEPSTACK_PREFIX)),
+            key=lambda n: int(n[len(DEEPSTACK_PREFIX) :]),
+        )
+        for i in images
+    ]
     if any(names != per_image[0] for names in per_image):
         raise ConfigError("the images do not all carry the same deepstack extras")
     return per_image[0] if per_image else []
 
 
-def _family(config: Any) -> str:
-    family = str(getattr(config, "model_type", ""))
-    if family not in FAMILIES:
+def _spec(family: str) -> FamilySpec:
+    spec = find_spec(family)
+    if spec is None:
         raise ConfigError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
-    return family
+    return spec
+
+
+def _family(config: Any) -> FamilySpec:
+    return _spec(str(getattr(config, "model_type", "")))
 
 
 def _grids(images: Sequence[Any], rows: Sequence[int], merge: int) -> list[tuple[int, int, int]]:
@@ -218,11 +232,13 @@ def _grids(images: Sequence[Any], rows: Sequence[int], merge: int) -> list[tuple
     grids = []
     for k, (image, n) in enumerate(zip(images, rows, strict=True)):
         if image.grid is None:
-            raise ConfigError(f"image {k} has no grid; the Qwen families need each image's grid")
+            raise ConfigError(f"image {k} has no grid; M-RoPE families need each image's grid")
         t, h, w = (int(x) for x in image.grid)
         if n * merge * merge != t * h * w:
-            raise ConfigError(f"image {k} has {n} rows but its grid {(t, h, w)} makes "
-                              f"{t * h * w // (merge * merge)} tokens")  # fmt: skip
+            raise ConfigError(
+                f"image {k} has {n} rows but its grid {(t, h, w)} makes "
+                f"{t * h * w // (merge * merge)} tokens"
+            )
         grids.append((t, h, w))
     return grids
 
@@ -250,7 +266,7 @@ def transformers_inputs(
     import torch
 
     config = model.config
-    family = _family(config)
+    spec = _family(config)
     ids = _ids_1d(input_ids)
     image_token = int(config.image_token_id)
     is_image = ids == image_token
@@ -271,11 +287,11 @@ def transformers_inputs(
         "inputs_embeds": embeds,
         "attention_mask": torch.from_numpy(mask[None].copy()).to(device),
     }
-    if family in QWEN_FAMILIES:
-        out["position_ids"] = _qwen_positions(config, ids, mask, images).to(device)
-    if family == "qwen3_vl":
-        out |= _deepstack_inputs(config, images, is_image, embeds)
-    if family == "gemma3":
+    if spec.positions is Positions.MROPE:
+        out["position_ids"] = _mrope_inputs(config, ids, mask, images).to(device)
+    if spec.vision.deepstack:
+        out |= _deepstack_inputs(spec, config, images, is_image, embeds)
+    if spec.image_attention is ImageAttention.BIDIRECTIONAL:
         out["token_type_ids"] = torch.from_numpy(is_image[None].astype(np.int64)).to(device)
     return out
 
@@ -302,7 +318,7 @@ def _stack(parts: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _qwen_positions(
+def _mrope_inputs(
     config: Any, ids: np.ndarray, mask: np.ndarray, images: Sequence[ImageEmbedding]
 ) -> torch.Tensor:
     import torch
@@ -318,15 +334,21 @@ def _qwen_positions(
 
 
 def _deepstack_inputs(
-    config: Any, images: Sequence[ImageEmbedding], is_image: np.ndarray, like: torch.Tensor
+    spec: FamilySpec,
+    config: Any,
+    images: Sequence[ImageEmbedding],
+    is_image: np.ndarray,
+    like: torch.Tensor,
 ) -> dict[str, Any]:
     import torch
 
     names = _deepstack_names(images)
     levels = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or [])
     if images and len(names) != levels:
-        raise ConfigError(f"Qwen3-VL model has {levels} deepstack levels; the images carry "
-                          f"{len(names)} ({', '.join(names) or 'none'})")  # fmt: skip
+        raise ConfigError(
+            f"{spec.name} model has {levels} deepstack levels; the images carry "
+            f"{len(names)} ({', '.join(names) or 'none'})"
+        )
     with torch.no_grad():
         feats = [_stack(_rows(images, name), like) for name in names]
     return {
@@ -373,12 +395,16 @@ class PromptLayout:
     tokens attend to each other both ways, so no chunk edge may fall inside an image.
     """
 
-    family: str
+    family: str  # the model_type (its spec: :attr:`spec`)
     input_ids: np.ndarray
     spans: tuple[ImageSpan, ...]
     dtypes: tuple[str, ...]
     positions: np.ndarray | None
     deepstack: tuple[str, ...]
+
+    @property
+    def spec(self) -> FamilySpec:
+        return _spec(self.family)
 
     @property
     def length(self) -> int:
@@ -390,7 +416,7 @@ class PromptLayout:
 
     @property
     def keep_images_whole(self) -> bool:
-        return self.family == "gemma3"
+        return self.spec.image_attention is ImageAttention.BIDIRECTIONAL
 
     @property
     def is_image(self) -> np.ndarray:
@@ -401,8 +427,7 @@ class PromptLayout:
 
     def chunk_bounds(self, chunk_size: int) -> list[tuple[int, int]]:
         """The prefill chunks (see :func:`vitserve.client.chunks.chunk_bounds`)."""
-        return chunk_bounds(self.length, chunk_size,
-                            self.spans if self.keep_images_whole else ())  # fmt: skip
+        return chunk_bounds(self.length, chunk_size, self.spans if self.keep_images_whole else ())
 
     def decode_position(self, k: int) -> int:
         """The position of generated token ``k`` (prompt index ``L + k``): for Qwen one past
@@ -418,21 +443,31 @@ def prompt_layout(config: Any, input_ids: Any, images: Sequence[Any]) -> PromptL
     (Qwen), ``dtype`` and ``extras`` (names). Raises ConfigError unless each image's
     placeholders are one contiguous run of exactly its ``num_tokens`` (and, for Qwen, match
     its grid)."""
-    family = _family(config)
+    spec = _family(config)
     ids = _ids_1d(input_ids)
     image_token = int(config.image_token_id)
     counts = [int(i.num_tokens) for i in images]
     spans = [ImageSpan(a, b - a) for a, b in _placeholder_runs(ids, counts, image_token)]
-    positions, deepstack = None, ()
-    if family in QWEN_FAMILIES:
+    positions: np.ndarray | None = None
+    deepstack: tuple[str, ...] = ()
+    if spec.positions is Positions.MROPE:
         merge = int(config.vision_config.spatial_merge_size)
-        positions, _ = mrope_positions(ids, _grids(images, counts, merge),
-                                       image_token_id=image_token,
-                                       spatial_merge_size=merge)  # fmt: skip
-    if family == "qwen3_vl":
+        positions, _ = mrope_positions(
+            ids,
+            _grids(images, counts, merge),
+            image_token_id=image_token,
+            spatial_merge_size=merge,
+        )
+    if spec.vision.deepstack:
         deepstack = tuple(_deepstack_names(images))  # extras: names (a handle) or a mapping
-    return PromptLayout(family, ids, tuple(spans), tuple(str(i.dtype) for i in images),
-                        positions, deepstack)  # fmt: skip
+    return PromptLayout(
+        spec.model_type,
+        ids,
+        tuple(spans),
+        tuple(str(i.dtype) for i in images),
+        positions,
+        deepstack,
+    )
 
 
 def chunk_inputs(model: Any, layout: PromptLayout, chunk: Any) -> dict[str, Any]:
@@ -452,14 +487,22 @@ def chunk_inputs(model: Any, layout: PromptLayout, chunk: Any) -> dict[str, Any]
     s, e = int(chunk.start), int(chunk.end)
     is_image = layout.is_image
     if int(is_image[s:e].sum()) != sum(p.rows for p in chunk.pieces):
-        raise ConfigError(f"chunk [{s}, {e}) has {int(is_image[s:e].sum())} image positions "
-                          f"but {sum(p.rows for p in chunk.pieces)} fetched rows")  # fmt: skip
-    if layout.keep_images_whole:
-        split = [k for k, sp in enumerate(layout.spans)
-                 if sp.offset < s < sp.end or sp.offset < e < sp.end]  # fmt: skip
+        raise ConfigError(
+            f"chunk [{s}, {e}) has {int(is_image[s:e].sum())} image positions "
+            f"but {sum(p.rows for p in chunk.pieces)} fetched rows"
+        )
+    keep_whole = layout.keep_images_whole
+    if keep_whole:
+        split = [
+            k
+            for k, sp in enumerate(layout.spans)
+            if sp.offset < s < sp.end or sp.offset < e < sp.end
+        ]
         if split:
-            raise ConfigError(f"chunk [{s}, {e}) splits image {split[0]}, whose tokens attend "
-                              "to each other both ways; use layout.chunk_bounds")  # fmt: skip
+            raise ConfigError(
+                f"chunk [{s}, {e}) splits image {split[0]}, whose tokens attend "
+                "to each other both ways; use layout.chunk_bounds"
+            )
     table = model.get_input_embeddings()
     device = table.weight.device
     dtypes = [layout.dtypes[p.image] for p in chunk.pieces]
@@ -467,8 +510,10 @@ def chunk_inputs(model: Any, layout: PromptLayout, chunk: Any) -> dict[str, Any]
     with torch.no_grad():
         text_ids = torch.from_numpy(np.where(is_image[s:e], 0, layout.input_ids[s:e])).to(device)
         embeds = table(text_ids[None])
-        dest = np.concatenate([np.arange(p.dest, p.dest + p.rows) for p in chunk.pieces] or
-                              [np.empty(0, dtype=np.int64)])  # fmt: skip
+        dest = np.concatenate(
+            [np.arange(p.dest, p.dest + p.rows) for p in chunk.pieces]
+            or [np.empty(0, dtype=np.int64)]
+        )
         _scatter(embeds[0], dest, rows)
     out: dict[str, Any] = {
         "inputs_embeds": embeds,
@@ -476,13 +521,17 @@ def chunk_inputs(model: Any, layout: PromptLayout, chunk: Any) -> dict[str, Any]
     }
     if layout.positions is not None:
         out["position_ids"] = torch.from_numpy(layout.positions[:, None, s:e].copy()).to(device)
-    if layout.family == "gemma3":
+    if keep_whole:  # both-ways image attention: the model takes the token types
         out["token_type_ids"] = torch.from_numpy(is_image[None, :e].astype(np.int64)).to(device)
     if layout.deepstack and chunk.pieces:
         with torch.no_grad():
-            feats = [_stack([_tensor(x[name], d) for x, d in zip(chunk.extras, dtypes,
-                                                                  strict=True)], embeds[0])
-                     for name in layout.deepstack]  # fmt: skip
+            feats = [
+                _stack(
+                    [_tensor(x[name], d) for x, d in zip(chunk.extras, dtypes, strict=True)],
+                    embeds[0],
+                )
+                for name in layout.deepstack
+            ]
         out["visual_pos_masks"] = torch.from_numpy(is_image[None, s:e].copy()).to(device)
         out["deepstack_visual_embeds"] = feats
     return out
@@ -518,39 +567,43 @@ def vllm_inputs(images: Sequence[ImageEmbedding], *, family: str | None = None) 
     inputs. The prompt keeps one unexpanded placeholder per image (Qwen
     ``<|vision_start|><|image_pad|><|vision_end|>``, LLaVA ``<image>``); vLLM expands it.
 
-    * Qwen2-VL, Qwen2.5-VL, Qwen3-VL (``family`` one of them, or ``None`` with grids on every
-      image): ``{"image": {"image_embeds": [sum rows, width], "image_grid_thw": int64 [n, 3]}}``,
+    The form is the family's spec's ``vllm`` (:class:`~vitserve.families.spec.VllmEmbeds`):
+
+    * ``GRID``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (``family`` one of them, or ``None`` with grids on
+      every image): ``{"image": {"image_embeds": [sum rows, width], "image_grid_thw": int64
+      [n, 3]}}``,
       the images' rows concatenated in prompt order; vLLM splits them by the grids. For Qwen3-VL
       vLLM's ``image_embeds`` carries the deepstack features too, concatenated along the hidden
       dim after the main embedding (``width = hidden * (1 + levels)``, level 0 first): vLLM
       splits ``[hidden, hidden * levels]`` off each row.
-    * LLaVA (``family="llava"``): ``{"image": [n, rows, hidden]}`` (every image has the same
-      rows).
-    * Gemma 3: ConfigError; vLLM's Gemma 3 takes pixel inputs only.
+    * ``STACKED``: LLaVA (``family="llava"``): ``{"image": [n, rows, hidden]}`` (every image
+      has the same rows).
+    * ``NONE``: Gemma 3: ConfigError; vLLM's Gemma 3 takes pixel inputs only.
 
     Tensors keep the records' dtype (bf16 words as ``torch.bfloat16``).
     """
     import torch
 
     images = list(images)
-    if family is None:
+    if family is None:  # the grid form, its deepstack extras if the images carry them
         if not images or any(i.grid is None for i in images):
             raise ConfigError("pass family=: only Qwen images (with grids) are recognised alone")
-        family = "qwen3_vl" if _deepstack_names(images) else "qwen2_vl"
-    if family not in FAMILIES:
-        raise ConfigError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
-    if family == "gemma3":
-        raise ConfigError("vLLM takes no image embeddings for Gemma 3 (pixel inputs only)")
+        form, deepstack, name = VllmEmbeds.GRID, bool(_deepstack_names(images)), "Qwen"
+    else:
+        spec = _spec(family)
+        form, deepstack, name = spec.vllm, spec.vision.deepstack, spec.name
+    if form is VllmEmbeds.NONE:
+        raise ConfigError(f"vLLM takes no image embeddings for {name} (pixel inputs only)")
     if not images:
         raise ConfigError("vllm_inputs needs at least one image")
-    if family == "llava":
+    if form is VllmEmbeds.STACKED:
         rows = {int(i.embedding.shape[0]) for i in images}
         if len(rows) != 1:
-            raise ConfigError(f"LLaVA images must all have the same rows, got {sorted(rows)}")
+            raise ConfigError(f"{name} images must all have the same rows, got {sorted(rows)}")
         return {"image": torch.stack(_rows(images, None))}
-    names = _deepstack_names(images) if family == "qwen3_vl" else []
-    if family == "qwen3_vl" and not names:
-        raise ConfigError("Qwen3-VL embeddings need their deepstack extras for vLLM")
+    names = _deepstack_names(images) if deepstack else []
+    if deepstack and not names:
+        raise ConfigError(f"{name} embeddings need their deepstack extras for vLLM")
     grid = torch.tensor([_grid_of(i, k) for k, i in enumerate(images)], dtype=torch.int64)
     columns = [_rows(images, None), *(_rows(images, n) for n in names)]
     return {"image": {"image_embeds": _side_by_side(columns), "image_grid_thw": grid}}
@@ -579,7 +632,6 @@ def _grid_of(image: ImageEmbedding, k: int) -> tuple[int, int, int]:
 
 __all__ = [
     "FAMILIES",
-    "QWEN_FAMILIES",
     "ImageEmbedding",
     "PromptLayout",
     "chunk_inputs",

@@ -6,13 +6,19 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from vitserve.cache.base import EmbeddingStore
 from vitserve.cache.codec import EmbeddingRecord
 from vitserve.client.chunks import chunk_bounds, spans_of
 from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, falls_back, retry_delay
 from vitserve.client.device import to_device
 from vitserve.client.handles import FetchedChunk, ImageHandle
 from vitserve.client.inputs import ImageInput
-from vitserve.client.transports import AsyncHandleTransport, AsyncHttpTransport
+from vitserve.client.transports import (
+    AsyncHandleTransport,
+    AsyncHttpTransport,
+    IngressHandle,
+    pick_transport,
+)
 from vitserve.errors import VitserveError
 
 
@@ -20,12 +26,24 @@ class AsyncEncoderClient:
     """The asyncio twin of :class:`~vitserve.client.sync.EncoderClient` (same arguments, same
     operations, awaited). Direct store reads run in worker threads."""
 
-    def __init__(self, url: str | None = None, *, handle: Any = None, store: Any = None,
-                 token: str | None = None, retry: RetryPolicy | None = None,
-                 timeout_s: float = 60.0, registry: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        handle: IngressHandle | None = None,
+        store: EmbeddingStore | str | None = None,
+        token: str | None = None,
+        retry: RetryPolicy | None = None,
+        timeout_s: float = 60.0,
+        registry: Any = None,
+    ) -> None:
         self.core = ClientCore.for_client(url, handle, store, registry)
-        self.transport = (AsyncHttpTransport(url, timeout_s, token=token) if url
-                          else AsyncHandleTransport(handle, token))  # fmt: skip
+        self.transport: AsyncHttpTransport | AsyncHandleTransport = pick_transport(
+            url,
+            handle,
+            lambda u: AsyncHttpTransport(u, timeout_s, token=token),
+            lambda h: AsyncHandleTransport(h, token),
+        )
         self.retry = retry or RetryPolicy()
 
     async def encode(self, images: Sequence[ImageInput]) -> list[ImageHandle]:
@@ -37,15 +55,27 @@ class AsyncEncoderClient:
     async def fetch(self, handles: Sequence[ImageHandle]) -> list[EmbeddingRecord]:
         return await self._run(self.core.fetch(handles))
 
-    async def fetch_chunk(self, handles: Sequence[ImageHandle], offsets: Sequence[int],
-                          start: int, end: int, device: Any = None) -> FetchedChunk:  # fmt: skip
+    async def fetch_chunk(
+        self,
+        handles: Sequence[ImageHandle],
+        offsets: Sequence[int],
+        start: int,
+        end: int,
+        device: Any = None,
+    ) -> FetchedChunk:
         chunk = await self._run(self.core.fetch_chunk(handles, offsets, start, end))
         return to_device(chunk, handles, device) if device is not None else chunk
 
-    async def iter_chunks(self, handles: Sequence[ImageHandle], offsets: Sequence[int],
-                          length: int, chunk_size: int, device: Any = None,
-                          prefetch: bool = True,
-                          keep_whole: bool = False) -> AsyncIterator[FetchedChunk]:  # fmt: skip
+    async def iter_chunks(
+        self,
+        handles: Sequence[ImageHandle],
+        offsets: Sequence[int],
+        length: int,
+        chunk_size: int,
+        device: Any = None,
+        prefetch: bool = True,
+        keep_whole: bool = False,
+    ) -> AsyncIterator[FetchedChunk]:
         """As ``EncoderClient.iter_chunks``; the next chunk's read is a task running while the
         caller works on the current one."""
         spans = spans_of([h.num_tokens for h in handles], offsets)
@@ -54,12 +84,14 @@ class AsyncEncoderClient:
         try:
             for i, (start, end) in enumerate(bounds):
                 current = ahead or asyncio.ensure_future(
-                    self.fetch_chunk(handles, offsets, start, end, device))  # fmt: skip
+                    self.fetch_chunk(handles, offsets, start, end, device)
+                )
                 ahead = None
                 chunk = await current
                 if prefetch and i + 1 < len(bounds):
                     ahead = asyncio.ensure_future(
-                        self.fetch_chunk(handles, offsets, *bounds[i + 1], device))  # fmt: skip
+                        self.fetch_chunk(handles, offsets, *bounds[i + 1], device)
+                    )
                 yield chunk
         finally:
             if ahead is not None:

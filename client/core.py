@@ -34,7 +34,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import vitserve.errors as errors
+from vitserve.cache.base import EmbeddingStore
 from vitserve.cache.codec import EmbeddingRecord, Header, decode_record
+from vitserve.cache.urls import open_store
 from vitserve.client.chunks import plan_chunk, spans_of
 from vitserve.client.handles import FetchedChunk, ImageHandle
 from vitserve.client.inputs import ImageInput, image_bytes
@@ -128,8 +130,12 @@ def retry_delay(policy: RetryPolicy, attempt: int, outcome: Any) -> float | None
 def falls_back(op: Any, outcome: Any) -> bool:
     """Whether ``outcome`` is a retryable failure (the store down) of a store call with a
     ``fallback``: the clients then hand it to the core at once, neither retried nor raised."""
-    return (isinstance(op, StoreCall) and op.fallback and isinstance(outcome, VitserveError)
-            and outcome.retryable)  # fmt: skip
+    return (
+        isinstance(op, StoreCall)
+        and op.fallback
+        and isinstance(outcome, VitserveError)
+        and outcome.retryable
+    )
 
 
 def error_from(reply: Reply) -> VitserveError:
@@ -158,10 +164,16 @@ def check(reply: Reply) -> Any:
 
 
 def handle_of_header(header: Header, cached: bool, source: bytes | None = None) -> ImageHandle:
-    return ImageHandle(key=header.key, num_tokens=header.num_tokens, grid=header.grid,
-                       dtype=header.dtype, shape=(header.num_tokens, header.tensors[0].width),
-                       cached=cached, extras=tuple(t.name for t in header.tensors[1:]),
-                       source=source)  # fmt: skip
+    return ImageHandle(
+        key=header.key,
+        num_tokens=header.num_tokens,
+        grid=header.grid,
+        dtype=header.dtype,
+        shape=(header.num_tokens, header.tensors[0].width),
+        cached=cached,
+        extras=tuple(t.name for t in header.tensors[1:]),
+        source=source,
+    )
 
 
 @dataclass
@@ -170,20 +182,22 @@ class ClientCore:
     direct store (opened once that is known), the header cache of row reads, the metrics."""
 
     store_url: str | None = field(default=None, repr=False)  # may hold a password
-    store: Any = None  # an EmbeddingStore, opened from store_url after healthz
+    store: EmbeddingStore | None = None  # opened from store_url after healthz
     metrics: ClientMetrics = field(default_factory=ClientMetrics)
     model: dict[str, Any] | None = None
     headers: OrderedDict[str, Header] = field(default_factory=OrderedDict)
 
     @classmethod
-    def for_client(cls, url: str | None, handle: Any, store: Any, registry: Any) -> ClientCore:
+    def for_client(
+        cls, url: str | None, handle: object, store: EmbeddingStore | str | None, registry: Any
+    ) -> ClientCore:
         """The core of a client of the service at ``url`` or behind ``handle`` (exactly one),
         reading ``store`` (a store URL, an open store, or None) directly."""
         if (url is None) == (handle is None):
             raise ConfigError("give the service's url or its ingress handle (one of them)")
-        by_url = isinstance(store, str)
-        return cls(store_url=store if by_url else None, store=None if by_url else store,
-                   metrics=ClientMetrics(registry))  # fmt: skip
+        if isinstance(store, str):
+            return cls(store_url=store, metrics=ClientMetrics(registry))
+        return cls(store=store, metrics=ClientMetrics(registry))
 
     def _limit(self, name: str, default: int) -> int:
         """A request limit the service reported on ``/healthz`` (after describe)."""
@@ -205,16 +219,26 @@ class ClientCore:
         return self.model
 
     def _open_store(self, model: dict[str, Any]) -> None:
+        """The direct store, checking the service's fingerprint in its namespace: opened from
+        ``store_url`` (the client owns it), or a store over the connection of the store the
+        caller gave (theirs to close), counting in that store's counters."""
         namespace, fingerprint = model.get("namespace") or "", model["fingerprint"]
         if self.store is None and self.store_url is not None:
-            from vitserve.cache.urls import open_store
-
             self.store = open_store(self.store_url, namespace=namespace, fingerprint=fingerprint)
         elif self.store is not None:
-            if self.store.namespace != namespace:
-                raise ConfigError(f"the store's namespace {self.store.namespace!r} is not the "
-                                  f"service's {namespace!r}")  # fmt: skip
-            self.store.fingerprint = fingerprint
+            given = self.store
+            if given.namespace != namespace:
+                raise ConfigError(
+                    f"the store's namespace {given.namespace!r} is not the service's {namespace!r}"
+                )
+            if given.fingerprint not in (None, fingerprint):
+                raise ConfigError(
+                    f"the store checks records of the model {given.fingerprint!r}, the service "
+                    f"serves {fingerprint!r}"
+                )
+            if given.fingerprint is None:
+                policy = replace(given.policy, fingerprint=fingerprint)
+                self.store = EmbeddingStore(given.connection, policy, counters=given.counters)
 
     def keys_of(self, datas: Sequence[bytes]) -> list[str]:
         """The content keys of image bytes, as the service computes them (after describe)."""
@@ -263,13 +287,13 @@ class ClientCore:
         out: list[ImageHandle | None] = []
         step = self._limit("max_keys_per_probe", 1024)
         for i in range(0, len(keys), step):
-            body = check((yield ApiCall("probe", {"keys": list(keys[i : i + step]),
-                                                  "headers": True})))  # fmt: skip
+            body = check(
+                (yield ApiCall("probe", {"keys": list(keys[i : i + step]), "headers": True}))
+            )
             out += [None if item is None else ImageHandle.from_item(item) for item in body["items"]]
         return out
 
-    def _upload(self, keys: list[str], data_of: dict[str, bytes],
-                index_of: dict[str, int]) -> Flow:  # fmt: skip
+    def _upload(self, keys: list[str], data_of: dict[str, bytes], index_of: dict[str, int]) -> Flow:
         """Encode the images of ``keys`` in requests within the service's limits; their
         handles by key. A refused image raises its error, with the caller's index."""
         max_images = self._limit("max_images_per_request", 64)
@@ -286,23 +310,25 @@ class ClientCore:
         return out
 
     # -- fetch ---------------------------------------------------------------------------------
-    def fetch_chunk(self, handles: Sequence[ImageHandle], offsets: Sequence[int],
-                    start: int, end: int) -> Flow:  # fmt: skip
+    def fetch_chunk(
+        self, handles: Sequence[ImageHandle], offsets: Sequence[int], start: int, end: int
+    ) -> Flow:
         """The rows prefill chunk ``[start, end)`` needs (see :mod:`vitserve.client.chunks`),
         in one batched store read (two when a header is not cached yet)."""
         pieces = plan_chunk(spans_of([h.num_tokens for h in handles], offsets), start, end)
         reads = [(handles[p.image].key, p.row_start, p.row_end) for p in pieces]
         records = yield from self.read_rows(reads, [handles[p.image] for p in pieces])
-        return FetchedChunk(start, end, pieces, [r.embedding for r in records],
-                            [r.extras for r in records])  # fmt: skip
+        return FetchedChunk(
+            start, end, pieces, [r.embedding for r in records], [r.extras for r in records]
+        )
 
     def fetch(self, handles: Sequence[ImageHandle]) -> Flow:
         """Each image's whole record (embedding and extras), in order."""
-        return (yield from self.read_rows([(h.key, 0, h.num_tokens) for h in handles],
-                                          list(handles)))  # fmt: skip
+        return (
+            yield from self.read_rows([(h.key, 0, h.num_tokens) for h in handles], list(handles))
+        )
 
-    def read_rows(self, reads: list[tuple[str, int, int]],
-                  handles: list[ImageHandle]) -> Flow:  # fmt: skip
+    def read_rows(self, reads: list[tuple[str, int, int]], handles: list[ImageHandle]) -> Flow:
         """The checked rows of each read (the direct store's, else the service's: ``_read``);
         entries gone from both are encoded again from their handles' images (one upload for
         all) and read again, else CacheMissError names them all. Counted in the fetch metrics
@@ -320,14 +346,18 @@ class ClientCore:
             yield from self._upload(list(gone), data_of, dict.fromkeys(gone, -1))  # type: ignore[arg-type]
             self.metrics.inc("reencoded", len(gone))
             again = [i for i, r in enumerate(records) if r is None]
-            for i, record in zip(again, (yield from self._read([reads[i] for i in again])),
-                                 strict=True):  # fmt: skip
+            for i, record in zip(
+                again, (yield from self._read([reads[i] for i in again])), strict=True
+            ):
                 records[i] = record
             still = [reads[i][0] for i, r in enumerate(records) if r is None]
             if still:
                 raise CacheMissError(list(dict.fromkeys(still)))
-        self.metrics.fetched(time.perf_counter() - started, sum(r1 - r0 for _, r0, r1 in reads),
-                             sum(r.nbytes for r in records))  # fmt: skip
+        self.metrics.fetched(
+            time.perf_counter() - started,
+            sum(r1 - r0 for _, r0, r1 in reads),
+            sum(r.nbytes for r in records),
+        )
         return records
 
     def _read(self, reads: list[tuple[str, int, int]]) -> Flow:
@@ -360,8 +390,7 @@ class ClientCore:
         row_bytes = int(self.model.get("row_bytes", 0))
         pieces = row_pieces(reads, cap // max(1, row_bytes))
         replies: list[Reply] = []
-        for batch in piece_batches(pieces, self._limit("max_keys_per_probe", 1024), cap,
-                                   row_bytes):  # fmt: skip
+        for batch in piece_batches(pieces, self._limit("max_keys_per_probe", 1024), cap, row_bytes):
             answer = yield ApiCall("rows", batch)
             replies += answer if isinstance(answer, list) else [check(answer)]  # (check raises)
         parts: list[list[EmbeddingRecord | None]] = [[] for _ in reads]
@@ -374,8 +403,9 @@ class ClientCore:
         return [join_rows(p) for p in parts]
 
 
-def row_pieces(reads: list[tuple[str, int, int]],
-               max_rows: int) -> list[tuple[int, tuple[str, int, int]]]:  # fmt: skip
+def row_pieces(
+    reads: list[tuple[str, int, int]], max_rows: int
+) -> list[tuple[int, tuple[str, int, int]]]:
     """Each read as ``(its index, read)`` pieces of at most ``max_rows`` rows (0: whole)."""
     out = []
     for n, (key, r0, r1) in enumerate(reads):
@@ -384,16 +414,20 @@ def row_pieces(reads: list[tuple[str, int, int]],
     return out
 
 
-def piece_batches(pieces: list[tuple[int, tuple[str, int, int]]], max_reads: int,
-                  max_bytes: int, row_bytes: int) -> list[list[tuple[str, int, int]]]:  # fmt: skip
+def piece_batches(
+    pieces: list[tuple[int, tuple[str, int, int]]], max_reads: int, max_bytes: int, row_bytes: int
+) -> list[list[tuple[str, int, int]]]:
     """Consecutive pieces in batches of at most ``max_reads`` reads and ``max_bytes`` of rows
     (0: no byte cap)."""
     batches: list[list[tuple[str, int, int]]] = []
     size = 0
     for _, read in pieces:
         nbytes = (read[2] - read[1]) * row_bytes
-        if not batches or len(batches[-1]) >= max_reads or (max_bytes and size + nbytes >
-                                                             max_bytes):  # fmt: skip
+        if (
+            not batches
+            or len(batches[-1]) >= max_reads
+            or (max_bytes and size + nbytes > max_bytes)
+        ):
             batches.append([])
             size = 0
         batches[-1].append(read)
@@ -411,8 +445,10 @@ def join_rows(parts: list[EmbeddingRecord | None]) -> EmbeddingRecord | None:
 
     first = parts[0]
     assert first is not None
-    tensors = {name: np.concatenate([p.tensors[name] for p in parts if p is not None])
-               for name in first.tensors}  # fmt: skip
+    tensors = {
+        name: np.concatenate([p.tensors[name] for p in parts if p is not None])
+        for name in first.tensors
+    }
     return replace(first, tensors=tensors)
 
 
@@ -424,8 +460,9 @@ def _item_error(doc: dict[str, Any], index: int) -> VitserveError:
     return exc
 
 
-def _batches(keys: list[str], data_of: dict[str, bytes], max_images: int,
-             max_bytes: int) -> list[list[str]]:  # fmt: skip
+def _batches(
+    keys: list[str], data_of: dict[str, bytes], max_images: int, max_bytes: int
+) -> list[list[str]]:
     """Keys in upload requests of at most ``max_images`` images and ``max_bytes`` bytes (an
     image over the byte limit alone goes alone: the service says why it refuses it)."""
     out: list[list[str]] = []

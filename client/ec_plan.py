@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Container, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from vitserve.client.handles import ImageHandle
@@ -95,7 +95,7 @@ class ECCounts:
 
     def take(self) -> ECCounts:
         """These counts, leaving this object at zero (one interval's report)."""
-        out = ECCounts(**self.as_dict())
+        out = replace(self)
         for f in fields(self):
             setattr(self, f.name, type(getattr(self, f.name))())
         return out
@@ -121,15 +121,24 @@ class ProbeBook:
                 self.users[key] = self.users.get(key, 0) + 1
         return [k for k in keys if k not in self.answers]
 
-    def record(self, keys: Sequence[str], found: Sequence[ImageHandle | None],
-               rows: Mapping[str, int], width: int, counts: ECCounts) -> None:  # fmt: skip
+    def record(
+        self,
+        keys: Sequence[str],
+        found: Sequence[ImageHandle | None],
+        rows: Mapping[str, int],
+        width: int,
+        counts: ECCounts,
+    ) -> None:
         """The store's answer for ``keys`` (a handle or None each); a held key is a hit only
         if its rows equal ``rows[key]`` (the item's embeddings in the prompt) and its width
         ``width`` (the model's embedding width)."""
         counts.probed += len(keys)
         for key, handle in zip(keys, found, strict=True):
-            fits = handle is not None and handle.num_tokens == rows.get(key, -1) and \
-                handle.shape[1] == width  # fmt: skip
+            fits = (
+                handle is not None
+                and handle.num_tokens == rows.get(key, -1)
+                and handle.shape[1] == width
+            )
             if handle is not None and not fits:
                 counts.mismatches += 1
             counts.hits += fits

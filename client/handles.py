@@ -33,16 +33,22 @@ class ImageHandle:
     uploaded: bool = field(default=False, compare=False)
 
     @classmethod
-    def from_item(cls, item: dict[str, Any], source: bytes | None = None,
-                  uploaded: bool = False) -> ImageHandle:  # fmt: skip
+    def from_item(
+        cls, item: dict[str, Any], source: bytes | None = None, uploaded: bool = False
+    ) -> ImageHandle:
         """From an item of the API's encode or probe answer."""
         grid = item.get("grid")
-        return cls(key=item["key"], num_tokens=int(item["num_tokens"]),
-                   grid=tuple(grid) if grid else None, dtype=item["dtype"],
-                   shape=(int(item["shape"][0]), int(item["shape"][1])),
-                   cached=bool(item.get("cached", False)),
-                   extras=tuple(item.get("extras") or ()), source=source,
-                   uploaded=uploaded)  # fmt: skip
+        return cls(
+            key=item["key"],
+            num_tokens=int(item["num_tokens"]),
+            grid=tuple(grid) if grid else None,
+            dtype=item["dtype"],
+            shape=(int(item["shape"][0]), int(item["shape"][1])),
+            cached=bool(item.get("cached", False)),
+            extras=tuple(item.get("extras") or ()),
+            source=source,
+            uploaded=uploaded,
+        )
 
     @property
     def row_bytes(self) -> int:

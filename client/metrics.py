@@ -28,13 +28,17 @@ class ClientMetrics:
         self._fetch: Any = None
         if registry is None:
             return
+        # prometheus_client is optional: imported only when a registry is given
         from prometheus_client import Counter, Histogram
 
         for name, doc in _COUNTERS.items():
             self._counters[name] = Counter(f"vitserve_client_{name}", doc, registry=registry)
-        self._fetch = Histogram("vitserve_client_fetch_seconds",
-                                "Latency of one fetch_chunk or fetch call", registry=registry,
-                                buckets=FETCH_BUCKETS)  # fmt: skip
+        self._fetch = Histogram(
+            "vitserve_client_fetch_seconds",
+            "Latency of one fetch_chunk or fetch call",
+            registry=registry,
+            buckets=FETCH_BUCKETS,
+        )
 
     def inc(self, name: str, n: float = 1) -> None:
         counter = self._counters.get(name)

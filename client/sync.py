@@ -7,13 +7,19 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from vitserve.cache.base import EmbeddingStore
 from vitserve.cache.codec import EmbeddingRecord
 from vitserve.client.chunks import chunk_bounds, spans_of
 from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, falls_back, retry_delay
 from vitserve.client.device import to_device
 from vitserve.client.handles import FetchedChunk, ImageHandle
 from vitserve.client.inputs import ImageInput
-from vitserve.client.transports import HandleTransport, HttpTransport
+from vitserve.client.transports import (
+    HandleTransport,
+    HttpTransport,
+    IngressHandle,
+    pick_transport,
+)
 from vitserve.errors import VitserveError
 
 
@@ -29,12 +35,24 @@ class EncoderClient:
     reports). ``registry``: a prometheus_client registry for the SDK's metrics.
     """
 
-    def __init__(self, url: str | None = None, *, handle: Any = None, store: Any = None,
-                 token: str | None = None, retry: RetryPolicy | None = None,
-                 timeout_s: float = 60.0, registry: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        handle: IngressHandle | None = None,
+        store: EmbeddingStore | str | None = None,
+        token: str | None = None,
+        retry: RetryPolicy | None = None,
+        timeout_s: float = 60.0,
+        registry: Any = None,
+    ) -> None:
         self.core = ClientCore.for_client(url, handle, store, registry)
-        self.transport = (HttpTransport(url, timeout_s, token=token) if url
-                          else HandleTransport(handle, token))  # fmt: skip
+        self.transport: HttpTransport | HandleTransport = pick_transport(
+            url,
+            handle,
+            lambda u: HttpTransport(u, timeout_s, token=token),
+            lambda h: HandleTransport(h, token),
+        )
         self.retry = retry or RetryPolicy()
 
     # -- the operations ------------------------------------------------------------------------
@@ -51,18 +69,30 @@ class EncoderClient:
         """Each image's whole record (``.embedding``, ``.extras``, ``.grid``), in order."""
         return self._run(self.core.fetch(handles))
 
-    def fetch_chunk(self, handles: Sequence[ImageHandle], offsets: Sequence[int], start: int,
-                    end: int, device: Any = None) -> FetchedChunk:  # fmt: skip
+    def fetch_chunk(
+        self,
+        handles: Sequence[ImageHandle],
+        offsets: Sequence[int],
+        start: int,
+        end: int,
+        device: Any = None,
+    ) -> FetchedChunk:
         """The rows prefill chunk ``[start, end)`` needs; image ``i``'s placeholders start at
         prompt position ``offsets[i]``. Numpy views of the fetched bytes, or torch tensors
         moved (non-blocking) to ``device`` when one is given."""
         chunk = self._run(self.core.fetch_chunk(handles, offsets, start, end))
         return to_device(chunk, handles, device) if device is not None else chunk
 
-    def iter_chunks(self, handles: Sequence[ImageHandle], offsets: Sequence[int],
-                    length: int, chunk_size: int, device: Any = None,
-                    prefetch: bool = True,
-                    keep_whole: bool = False) -> Iterator[FetchedChunk]:  # fmt: skip
+    def iter_chunks(
+        self,
+        handles: Sequence[ImageHandle],
+        offsets: Sequence[int],
+        length: int,
+        chunk_size: int,
+        device: Any = None,
+        prefetch: bool = True,
+        keep_whole: bool = False,
+    ) -> Iterator[FetchedChunk]:
         """``fetch_chunk`` of each chunk of a ``length``-token prompt in turn; with
         ``prefetch``, the next chunk's rows are read (in a worker thread) while the caller
         computes the current one. ``keep_whole``: no chunk edge inside an image (for a
@@ -74,12 +104,16 @@ class EncoderClient:
                 yield self.fetch_chunk(handles, offsets, start, end, device)
             return
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitserve-prefetch") as pool:
-            ahead: Future | None = pool.submit(self.fetch_chunk, handles, offsets, *bounds[0],
-                                               device)  # fmt: skip
+            ahead: Future | None = pool.submit(
+                self.fetch_chunk, handles, offsets, *bounds[0], device
+            )
             for i in range(len(bounds)):
                 current = ahead.result()  # type: ignore[union-attr]
-                ahead = (pool.submit(self.fetch_chunk, handles, offsets, *bounds[i + 1], device)
-                         if i + 1 < len(bounds) else None)  # fmt: skip
+                ahead = (
+                    pool.submit(self.fetch_chunk, handles, offsets, *bounds[i + 1], device)
+                    if i + 1 < len(bounds)
+                    else None
+                )
                 yield current
 
     def describe(self) -> dict[str, Any]:
@@ -110,8 +144,11 @@ class EncoderClient:
         """The op, tried again while :func:`~vitserve.client.core.retry_delay` says so."""
         for attempt in range(self.retry.attempts):
             try:
-                outcome = (self.transport.call(op) if isinstance(op, ApiCall)
-                           else getattr(self.core.store, op.method)(*op.args))  # fmt: skip
+                outcome = (
+                    self.transport.call(op)
+                    if isinstance(op, ApiCall)
+                    else getattr(self.core.store, op.method)(*op.args)
+                )
             except VitserveError as exc:
                 outcome = exc
             if falls_back(op, outcome):  # the core reads elsewhere: no retry, no raise

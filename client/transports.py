@@ -10,15 +10,57 @@ header over HTTP, the ``token`` argument of ``Ingress.call`` through a handle.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Generator
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
+from vitserve.cache.codec import unpack_records
 from vitserve.client.core import ApiCall, Reply, retry_after_seconds
 from vitserve.errors import ConfigError, ServiceUnavailableError, actor_unavailable_errors
 
 # httpx's errors that a retry can help: the connection failed, dropped or timed out
 _RETRYABLE = (httpx.TransportError,)
+
+Answer = tuple[int, Any]  # Ingress.call's (status, JSON body)
+
+
+class IngressResponse(Protocol):
+    """A Serve ``DeploymentResponse`` of ``Ingress.call``: waited on (``.result()``) by the
+    blocking client, awaited by the async one."""
+
+    def result(self) -> Answer: ...
+    def __await__(self) -> Generator[Any, None, Answer]: ...
+
+
+class IngressCall(Protocol):
+    def remote(self, route: str, payload: Any, **kwargs: Any) -> IngressResponse: ...
+
+
+class IngressHandle(Protocol):
+    """The ingress deployment's Serve ``DeploymentHandle``, as the handle transports call it
+    (``Ingress.call``)."""
+
+    @property
+    def call(self) -> IngressCall: ...
+
+
+H = TypeVar("H")
+B = TypeVar("B")
+
+
+def pick_transport(
+    url: str | None,
+    handle: IngressHandle | None,
+    over_http: Callable[[str], H],
+    by_handle: Callable[[IngressHandle], B],
+) -> H | B:
+    """A client's transport: ``by_handle(handle)`` when given the ingress handle, else
+    ``over_http(url)`` (``ClientCore.for_client`` checked that exactly one is given)."""
+    if handle is not None:
+        return by_handle(handle)
+    assert url is not None
+    return over_http(url)
 
 
 def _unavailable(exc: Exception, where: str) -> ServiceUnavailableError:
@@ -47,8 +89,10 @@ def _request(call: ApiCall) -> dict[str, Any]:
     if call.route == "probe":
         return {"method": "POST", "url": "/v1/probe", "json": call.payload}
     if call.route == "encode":
-        files = [("images", (f"{i}", data, "application/octet-stream"))
-                 for i, data in enumerate(call.payload["images"])]  # fmt: skip
+        files = [
+            ("images", (f"{i}", data, "application/octet-stream"))
+            for i, data in enumerate(call.payload["images"])
+        ]
         return {"method": "POST", "url": "/v1/encode", "files": files}
     raise ConfigError(f"unknown API route {call.route!r}")
 
@@ -63,19 +107,23 @@ def _rows_request(call: ApiCall) -> dict[str, Any]:
 
 def _rows_replies(response: httpx.Response) -> Reply | list[Reply]:
     """``/v1/rows``' bundle as one reply per read (404: missing), or its error reply."""
-    from vitserve.cache.codec import unpack_records
-
     if response.status_code != 200:
         return _reply(response)
-    return [Reply(404, None) if r is None else Reply(200, r)
-            for r in unpack_records(response.content)]  # fmt: skip
+    return [
+        Reply(404, None) if r is None else Reply(200, r) for r in unpack_records(response.content)
+    ]
 
 
 class HttpTransport:
     """Blocking HTTP to the ingress at ``url`` (one pooled httpx.Client)."""
 
-    def __init__(self, url: str, timeout_s: float = 60.0, client: httpx.Client | None = None,
-                 token: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 60.0,
+        client: httpx.Client | None = None,
+        token: str | None = None,
+    ) -> None:
         self.where = f"ingress {url}"
         self.client = client or httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
         self.headers = _auth_headers(token)
@@ -83,8 +131,9 @@ class HttpTransport:
     def call(self, call: ApiCall) -> Reply | list[Reply]:
         try:
             if call.route == "rows":
-                return _rows_replies(self.client.request(**_rows_request(call),
-                                                         headers=self.headers))  # fmt: skip
+                return _rows_replies(
+                    self.client.request(**_rows_request(call), headers=self.headers)
+                )
             return _reply(self.client.request(**_request(call), headers=self.headers))
         except _RETRYABLE as exc:
             raise _unavailable(exc, self.where) from exc
@@ -96,9 +145,13 @@ class HttpTransport:
 class AsyncHttpTransport:
     """HTTP to the ingress with httpx.AsyncClient."""
 
-    def __init__(self, url: str, timeout_s: float = 60.0,
-                 client: httpx.AsyncClient | None = None,
-                 token: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 60.0,
+        client: httpx.AsyncClient | None = None,
+        token: str | None = None,
+    ) -> None:
         self.where = f"ingress {url}"
         self.client = client or httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout_s)
         self.headers = _auth_headers(token)
@@ -106,8 +159,9 @@ class AsyncHttpTransport:
     async def call(self, call: ApiCall) -> Reply | list[Reply]:
         try:
             if call.route == "rows":
-                return _rows_replies(await self.client.request(**_rows_request(call),
-                                                               headers=self.headers))  # fmt: skip
+                return _rows_replies(
+                    await self.client.request(**_rows_request(call), headers=self.headers)
+                )
             return _reply(await self.client.request(**_request(call), headers=self.headers))
         except _RETRYABLE as exc:
             raise _unavailable(exc, self.where) from exc
@@ -116,7 +170,7 @@ class AsyncHttpTransport:
         await self.client.aclose()
 
 
-def _handle_reply(answer: tuple[int, Any]) -> Reply | list[Reply]:
+def _handle_reply(answer: Answer) -> Reply | list[Reply]:
     status, body = answer
     if status == 200 and isinstance(body, dict) and "records" in body:
         return [Reply(404, None) if r is None else Reply(200, r) for r in body["records"]]
@@ -132,7 +186,7 @@ class HandleTransport:
     proxy; ``Ingress.call`` answers as the HTTP routes do (and checks ``token`` as they
     check the bearer header)."""
 
-    def __init__(self, handle: Any, token: str | None = None) -> None:
+    def __init__(self, handle: IngressHandle, token: str | None = None) -> None:
         self.handle = handle
         self.where = f"ingress handle {getattr(handle, 'deployment_name', '?')}"
         self.kwargs = {"token": token} if token else {}

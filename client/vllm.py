@@ -6,7 +6,7 @@
                                       "store": "redis://redis:6379/0"}}'
 
 A chat request whose image parts carry their vitserve key as vLLM's per-item ``uuid`` (what
-``vitserve serve --vllm-url`` adds, see :mod:`vitserve.deployments.vllm_front`) has that key as
+``vitserve serve --vllm-url`` adds, see :mod:`vitserve.deployments.vllm.app`) has that key as
 the item's identifier in vLLM. For those items the connector's **scheduler side** answers
 ``has_cache_item`` from one batched probe of the store per request
 (:class:`~vitserve.client.ec_plan.ProbeBook`), and its **worker side** reads the rows of this
@@ -113,7 +113,7 @@ class VitserveECStats(ECConnectorStats):
     """:class:`~vitserve.client.ec_plan.ECCounts` as vLLM's connector stats."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: ECConnectorStats) -> ECConnectorStats:
         return VitserveECStats(ECCounts().add(self.data).add(other.data or {}).as_dict())
@@ -130,16 +130,23 @@ class VitserveECStats(ECConnectorStats):
 class VitservePromMetrics(ECConnectorPromMetrics):
     """``vllm:vitserve_ec_<count>`` counters, one child per engine."""
 
-    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type],
-                 labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        docs = {name: f"vitserve encoder-cache connector: {name.replace('_', ' ')}"
-                for name in ECCounts().as_dict()}  # fmt: skip
+        docs = {
+            name: f"vitserve encoder-cache connector: {name.replace('_', ' ')}"
+            for name in ECCounts().as_dict()
+        }
         self.counters = {}
         for name, doc in docs.items():
-            counter = self._counter_cls(name=f"vllm:vitserve_ec_{name}", documentation=doc,
-                                        labelnames=labelnames)  # fmt: skip
+            counter = self._counter_cls(
+                name=f"vllm:vitserve_ec_{name}", documentation=doc, labelnames=labelnames
+            )
             self.counters[name] = create_metric_per_engine(counter, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -153,17 +160,25 @@ def client_from_extra(extra: Mapping[str, Any]) -> EncoderClient:
     """The SDK client the connector's ``ec_connector_extra_config`` describes (no I/O yet)."""
     unknown = set(extra) - _EXTRA_KEYS
     if unknown:
-        raise ConfigError(f"VitserveECConnector: unknown ec_connector_extra_config keys "
-                          f"{sorted(unknown)}; known: {sorted(_EXTRA_KEYS)}")  # fmt: skip
+        raise ConfigError(
+            f"VitserveECConnector: unknown ec_connector_extra_config keys "
+            f"{sorted(unknown)}; known: {sorted(_EXTRA_KEYS)}"
+        )
     url = extra.get("url")
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise ConfigError("VitserveECConnector needs ec_connector_extra_config.url: the "
-                          f"vitserve service's http(s) URL, got {url!r}")  # fmt: skip
+        raise ConfigError(
+            "VitserveECConnector needs ec_connector_extra_config.url: the "
+            f"vitserve service's http(s) URL, got {url!r}"
+        )
     attempts = int(extra.get("attempts", 2))
-    retry = RetryPolicy(attempts=attempts, backoff_s=0.02, max_backoff_s=0.2,
-                        max_retry_after_s=0.5)  # fmt: skip
-    return EncoderClient(url, store=extra.get("store"), token=extra.get("token"), retry=retry,
-                         timeout_s=float(extra.get("timeout_s", 5.0)))  # fmt: skip
+    retry = RetryPolicy(attempts=attempts, backoff_s=0.02, max_backoff_s=0.2, max_retry_after_s=0.5)
+    return EncoderClient(
+        url,
+        store=extra.get("store"),
+        token=extra.get("token"),
+        retry=retry,
+        timeout_s=float(extra.get("timeout_s", 5.0)),
+    )
 
 
 def cache_tensor(record: EmbeddingRecord, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -193,8 +208,10 @@ class VitserveECConnector(ECConnectorBase):
         config = vllm_config.ec_transfer_config
         assert config is not None  # the base class checked it
         if config.is_ec_producer:
-            raise ConfigError("VitserveECConnector is a consumer (ec_role ec_consumer): "
-                              "vitserve's encoder replicas produce the embeddings")  # fmt: skip
+            raise ConfigError(
+                "VitserveECConnector is a consumer (ec_role ec_consumer): "
+                "vitserve's encoder replicas produce the embeddings"
+            )
         self.client = client_from_extra(config.ec_connector_extra_config or {})
         self.width = int(vllm_config.model_config.get_inputs_embeds_size())
         self.dtype = vllm_config.model_config.dtype
@@ -225,8 +242,12 @@ class VitserveECConnector(ECConnectorBase):
         try:
             found = self.client.probe(keys)
         except Exception as exc:  # the scheduler must not die of a store or service fault
-            log.warning("vitserve probe of %d key(s) failed (%s: %s); vLLM encodes them",
-                        len(keys), type(exc).__name__, exc)  # fmt: skip
+            log.warning(
+                "vitserve probe of %d key(s) failed (%s: %s); vLLM encodes them",
+                len(keys),
+                type(exc).__name__,
+                exc,
+            )
             self.book.failed(keys, self.counts)
             return
         self.book.record(keys, found, rows, self.width, self.counts)
@@ -286,8 +307,10 @@ class VitserveECConnector(ECConnectorBase):
                 )
             for req_id, indices in fallbacks.items():
                 meta.encoder_inputs.setdefault(req_id, []).extend(indices)
-            log.warning("vitserve: %d hit(s) could not be loaded; vLLM encodes them this step",
-                        len(plan.failed))  # fmt: skip
+            log.warning(
+                "vitserve: %d hit(s) could not be loaded; vLLM encodes them this step",
+                len(plan.failed),
+            )
         self.counts.loads += len(plan.loaded)
         self.counts.load_bytes += loaded_bytes
         self.counts.load_fallbacks += len(plan.failed)
@@ -308,14 +331,19 @@ class VitserveECConnector(ECConnectorBase):
                     break
                 continue
             except (VitserveError, OSError) as exc:
-                log.warning("vitserve read of %d image(s) failed (%s: %s)", len(wanted),
-                            type(exc).__name__, exc)  # fmt: skip
+                log.warning(
+                    "vitserve read of %d image(s) failed (%s: %s)",
+                    len(wanted),
+                    type(exc).__name__,
+                    exc,
+                )
                 break
             return {h.key: r for h, r in zip(wanted, records, strict=True)}
         return {}
 
     def _device(self) -> torch.device:
         if self.device is None:
+            # vLLM resolves its platform when current_platform is first imported: not at import
             from vllm.platforms import current_platform
 
             kind = current_platform.device_type
@@ -324,8 +352,9 @@ class VitserveECConnector(ECConnectorBase):
             self.device = torch.device(kind)
         return self.device
 
-    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str,
-                    **kwargs: Any) -> None:  # fmt: skip
+    def save_caches(
+        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
+    ) -> None:
         return None  # a consumer saves nothing: vitserve's encoders publish
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
@@ -340,10 +369,13 @@ class VitserveECConnector(ECConnectorBase):
         return VitserveECStats(dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
-                           labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]],
-                           ) -> ECConnectorPromMetrics:  # fmt: skip
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> ECConnectorPromMetrics:
         return VitservePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 

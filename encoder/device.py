@@ -23,15 +23,24 @@ change (default dtype, batch cap): the kernels that run are still the host's.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 from vitserve.errors import ConfigError
 
-DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-          "fp16": "float16", "float16": "float16"}  # fmt: skip
+DTYPES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+}
 SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 # Share of free memory the activation budget may use: the rest holds weights, outputs waiting to
@@ -48,7 +57,7 @@ _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 def resolve_device(device: str | Any | None) -> Any:
     """``torch.device`` for ``device`` (``None``: cuda when available, else cpu)."""
-    import torch
+    import torch  # heavy: deployments/common/config imports this module for its names
 
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -63,7 +72,7 @@ def resolve_device(device: str | Any | None) -> Any:
 
 def parse_dtype(dtype: str | Any) -> Any:
     """``torch.dtype`` from a name (fp32/bf16/fp16 or the torch names) or a torch dtype."""
-    import torch
+    import torch  # heavy: deployments/common/config imports this module for its names
 
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -134,7 +143,7 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
 
 def default_dtype(device: Any) -> Any:
     """bf16 where the device computes it natively, else fp16 (old GPUs) or fp32 (CPUs)."""
-    import torch
+    import torch  # heavy: deployments/common/config imports this module for its names
 
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -143,7 +152,7 @@ def default_dtype(device: Any) -> Any:
 
 def free_memory_bytes(device: Any) -> int:
     """Free memory of ``device`` now (GPU: the driver's free bytes; CPU: MemAvailable)."""
-    import torch
+    import torch  # heavy: deployments/common/config imports this module for its names
 
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -174,8 +183,9 @@ def last_level_cache_bytes() -> int | None:
     return max(sizes, default=None)
 
 
-def cpu_batch_cap(llc_bytes: int | None, native_bf16: bool, mlp_width: int,
-                  itemsize: int) -> int | None:  # fmt: skip
+def cpu_batch_cap(
+    llc_bytes: int | None, native_bf16: bool, mlp_width: int, itemsize: int
+) -> int | None:
     """The CPU batch cap in patches (see the module docstring), from its inputs alone: as many
     tokens as fit one MLP intermediate (``mlp_width`` elements each) in the last-level cache;
     None (no cap) when the cache size is unknown.
@@ -194,16 +204,42 @@ def default_max_batch_patches(device: Any, mlp_width: int, dtype: Any) -> int | 
     """:func:`cpu_batch_cap` for this host (or its overrides); None (no cap) on GPUs."""
     if device.type != "cpu":
         return None
-    return cpu_batch_cap(last_level_cache_bytes(), cpu_has_native_bf16(), mlp_width,
-                         dtype.itemsize)  # fmt: skip
+    return cpu_batch_cap(last_level_cache_bytes(), cpu_has_native_bf16(), mlp_width, dtype.itemsize)
+
+
+def available_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The cores this process may use: its CPU affinity, capped by its container's CPU quota
+    (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, rounded up), not
+    the host's core count (``os.cpu_count()``: 64 on a node where the pod may use 4)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    root = Path(cgroup_root)
+    quota = period = None
+    try:
+        text = (root / "cpu.max").read_text().split()
+        if text and text[0] != "max":
+            quota, period = int(text[0]), int(text[1])
+    except (OSError, ValueError, IndexError):
+        try:
+            q = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+            p = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+            if q > 0 and p > 0:
+                quota, period = q, p
+        except (OSError, ValueError):
+            pass
+    if quota is not None and period:
+        cores = min(cores, max(1, -(-quota // period)))
+    return cores
 
 
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``), for results pages; ``unknown CPU`` elsewhere."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name")), "unknown CPU")  # fmt: skip
+            return next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                "unknown CPU",
+            )
     except OSError:
         return "unknown CPU"
 
@@ -244,10 +280,6 @@ def tune_cpu_allocator(trim_threshold_bytes: int = 1 << 30) -> bool:
     global _ALLOCATOR_TUNED
     if _ALLOCATOR_TUNED:
         return True
-    import ctypes
-    import ctypes.util
-    import sys
-
     if not sys.platform.startswith("linux"):
         return False
     try:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from vitserve.encoder.device import (
     default_budget_bytes,
@@ -65,8 +66,6 @@ BATCH_TOLERANCE_ULPS = {"fp32": 8.0, "bf16": 2.0}
 def ulps_apart(a: Any, b: Any) -> float:
     """``max|a - b|`` in ulps of ``b``'s scale: units of ``eps(b.dtype) * max|b|``, the spacing
     of floats near ``b``'s largest value (0.0 for equal tensors; tensors of one shape)."""
-    import torch
-
     if a.shape != b.shape:
         raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
     scale = b.float().abs().max().item()
@@ -236,8 +235,9 @@ class EncoderEngine:
         ]
         return plan_batches(items, self.budget_bytes, max_batch_patches=self.max_batch_patches)
 
-    def terms(self, *, max_image_pixels: int, max_patches: int | None = None,
-              max_bytes: int | None = None) -> Terms:  # fmt: skip
+    def terms(
+        self, *, max_image_pixels: int, max_patches: int | None = None, max_bytes: int | None = None
+    ) -> Terms:
         """What a service admits of this engine's work (``vitserve.encoder.work``): the
         family's resize rule, the default :class:`Capacity` (from the activation budget and
         the costliest image of ``max_image_pixels``; ``max_patches`` / ``max_bytes`` replace
@@ -245,15 +245,26 @@ class EncoderEngine:
         rule = self.adapter.resize_rule()
         largest = rule.largest(max_image_pixels)
         patches = max(largest.patches, 1)  # its sequence: the patches, and a CLS row at most
-        probe = PreparedImage(key="", pixels=_EMPTY, grid=None, num_tokens=0, patches=patches,
-                              seq_len=patches + 1, bucket=None)  # fmt: skip
+        probe = PreparedImage(
+            key="",
+            pixels=_EMPTY,
+            grid=None,
+            num_tokens=0,
+            patches=patches,
+            seq_len=patches + 1,
+            bucket=None,
+        )
         act = max(1, self.adapter.activation_bytes(probe))
         forward = max(1, self.budget_bytes // act) * probe.patches
         if self.max_batch_patches is not None:  # the CPU cap (one image over it runs alone)
             forward = min(forward, max(self.max_batch_patches, probe.patches))
-        capacity = Capacity.derived(budget_bytes=self.budget_bytes, forward_patches=forward,
-                                    largest=largest, max_patches=max_patches,
-                                    max_bytes=max_bytes)  # fmt: skip
+        capacity = Capacity.derived(
+            budget_bytes=self.budget_bytes,
+            forward_patches=forward,
+            largest=largest,
+            max_patches=max_patches,
+            max_bytes=max_bytes,
+        )
         row = sum(self.adapter.output_widths().values()) * self.dtype.itemsize
         return Terms(rule=rule, capacity=capacity, row_bytes=row)
 

@@ -14,19 +14,24 @@ image embeddings from vitserve. Invariants:
   logits of :mod:`vitserve.client.adapters` inputs equal the full model's.
 * No vision parameter exists: the model is built with its parameters on the ``meta`` device
   (buffers real, so non-persistent buffers such as the rotary ``inv_freq`` are computed by the
-  modules' own constructors), then its vision submodules (Qwen ``model.visual``; LLaVA and
-  Gemma 3 ``model.vision_tower`` and ``model.multi_modal_projector``) are replaced by a stub that
+  modules' own constructors), then its vision submodules (the spec's
+  ``checkpoint.vision_modules``: Qwen ``model.visual``; LLaVA and Gemma 3
+  ``model.vision_tower`` and ``model.multi_modal_projector``) are replaced by a stub that
   raises :class:`ConfigError` if it is ever used (feed image embeddings instead). The result
   holds no meta tensor.
 * Strict names: every language-model parameter must come from the checkpoint, except a tied
   weight (``tie_word_embeddings``: ``lm_head.weight`` absent is tied to the embedding table, as
   ``from_pretrained`` ties it). A missing language-model tensor is a :class:`ModelLoadError`
   naming it; so is a checkpoint tensor that is neither a language-model tensor of the model nor
-  under one of the family's vision/projector prefixes (the adapters' ``weight_prefixes``).
-* Checkpoint layouts: today's (``model.language_model.*``, ``lm_head.*``) and the published
-  ones transformers converts on load (Qwen2/2.5-VL ``model.*``; LLaVA and Gemma 3
-  ``language_model.model.*``, ``language_model.lm_head.*``); transformers 5 saves these families
-  back in the published layout. Exactly one layout per part.
+  under one of the family's vision/projector prefixes (the spec's
+  ``checkpoint.vision_prefixes``).
+* Checkpoint layouts (the spec's ``checkpoint.lm_layouts``): today's
+  (``model.language_model.*``, ``lm_head.*``) and the published ones transformers converts on
+  load (Qwen2/2.5-VL ``model.*``; LLaVA and Gemma 3 ``language_model.model.*``,
+  ``language_model.lm_head.*``); transformers 5 saves these families back in the published
+  layout. Exactly one layout per part.
+* The model class (``checkpoint.model_class``) and every name above come from the family's
+  :class:`~vitserve.families.spec.FamilySpec`; nothing here branches on a family.
 * Floating weights are cast to ``dtype`` and moved to ``device`` one at a time as they are read;
   the model is returned in eval mode with gradients off.
 
@@ -43,7 +48,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from vitserve.encoder.families import adapter_class
+from vitserve.encoder.device import parse_dtype, resolve_device
 from vitserve.encoder.loading import (
     CheckpointSource,
     LoadReport,
@@ -51,40 +56,10 @@ from vitserve.encoder.loading import (
     read_tensors,
     read_weight_map,
 )
-from vitserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from vitserve.errors import ConfigError, ModelLoadError
+from vitserve.families import family_spec
+from vitserve.families.spec import FamilySpec
 
-# model_type -> the transformers class of the monolithic model.
-MODEL_CLASSES = {
-    "qwen2_vl": "Qwen2VLForConditionalGeneration",
-    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-    "qwen3_vl": "Qwen3VLForConditionalGeneration",
-    "llava": "LlavaForConditionalGeneration",
-    "gemma3": "Gemma3ForConditionalGeneration",
-}
-# model_type -> the vision submodules the language-model-only model goes without.
-VISION_MODULES = {
-    "qwen2_vl": ("model.visual",),
-    "qwen2_5_vl": ("model.visual",),
-    "qwen3_vl": ("model.visual",),
-    "llava": ("model.vision_tower", "model.multi_modal_projector"),
-    "gemma3": ("model.vision_tower", "model.multi_modal_projector"),
-}
-# For each part of the language model, its state-dict prefix -> the checkpoint prefixes it is
-# saved under, one per layout, today's first (transformers 5.23's conversion_mapping.py:
-# Qwen2VLForConditionalGeneration ``^model(?!\.(language_model|visual))`` -> model.language_model;
-# llava, which gemma3 shares, ``^language_model.lm_head`` -> lm_head and ``^language_model.model``
-# -> model.language_model).
-_QWEN_LAYOUTS = {"model.language_model.": ("model.language_model.", "model."),
-                 "lm_head.": ("lm_head.",)}  # fmt: skip
-_LLAVA_LAYOUTS = {"model.language_model.": ("model.language_model.", "language_model.model."),
-                  "lm_head.": ("lm_head.", "language_model.lm_head.")}  # fmt: skip
-LM_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
-    "qwen2_vl": _QWEN_LAYOUTS,
-    "qwen2_5_vl": _QWEN_LAYOUTS,
-    "qwen3_vl": _QWEN_LAYOUTS,
-    "llava": _LLAVA_LAYOUTS,
-    "gemma3": _LLAVA_LAYOUTS,
-}
 NO_VISION_MESSAGE = (
     "this language-model-only load has no vision tower; feed image embeddings "
     "(vitserve.client.adapters.transformers_inputs) instead of pixel values"
@@ -104,7 +79,7 @@ class LoadedLanguageModel:
 
 @functools.cache
 def _no_vision_class() -> type:
-    import torch
+    import torch  # heavy: importing this module loads no torch (see the module docstring)
 
     class NoVision(torch.nn.Module):
         """Stands in for a vision submodule that was not loaded; any use is an error."""
@@ -136,7 +111,7 @@ def _parameters_on_meta() -> Iterator[None]:
     rotary ``inv_freq``, keep the values their modules' constructors compute. Process-wide
     while active, like transformers' ``no_init_weights``.
     """
-    import torch
+    import torch  # heavy: importing this module loads no torch (see the module docstring)
 
     register = torch.nn.Module.register_parameter
 
@@ -147,14 +122,15 @@ def _parameters_on_meta() -> Iterator[None]:
                 param.to("meta"), requires_grad=param.requires_grad
             )
 
-    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    torch.nn.Module.register_parameter = on_meta
     try:
         yield
     finally:
-        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+        torch.nn.Module.register_parameter = register
 
 
 def _read_config(source: CheckpointSource) -> Any:
+    # heavy: importing this module loads no torch (see the module docstring)
     from transformers import AutoConfig
 
     path = source.fetch("config.json")
@@ -164,24 +140,24 @@ def _read_config(source: CheckpointSource) -> Any:
         raise ModelLoadError(source.model, f"cannot read config: {exc}") from exc
 
 
-def _build(family: str, config: Any, dtype: Any) -> Any:
+def _build(spec: FamilySpec, config: Any, dtype: Any) -> Any:
     """The monolithic model with parameters on meta and real buffers, vision replaced."""
-    import torch
+    import torch  # heavy: importing this module loads no torch (see the module docstring)
     import transformers
     from transformers.initialization import no_init_weights
 
-    cls = getattr(transformers, MODEL_CLASSES[family])
+    cls = getattr(transformers, spec.checkpoint.model_class)
     with no_init_weights(), _parameters_on_meta(), torch.device("cpu"):
         model = cls._from_config(config, attn_implementation="sdpa", dtype=dtype)
     no_vision = _no_vision_class()
-    for path in VISION_MODULES[family]:
+    for path in spec.checkpoint.vision_modules:
         parent, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent), name, no_vision(path))
     return model
 
 
 def _plan(
-    family: str,
+    spec: FamilySpec,
     keys: list[str],
     tied: Mapping[str, str],
     names: set[str],
@@ -198,7 +174,8 @@ def _plan(
     missing: list[str] = []
     tied_ends = {*tied, *tied.values()}
     absent_tied: dict[str, str] = {}  # state-dict key -> its checkpoint name
-    for prefix, alternatives in LM_LAYOUTS[family].items():
+    parts = spec.checkpoint.lm_layouts
+    for prefix, alternatives in parts.items():
         part = [k for k in keys if k.startswith(prefix)]
         layouts = {alt: {alt + k[len(prefix) :]: k for k in part} for alt in alternatives}
         found = [alt for alt, mapping in layouts.items() if names & mapping.keys()]
@@ -216,7 +193,7 @@ def _plan(
                 missing.append(name)
     # A tied pair with neither end saved: the source (the embedding table) is what is missing.
     missing += [absent_tied[s] for t, s in tied.items() if t in absent_tied and s in absent_tied]
-    stray = [k for k in keys if not k.startswith(tuple(LM_LAYOUTS[family]))]
+    stray = [k for k in keys if not k.startswith(tuple(parts))]
     if stray:  # a transformers version whose model has parts this table does not know
         raise ModelLoadError(model, f"no checkpoint layout for {', '.join(stray[:4])}")
     if missing:
@@ -228,11 +205,11 @@ def _plan(
     return plan
 
 
-def _vision_names(family: str, names: set[str], plan: Mapping[str, str], model: str) -> set[str]:
+def _vision_names(
+    spec: FamilySpec, names: set[str], plan: Mapping[str, str], model: str
+) -> set[str]:
     """The checkpoint names that are not language-model tensors; each must be a vision one."""
-    prefixes = [
-        re.compile(p) for alts in adapter_class(family).weight_prefixes.values() for p in alts
-    ]
+    prefixes = [re.compile(p) for alts in spec.checkpoint.vision_prefixes.values() for p in alts]
     rest = names - plan.keys()
     unexpected = sorted(n for n in rest if not any(rx.match(n) for rx in prefixes))
     if unexpected:
@@ -255,9 +232,7 @@ def load_language_model(
     """Load ``model`` (a local folder or an HF id) without its vision tower and projector onto
     ``device`` in ``dtype`` (a torch dtype, or fp32/bf16/fp16), reading only the
     language-model tensors of its checkpoint. See the module docstring for the invariants."""
-    import torch
-
-    from vitserve.encoder.device import parse_dtype, resolve_device
+    import torch  # heavy: importing this module loads no torch (see the module docstring)
 
     started = time.perf_counter()
     dev = resolve_device(device)
@@ -265,18 +240,16 @@ def load_language_model(
     source = CheckpointSource(model, revision)
     config = _read_config(source)
     family = str(getattr(config, "model_type", ""))
-    adapter_class(family, model=model)  # UnsupportedModelError for a family without an adapter
-    if family not in MODEL_CLASSES:
-        raise UnsupportedModelError(model, f"no language-model loader for {family!r}")
+    spec = family_spec(family, model=model)  # UnsupportedModelError for an unknown family
 
     weight_map, total_size = read_weight_map(source)
     names = set(weight_map)
-    lm = _build(family, config, dt)
+    lm = _build(spec, config, dt)
     keys = list(lm.state_dict())
     # {target: source} of the weights the config ties (lm_head.weight -> the embedding table).
     tied: dict[str, str] = dict(getattr(lm, "all_tied_weights_keys", None) or {})
-    plan = _plan(family, keys, tied, names, model)
-    _vision_names(family, names, plan, model)
+    plan = _plan(spec, keys, tied, names, model)
+    _vision_names(spec, names, plan, model)
 
     def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
         # Cast floating weights to the serving dtype (a copy only when the dtypes differ).
@@ -325,6 +298,7 @@ def load_language_model(
 
 def _load_generation_config(lm: Any, source: CheckpointSource) -> None:
     """The checkpoint's generation_config.json, as from_pretrained reads it (if there is one)."""
+    # heavy: importing this module loads no torch (see the module docstring)
     from transformers import GenerationConfig
 
     name = "generation_config.json"
@@ -338,9 +312,6 @@ def _load_generation_config(lm: Any, source: CheckpointSource) -> None:
 
 
 __all__ = [
-    "LM_LAYOUTS",
-    "MODEL_CLASSES",
-    "VISION_MODULES",
     "LoadedLanguageModel",
     "load_language_model",
 ]

@@ -11,7 +11,8 @@ silently random weight.
 
 Checkpoints name tensors in more than one layout (published Qwen2/2.5-VL: ``visual.*``,
 in-memory: ``model.visual.*``; published LLaVA/Gemma 3: ``vision_tower.vision_model.*``, ...):
-each adapter lists the alternatives, and exactly one must match.
+the family's spec lists the alternatives (``checkpoint.vision_prefixes``), and exactly one
+must match.
 
 While reading, the loader hashes each vision tensor's bytes (blake3); ``weight_digest`` combines
 those hashes with the tensors' module names, dtypes and shapes in name order. It pins exactly the
@@ -37,15 +38,24 @@ import blake3
 
 from vitserve.encoder.families import FamilyAdapter, adapter_class
 from vitserve.errors import ModelLoadError
+from vitserve.families import family_spec
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 # safetensors dtype tags -> torch dtype names
 _DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-}  # fmt: skip
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +103,14 @@ class CheckpointSource:
     def exists(self, name: str) -> bool:
         if self.local:
             return (self.folder / name).is_file()
+        # heavy (~0.4 s): only an HF id needs the hub client
         from huggingface_hub import file_exists
 
         try:
             return file_exists(self.repo, name, revision=self.requested_revision)
         except Exception:
             # Offline: fall back to whether the file is in the local cache.
+            # heavy (~0.4 s): only an HF id needs the hub client
             from huggingface_hub import try_to_load_from_cache
 
             hit = try_to_load_from_cache(self.repo, name, revision=self.requested_revision)
@@ -111,6 +123,7 @@ class CheckpointSource:
             if not path.is_file():
                 raise ModelLoadError(self.model, f"missing file {name}")
             return path
+        # heavy (~0.4 s): only an HF id needs the hub client
         from huggingface_hub import hf_hub_download
 
         try:
@@ -166,7 +179,7 @@ def read_tensor(
     (:func:`read_header`), ``info`` the tensor's header entry. Returns the tensor and the blake3
     hex digest of its bytes (``None`` when ``digest`` is false).
     """
-    import torch
+    import torch  # heavy: importing the loaders loads no torch (language_model promises it)
 
     dtype = getattr(torch, _DTYPES[info["dtype"]])
     begin, end = info["data_offsets"]
@@ -251,6 +264,7 @@ def checkpoint_bytes(source: CheckpointSource, total_size: int | None) -> int:
 
 def _read_configs(source: CheckpointSource) -> tuple[Any, Any, type[FamilyAdapter]]:
     """The model config, the image processor and the family adapter class of ``source``."""
+    # heavy: importing the loaders loads no torch (language_model promises it)
     from transformers import AutoConfig, AutoImageProcessor
 
     config_path = source.fetch("config.json")
@@ -260,15 +274,16 @@ def _read_configs(source: CheckpointSource) -> tuple[Any, Any, type[FamilyAdapte
         processor = AutoImageProcessor.from_pretrained(config_path.parent)
     except Exception as exc:
         raise ModelLoadError(source.model, f"cannot read config or image processor: {exc}") from exc
-    adapter_cls = adapter_class(getattr(config, "model_type", ""), model=source.model)
-    adapter_cls.check_processor(processor)
+    model_type = str(getattr(config, "model_type", ""))
+    adapter_cls = adapter_class(model_type, model=source.model)
+    adapter_cls.check_processor(family_spec(model_type), processor)
     return config, processor, adapter_cls
 
 
 def load_preprocessor(model: str, *, revision: str | None = None) -> FamilyAdapter:
     """A family adapter that can only ``preprocess`` (config and image processor; no weights),
     for CPU workers that turn images into pixel arrays for the encoder."""
-    import torch
+    import torch  # heavy: importing the loaders loads no torch (language_model promises it)
 
     config, processor, adapter_cls = _read_configs(CheckpointSource(model, revision))
     return adapter_cls(config, processor, {}, device=torch.device("cpu"), dtype=torch.float32)
@@ -282,7 +297,7 @@ def load_vision(
     revision: str | None = None,
 ) -> LoadedVision:
     """Load only the vision tower and projector of ``model`` onto ``device`` in ``dtype``."""
-    import torch
+    import torch  # heavy: importing the loaders loads no torch (language_model promises it)
     from transformers.initialization import no_init_weights
 
     started = time.perf_counter()
@@ -290,7 +305,8 @@ def load_vision(
     config, processor, adapter_cls = _read_configs(source)
 
     weight_map, total_size = read_weight_map(source)
-    plan = _match(adapter_cls.weight_prefixes, sorted(weight_map), model)
+    spec = family_spec(str(config.model_type))
+    plan = _match(spec.checkpoint.vision_prefixes, sorted(weight_map), model)
 
     targets = {
         name: f"{module}.{key}" for module, hits in plan.items() for name, key in hits.items()
@@ -300,7 +316,7 @@ def load_vision(
     tensor_digests = {targets[name]: d for name, d in read.digests.items()}
 
     with no_init_weights(), torch.device("cpu"):
-        modules = adapter_cls.build_modules(config)
+        modules = adapter_cls.build_modules(spec, config)
     for module_name, hits in plan.items():
         module = modules[module_name]
         state = {}

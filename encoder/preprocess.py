@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from vitserve.encoder.families import FamilyAdapter, PreparedImage
 from vitserve.encoder.images import DEFAULT_LIMITS, ImageLimits, decode_image
+from vitserve.encoder.loading import load_preprocessor
 from vitserve.errors import ImagePreprocessError
 
 
@@ -21,8 +22,6 @@ class Preprocessor:
     def from_pretrained(
         cls, model: str, *, revision: str | None = None, limits: ImageLimits = DEFAULT_LIMITS
     ) -> Preprocessor:
-        from vitserve.encoder.loading import load_preprocessor
-
         return cls(load_preprocessor(model, revision=revision), limits)
 
     def prepare(

@@ -5,6 +5,11 @@ language model) of one of the supported families with random weights and saves i
 ``save_pretrained`` as sharded safetensors plus its image-processor config, so that it loads
 through exactly the path a published checkpoint takes. No network is needed.
 
+This module is the family-independent builder: what one family's test model is (its
+transformers config and image processor, its tokenizer's special tokens, chat template and
+end-of-turn token, its published tower size) is its spec's ``recipe``
+(:class:`vitserve.families.spec.Recipe`).
+
 Each model folder also holds an offline tokenizer (:func:`make_tokenizer`): a small byte-level
 BPE trained on a built-in English corpus, padded to the model's vocabulary with the family's
 special tokens at the ids its config names, and a chat template in the family's published
@@ -41,16 +46,24 @@ vitserve's embeddings of a ``vllm=True`` model are the default model's).
 
 from __future__ import annotations
 
+import itertools
+import json
+import os
+import re
+import shutil
+import tempfile
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vitserve.errors import ConfigError
+from vitserve.families import MODEL_TYPES, find_spec
+from vitserve.families.spec import FamilySpec, ImageAttention, Positions, RecipeShape
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3")
+FAMILIES = MODEL_TYPES
 PRESETS = ("tiny", "small", "large")
 
 # Special-token ids placed inside the small test vocabulary.
@@ -66,15 +79,22 @@ START_OF_TURN_ID = 2004  # Gemma 3's turn markers
 END_OF_TURN_ID = 2005
 # Gemma 3's "\n" ... "\n\n\n\n" tokens in vllm=True models (see make_tokenizer).
 NEWLINE_IDS = (2006, 2007, 2008, 2009)
+# Special-token role (the keys of a family's ``Recipe.special_tokens``) -> its id here.
+ROLE_IDS = {
+    "pad": PAD_ID,
+    "bos": BOS_ID,
+    "eos": EOS_ID,
+    "image": IMAGE_TOKEN_ID,
+    "video": VIDEO_TOKEN_ID,
+    "vision_start": VISION_START_ID,
+    "vision_end": VISION_END_ID,
+    "start_of_turn": START_OF_TURN_ID,
+    "end_of_turn": END_OF_TURN_ID,
+}
 
 # Part of the cache folder names: bumped whenever make_model's output changes, so that
 # cached_model rebuilds folders an older version wrote (v2: the tokenizer and chat template).
 CACHE_VERSION = "v2"
-
-# The test models cap Qwen's pixels so that 720p/1080p inputs are scaled down to a size a CPU
-# encodes in seconds; ``large`` keeps the published limit (1,003,520 pixels).
-_QWEN_MAX_PIXELS = {"tiny": 320 * 320, "small": 512 * 28 * 28, "large": 1_003_520}
-_QWEN_MIN_PIXELS = 56 * 56
 
 _TEXT_SIZES = {
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2},
@@ -87,28 +107,21 @@ _HEAD_DIM = 16
 VLLM_CPU_HEAD_DIM = 32
 # The init std of the tiny models' vision weights (see the module docstring).
 _TINY_VISION_STD = 0.2
-_VISION_PARAMS = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")
-# Vision tower sizes. ``large`` spells out the published towers: Qwen2-VL-7B, Qwen2.5-VL-7B,
-# Qwen3-VL-8B, CLIP ViT-L/14-336 (LLaVA-1.5) and SigLIP So400m (Gemma 3). transformers' default
-# vision configs are not these (its Qwen2.5-VL default is 3584 wide, 3B parameters).
+# Vision tower sizes; ``large`` is each family's published tower (``Recipe.large_vit``).
 _VIT_SIZES = {
     "tiny": {"width": 32, "depth": 2, "heads": 2, "mlp": 64},
     "small": {"width": 768, "depth": 12, "heads": 12, "mlp": 3072},
 }
-_VIT_LARGE = {
-    "qwen2_vl": {"width": 1280, "depth": 32, "heads": 16, "mlp": 5120},
-    "qwen2_5_vl": {"width": 1280, "depth": 32, "heads": 16, "mlp": 3420},
-    "qwen3_vl": {"width": 1152, "depth": 27, "heads": 16, "mlp": 4304},
-    "llava": {"width": 1024, "depth": 24, "heads": 16, "mlp": 4096},
-    "gemma3": {"width": 1152, "depth": 27, "heads": 16, "mlp": 4304},
-}
 
 
-def _vit(family: str, preset: str) -> dict[str, int]:
-    return _VIT_LARGE[family] if preset == "large" else _VIT_SIZES[preset]
+def _spec(family: str) -> FamilySpec:
+    spec = find_spec(family)
+    if spec is None:
+        raise ConfigError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
+    return spec
 
 
-def _text_config(preset: str, head_dim: int, **extra: Any) -> dict[str, Any]:
+def _text_config(preset: str, head_dim: int) -> dict[str, Any]:
     sizes = _TEXT_SIZES[preset]
     heads = sizes["hidden_size"] // head_dim
     return {
@@ -121,184 +134,8 @@ def _text_config(preset: str, head_dim: int, **extra: Any) -> dict[str, Any]:
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
         **sizes,
-        **extra,
     }
 
-
-def _qwen_config(family: str, preset: str, head_dim: int) -> Any:
-    import transformers as tf
-
-    # M-RoPE splits head_dim/2 rotary frequencies over (t, h, w); the published split is
-    # 16/24/24 of 64, kept in proportion here.
-    half = head_dim // 2
-    hw = half * 3 // 8
-    rope = {
-        "rope_type": "default",
-        "rope_theta": 1_000_000.0,
-        "mrope_section": [half - 2 * hw, hw, hw],
-    }
-    text = _text_config(preset, head_dim, rope_parameters=rope)
-    ids = {
-        "image_token_id": IMAGE_TOKEN_ID,
-        "video_token_id": VIDEO_TOKEN_ID,
-        "vision_start_token_id": VISION_START_ID,
-        "vision_end_token_id": VISION_END_ID,
-    }
-    out = text["hidden_size"]
-    v = _vit(family, preset)
-    if family == "qwen2_vl":
-        vision: dict[str, Any] = {"hidden_size": out}
-        vision |= {
-            "embed_dim": v["width"],
-            "depth": v["depth"],
-            "num_heads": v["heads"],
-            "mlp_ratio": v["mlp"] // v["width"],
-        }
-        return tf.Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
-    d = v["depth"]
-    vision = {
-        "out_hidden_size": out,
-        "hidden_size": v["width"],
-        "depth": d,
-        "num_heads": v["heads"],
-        "intermediate_size": v["mlp"],
-    }
-    if family == "qwen2_5_vl":
-        # Window attention everywhere but every fourth block, as in the published model.
-        vision["fullatt_block_indexes"] = [i for i in range(d) if i % 4 == 3] or [d - 1]
-        return tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
-    # Deepstack taps at a quarter, half and three quarters of the depth (8/16/24 of 27).
-    vision["deepstack_visual_indexes"] = (
-        [0, d - 1] if d < 4 else [d * k // 4 - 1 for k in (1, 2, 3)]
-    )
-    return tf.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
-
-
-def _llava_config(preset: str, head_dim: int) -> Any:
-    import transformers as tf
-
-    v = _vit("llava", preset)
-    vision: dict[str, Any] = {
-        "model_type": "clip_vision_model",
-        "hidden_size": v["width"],
-        "num_hidden_layers": v["depth"],
-        "num_attention_heads": v["heads"],
-        "intermediate_size": v["mlp"],
-        "image_size": 224 if preset == "tiny" else 336,
-        "patch_size": 16 if preset == "tiny" else 14,
-        "projection_dim": v["width"],
-    }
-    side = vision["image_size"] // vision["patch_size"]
-    text = _text_config(preset, head_dim, model_type="llama")
-    return tf.LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_id=IMAGE_TOKEN_ID,
-        image_seq_length=side * side,
-        vision_feature_layer=-2,
-        vision_feature_select_strategy="default",
-    )
-
-
-def _gemma3_config(preset: str, head_dim: int) -> Any:
-    import transformers as tf
-
-    v = _vit("gemma3", preset)
-    vision: dict[str, Any] = {
-        "model_type": "siglip_vision_model",
-        "vision_use_head": False,
-        "hidden_size": v["width"],
-        "num_hidden_layers": v["depth"],
-        "num_attention_heads": v["heads"],
-        "intermediate_size": v["mlp"],
-        "image_size": {"tiny": 224, "small": 448, "large": 896}[preset],
-        "patch_size": 14,
-    }
-    tokens = 64 if preset == "tiny" else 256
-    layers = _TEXT_SIZES[preset]["num_hidden_layers"]
-    text = _text_config(
-        preset,
-        head_dim,
-        sliding_window=512,
-        layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
-    )
-    return tf.Gemma3Config(
-        vision_config=vision,
-        text_config=text,
-        mm_tokens_per_image=tokens,
-        image_token_index=IMAGE_TOKEN_ID,
-        boi_token_index=VISION_START_ID,
-        eoi_token_index=VISION_END_ID,
-    )
-
-
-def _processor(family: str, preset: str, config: Any) -> Any:
-    import transformers as tf
-
-    if family.startswith("qwen"):
-        patch = config.vision_config.patch_size
-        mean_std = (
-            {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
-            if family == "qwen3_vl"
-            else {}
-        )
-        return tf.Qwen2VLImageProcessorPil(
-            size={"shortest_edge": _QWEN_MIN_PIXELS, "longest_edge": _QWEN_MAX_PIXELS[preset]},
-            patch_size=patch,
-            merge_size=config.vision_config.spatial_merge_size,
-            temporal_patch_size=config.vision_config.temporal_patch_size,
-            **mean_std,
-        )
-    side = config.vision_config.image_size
-    if family == "llava":
-        return tf.CLIPImageProcessorPil(
-            size={"shortest_edge": side}, crop_size={"height": side, "width": side}
-        )
-    return tf.Gemma3ImageProcessorPil(size={"height": side, "width": side})
-
-
-# The tokenizers' special tokens, id -> token, as the published checkpoints spell them. Every
-# other id up to VOCAB_SIZE is a BPE piece or a filler special token (``<unused{id}>``).
-_SPECIAL_TOKENS: dict[str, dict[int, str]] = {
-    "qwen": {
-        PAD_ID: "<|endoftext|>",
-        BOS_ID: "<|im_start|>",
-        EOS_ID: "<|im_end|>",
-        IMAGE_TOKEN_ID: "<|image_pad|>",
-        VIDEO_TOKEN_ID: "<|video_pad|>",
-        VISION_START_ID: "<|vision_start|>",
-        VISION_END_ID: "<|vision_end|>",
-    },
-    "llava": {PAD_ID: "<pad>", BOS_ID: "<s>", EOS_ID: "</s>", IMAGE_TOKEN_ID: "<image>"},
-    "gemma3": {
-        PAD_ID: "<pad>",
-        BOS_ID: "<bos>",
-        EOS_ID: "<eos>",
-        IMAGE_TOKEN_ID: "<image_soft_token>",
-        VISION_START_ID: "<start_of_image>",
-        VISION_END_ID: "<end_of_image>",
-        START_OF_TURN_ID: "<start_of_turn>",
-        END_OF_TURN_ID: "<end_of_turn>",
-    },
-}
-# The token that ends a turn (generation stops on it and on EOS_ID).
-_END_OF_TURN = {"qwen": EOS_ID, "llava": EOS_ID, "gemma3": END_OF_TURN_ID}
-# Named multimodal tokens (``tokenizer.image_token`` and ``tokenizer.image_token_id``, ...),
-# which the transformers processors look up.
-_NAMED_TOKENS = {
-    "qwen": {
-        "image_token": IMAGE_TOKEN_ID,
-        "video_token": VIDEO_TOKEN_ID,
-        "vision_start_token": VISION_START_ID,
-        "vision_end_token": VISION_END_ID,
-    },
-    "llava": {"image_token": IMAGE_TOKEN_ID},
-    "gemma3": {
-        "image_token": IMAGE_TOKEN_ID,
-        "boi_token": VISION_START_ID,
-        "eoi_token": VISION_END_ID,
-    },
-}
 
 # The English the BPE merges are trained on (any text round-trips through the byte-level
 # alphabet; this only makes common words a few tokens long).
@@ -336,20 +173,13 @@ _CORPUS = (
 )
 
 
-# What one image part of a message renders to: exactly one image marker each.
-_IMAGE_PART = {
-    "qwen": "<|vision_start|><|image_pad|><|vision_end|>",
-    "llava": "<image>\n",
-    "gemma3": "<start_of_image>",
-}
-
-
-def _chat_template(style: str) -> str:
-    """The Jinja chat template of a family, after its published one (without default system
-    messages, tools or videos). ``content`` is a string or a list of ``{"type": "text",
-    "text": ...}`` and ``{"type": "image"}`` / ``{"type": "image_url", ...}`` parts."""
-    # Gemma 3 trims text, as its published template does.
-    trim = " | trim" if style == "gemma3" else ""
+def _chat_template(spec: FamilySpec) -> str:
+    """The Jinja chat template of a family (its ``Recipe.chat_template``, after its published
+    one, without default system messages, tools or videos), after the ``render`` macro it
+    calls. ``content`` is a string or a list of ``{"type": "text", "text": ...}`` and
+    ``{"type": "image"}`` / ``{"type": "image_url", ...}`` parts; each image part renders to
+    the family's ``image_part``."""
+    trim = " | trim" if spec.recipe.trim_text else ""
     render = (
         "{% macro render(content) %}"
         "{% if content is string %}{{ content@TRIM@ }}"
@@ -360,65 +190,33 @@ def _chat_template(style: str) -> str:
         "{% endif %}{% endfor %}{% endif %}"
         "{% endmacro %}"
     )
-    render = render.replace("@IMAGE@", _IMAGE_PART[style]).replace("@TRIM@", trim)
-    if style == "qwen":
-        return (
-            render + "{% for message in messages %}"
-            "<|im_start|>{{ message['role'] }}\n{{ render(message['content']) }}<|im_end|>\n"
-            "{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-        )
-    if style == "llava":
-        return (
-            render + "<s>{% for message in messages %}"
-            "{% if message['role'] == 'system' %}{{ render(message['content']) }} "
-            "{% elif message['role'] == 'user' %}USER: {{ render(message['content']) }} "
-            "{% elif message['role'] == 'assistant' %}"
-            "ASSISTANT: {{ render(message['content']) }}</s>"
-            "{% else %}{{ raise_exception('unsupported role: ' ~ message['role']) }}"
-            "{% endif %}{% endfor %}"
-            "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
-        )
-    # Gemma 3: a system message opens the first user turn; the assistant's role is "model".
-    return (
-        render + "<bos>{% for message in messages %}"
-        "{% if message['role'] != 'system' %}"
-        "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
-        "{% if loop.index0 == 1 and messages[0]['role'] == 'system' %}"
-        "{{ render(messages[0]['content']) }}\n\n{% endif %}"
-        "{{ render(message['content']) }}<end_of_turn>\n"
-        "{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-    )
-
-
-def _style(family: str) -> str:
-    return "qwen" if family.startswith("qwen") else family
+    render = render.replace("@IMAGE@", spec.recipe.image_part).replace("@TRIM@", trim)
+    return render + spec.recipe.chat_template
 
 
 def make_tokenizer(family: str, config: Any, *, vllm: bool = False) -> PreTrainedTokenizerFast:
     """The offline ``PreTrainedTokenizerFast`` (with chat template) of a ``family`` test model.
 
     Invariants: exactly ``VOCAB_SIZE`` ids, each of which decodes; pad/bos/eos at ids 0/1/2,
-    the image token at ``IMAGE_TOKEN_ID`` and the family's other special tokens at the ids its
-    config names (see ``_SPECIAL_TOKENS``); unused ids are ``<unused{id}>`` special tokens. All
-    special tokens are split out of text. The chat template renders each image part as exactly
-    one image marker (Qwen ``<|image_pad|>`` between vision start/end, LLaVA ``<image>``, Gemma 3
-    ``<start_of_image>``) and adds BOS itself where the family has one in its prompts; encoding
-    adds no special tokens. The BPE part is deterministic (same files on every run).
+    the image token at ``IMAGE_TOKEN_ID`` and the family's other special tokens (its spec's
+    ``Recipe.special_tokens``) at the ids ``ROLE_IDS`` gives their roles, which its config
+    names; unused ids are ``<unused{id}>`` special tokens. All special tokens are split out of
+    text. The chat template renders each image part as exactly one image marker (the spec's
+    ``Recipe.image_part``: Qwen ``<|image_pad|>`` between vision start/end, LLaVA ``<image>``,
+    Gemma 3 ``<start_of_image>``) and adds BOS itself where the family has one in its prompts;
+    encoding adds no special tokens. The BPE part is deterministic (same files on every run).
 
-    ``vllm`` (Gemma 3 only): ids ``NEWLINE_IDS`` are the ordinary (not special) tokens of one to
-    four newlines, matched in text before the BPE (longest first), as vLLM's Gemma 3 processor
-    expects; the other ids are as without it.
+    ``vllm`` (families with ``Recipe.vllm_newline_tokens``: Gemma 3): ids ``NEWLINE_IDS`` are
+    the ordinary (not special) tokens of one to four newlines, matched in text before the BPE
+    (longest first), as vLLM's Gemma 3 processor expects; the other ids are as without it.
     """
-    import itertools
-
+    # heavy: the CLI imports this module (FAMILIES, PRESETS) and must start without it
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from tokenizers.trainers import BpeTrainer
     from transformers import PreTrainedTokenizerFast
 
-    style = _style(family)
-    specials = _SPECIAL_TOKENS[style]
+    recipe = _spec(family).recipe
+    specials = {ROLE_IDS[role]: token for role, token in recipe.special_tokens.items()}
     text_specials = [specials[i] for i in (PAD_ID, BOS_ID, EOS_ID)]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -438,7 +236,7 @@ def make_tokenizer(family: str, config: Any, *, vllm: bool = False) -> PreTraine
         i: AddedToken(specials.get(i, f"<unused{i}>"), special=True, normalized=False)
         for i in range(first, VOCAB_SIZE)
     }
-    if vllm and style == "gemma3":
+    if vllm and recipe.vllm_newline_tokens:
         for n, i in enumerate(NEWLINE_IDS, 1):
             fill[i] = AddedToken("\n" * n, special=False, normalized=False)
     # Added in id order, each run of special or ordinary tokens by its own call.
@@ -450,10 +248,10 @@ def make_tokenizer(family: str, config: Any, *, vllm: bool = False) -> PreTraine
         pad_token=specials[PAD_ID],
         bos_token=specials[BOS_ID],
         eos_token=specials[EOS_ID],
-        extra_special_tokens={k: specials[i] for k, i in _NAMED_TOKENS[style].items()},
+        extra_special_tokens={k: recipe.special_tokens[r] for k, r in recipe.named_tokens.items()},
         model_max_length=config.get_text_config().max_position_embeddings,
         clean_up_tokenization_spaces=False,
-        chat_template=_chat_template(style),
+        chat_template=_chat_template(_spec(family)),
     )
     wrong = {i: t for i, t in specials.items() if tokenizer.convert_tokens_to_ids(t) != i}
     if len(tokenizer) != VOCAB_SIZE or wrong:
@@ -463,30 +261,30 @@ def make_tokenizer(family: str, config: Any, *, vllm: bool = False) -> PreTraine
 
 def full_model_class(family: str) -> Any:
     """The transformers ``*ForConditionalGeneration`` class of a family."""
+    # heavy: the CLI imports this module (FAMILIES, PRESETS) and must start without it
     import transformers as tf
 
-    return {
-        "qwen2_vl": tf.Qwen2VLForConditionalGeneration,
-        "qwen2_5_vl": tf.Qwen2_5_VLForConditionalGeneration,
-        "qwen3_vl": tf.Qwen3VLForConditionalGeneration,
-        "llava": tf.LlavaForConditionalGeneration,
-        "gemma3": tf.Gemma3ForConditionalGeneration,
-    }[family]
+    return getattr(tf, _spec(family).checkpoint.model_class)
 
 
 def build_config(family: str, preset: str, *, vllm: bool = False) -> Any:
     """The transformers config of a test model (``family`` is the transformers model_type);
     ``vllm``: text heads ``VLLM_CPU_HEAD_DIM`` wide (see the module docstring)."""
-    if family not in FAMILIES:
-        raise ConfigError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
+    # heavy: the CLI imports this module (FAMILIES, PRESETS) and must start without it
+    import transformers as tf
+
+    spec = _spec(family)
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
     head_dim = VLLM_CPU_HEAD_DIM if vllm else _HEAD_DIM
-    if family.startswith("qwen"):
-        return _qwen_config(family, preset, head_dim)
-    if family == "llava":
-        return _llava_config(preset, head_dim)
-    return _gemma3_config(preset, head_dim)
+    shape = RecipeShape(
+        preset=preset,
+        vit=spec.recipe.large_vit if preset == "large" else _VIT_SIZES[preset],
+        text=_text_config(preset, head_dim),
+        head_dim=head_dim,
+        ids=ROLE_IDS,
+    )
+    return getattr(tf, spec.recipe.config_class)(**spec.recipe.config(shape))
 
 
 def make_model(
@@ -506,23 +304,27 @@ def make_model(
     its chat template (:func:`make_tokenizer`). Deterministic for a given ``seed``.
     ``vllm``: a model vLLM's CPU build serves too (see the module docstring). Returns ``out``.
     """
+    # heavy: the CLI imports this module (FAMILIES, PRESETS) and must start without it
     import torch
+    import transformers as tf
 
+    spec = _spec(family)
     config = build_config(family, preset, vllm=vllm)
+    vision_params = tuple(f"{m}." for m in spec.checkpoint.vision_modules)
     torch.manual_seed(seed)
     model = full_model_class(family)._from_config(config, attn_implementation="sdpa")
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.ndim < 2:
                 continue
-            if preset == "tiny" and name.startswith(_VISION_PARAMS):
+            if preset == "tiny" and name.startswith(vision_params):
                 param.normal_(0.0, _TINY_VISION_STD)
             elif float(param.std()) == 0.0:
                 # Some projections start as exact zeros (e.g. Gemma 3's
                 # mm_input_projection_weight); all-zero image features would make every
                 # equality test vacuous.
                 param.normal_(0.0, 0.02)
-    end_of_turn = _END_OF_TURN[_style(family)]
+    end_of_turn = ROLE_IDS[spec.recipe.end_of_turn]
     model.generation_config.eos_token_id = sorted({EOS_ID, end_of_turn})
     model.generation_config.bos_token_id = BOS_ID
     model.generation_config.pad_token_id = PAD_ID
@@ -530,27 +332,30 @@ def make_model(
     out.mkdir(parents=True, exist_ok=True)
     shard = max_shard_size or {"tiny": "400KB", "small": "200MB", "large": "2GB"}[preset]
     model.save_pretrained(out, max_shard_size=shard, safe_serialization=True)
-    if vllm and family in ("llava", "gemma3"):
-        _rename_in_place(out, [(r"^vision_tower\.", "vision_tower.vision_model.")])
-    processor = _processor(family, preset, config)
+    if vllm and spec.recipe.vllm_renames:
+        _rename_in_place(out, list(spec.recipe.vllm_renames))
+    processor_class = getattr(tf, spec.recipe.processor_class)
+    processor = processor_class(**spec.recipe.processor(config, preset))
     processor.save_pretrained(out)
     tokenizer = make_tokenizer(family, config, vllm=vllm)
     tokenizer.save_pretrained(out)
-    if vllm and family == "gemma3":
-        _save_gemma3_processor_config(out, processor, tokenizer, config.mm_tokens_per_image)
+    if vllm and spec.recipe.vllm_processor_class:
+        tokens = getattr(config, str(spec.placeholders.count))
+        _save_processor_config(out, spec, processor, tokenizer, tokens)
     return out
 
 
-def _save_gemma3_processor_config(out: Path, image_processor: Any, tokenizer: Any, tokens: int):
-    """Gemma 3's ``processor_config.json`` with the model's ``image_seq_length``: vLLM expands
-    each image to the processor's count (256 unless set: "Attempted to assign 64 + 64 = 128
-    multimodal tokens to 512 placeholders" for the tiny model)."""
-    import shutil
-    import tempfile
-
+def _save_processor_config(
+    out: Path, spec: FamilySpec, image_processor: Any, tokenizer: Any, tokens: int
+) -> None:
+    """The family's ``processor_config.json`` (Gemma 3's) with the model's
+    ``image_seq_length``: vLLM expands each image to the processor's count (256 unless set:
+    "Attempted to assign 64 + 64 = 128 multimodal tokens to 512 placeholders" for the tiny
+    Gemma 3)."""
+    # heavy: the CLI imports this module (FAMILIES, PRESETS) and must start without it
     import transformers as tf
 
-    processor = tf.Gemma3Processor(
+    processor = getattr(tf, str(spec.recipe.vllm_processor_class))(
         image_processor=image_processor, tokenizer=tokenizer, image_seq_length=tokens
     )
     with tempfile.TemporaryDirectory() as tmp:
@@ -561,8 +366,6 @@ def _save_gemma3_processor_config(out: Path, image_processor: Any, tokenizer: An
 def cache_dir() -> Path:
     """vitserve's cache folder: ``$VITSERVE_CACHE``, else ``$XDG_CACHE_HOME/vitserve``, else
     ``~/.cache/vitserve``."""
-    import os
-
     if os.environ.get("VITSERVE_CACHE"):
         return Path(os.environ["VITSERVE_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -582,9 +385,6 @@ def is_cached(family: str, preset: str, *, seed: int = 0, vllm: bool = False) ->
 def cached_model(family: str, preset: str, *, seed: int = 0, vllm: bool = False) -> Path:
     """The folder of a test model in the cache, built once (atomically) if it is not there.
     ``vllm`` models (see :func:`make_model`) have their own folders (``...-vllm``)."""
-    import shutil
-    import tempfile
-
     build_config(family, preset, vllm=vllm)  # validate before touching the disk
     target = _cache_path(family, preset, seed, vllm)
     if is_cached(family, preset, seed=seed, vllm=vllm):
@@ -606,15 +406,11 @@ def cached_model(family: str, preset: str, *, seed: int = 0, vllm: bool = False)
 # -- inputs for checks against the monolithic model ----------------------------------------------
 def image_prompt(config: Any, counts: list[int]) -> list[int]:
     """A test prompt's token ids: BOS, text, then per image its placeholders as the family's
-    processor expands them (Qwen: vision_start, pads, vision_end; Gemma 3: boi, image tokens,
-    eoi; LLaVA: image tokens alone; ``counts[k]`` image tokens for image ``k``), then text."""
-    family = str(config.model_type)
-    if family.startswith("qwen"):
-        open_, close = [config.vision_start_token_id], [config.vision_end_token_id]
-    elif family == "gemma3":
-        open_, close = [config.boi_token_id], [config.eoi_token_id]
-    else:
-        open_, close = [], []
+    processor expands them (its spec's open token, ``counts[k]`` image tokens for image ``k``,
+    its close token: Qwen vision_start/end, Gemma 3 boi/eoi, LLaVA none), then text."""
+    placeholders = _spec(str(config.model_type)).placeholders
+    open_ = [getattr(config, placeholders.open)] if placeholders.open else []
+    close = [getattr(config, placeholders.close)] if placeholders.close else []
     ids = [1, 11, 12, 13]
     for k, n in enumerate(counts):
         ids += [*open_, *[config.image_token_id] * n, *close, 20 + k, 21 + k, 22]
@@ -625,16 +421,20 @@ def pixel_inputs(config: Any, ids: list[int], pixels: Mapping[str, Any]) -> dict
     """The full model's forward arguments for prompt ``ids`` and the image processor's output
     ``pixels``: the family's extras (Qwen's grids and ``mm_token_type_ids``, Gemma 3's
     ``token_type_ids``) included."""
+    # heavy: the CLI imports this module (FAMILIES, PRESETS) and must start without it
     import torch
 
-    family = str(config.model_type)
+    spec = _spec(str(config.model_type))
     input_ids = torch.tensor([ids])
-    kwargs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
-              "pixel_values": pixels["pixel_values"]}  # fmt: skip
+    kwargs = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "pixel_values": pixels["pixel_values"],
+    }
     image_types = (input_ids == config.image_token_id).long()
-    if family.startswith("qwen"):
+    if spec.positions is Positions.MROPE:
         kwargs |= {"image_grid_thw": pixels["image_grid_thw"], "mm_token_type_ids": image_types}
-    if family == "gemma3":
+    if spec.image_attention is ImageAttention.BIDIRECTIONAL:
         kwargs["token_type_ids"] = image_types
     return kwargs
 
@@ -642,8 +442,6 @@ def pixel_inputs(config: Any, ids: list[int], pixels: Mapping[str, Any]) -> dict
 def fake_hub_cache(src: Path, cache: Path, repo: str, files: list[str]) -> str:
     """A huggingface_hub cache under ``cache`` holding only ``files`` of the model folder
     ``src`` as repo ``repo`` at one snapshot (offline tests of loading by HF id); its commit."""
-    import shutil
-
     commit = "0123456789abcdef0123456789abcdef01234567"
     root = cache / f"models--{repo.replace('/', '--')}"
     snapshot = root / "snapshots" / commit
@@ -659,17 +457,13 @@ def rename_tensors(src: Path, dst: Path, rules: list[tuple[str, str]]) -> None:
     """Copy the sharded checkpoint ``src`` to ``dst`` with every tensor name rewritten by the
     regex ``rules`` (``re.sub(pattern, repl)`` in order), shards and index kept (tests of
     older hub layouts)."""
-    import shutil
-
     shutil.copytree(src, dst)
     _rename_in_place(dst, rules)
 
 
 def _rename_in_place(dst: Path, rules: list[tuple[str, str]]) -> None:
     """Rewrite every tensor name of the sharded checkpoint ``dst`` by the regex ``rules``."""
-    import json
-    import re
-
+    # heavy: the CLI imports this module (FAMILIES, PRESETS) and must start without it
     from safetensors.torch import load_file, save_file
 
     index_path = dst / "model.safetensors.index.json"
@@ -687,12 +481,19 @@ def _rename_in_place(dst: Path, rules: list[tuple[str, str]]) -> None:
     index_path.write_text(json.dumps(index))
 
 
-def greedy_after_prefill(model: Any, prefill: Any, attention_mask: Any, position_ids: Any,
-                         steps: int, eos: Collection[int] = ()) -> list[int]:  # fmt: skip
+def greedy_after_prefill(
+    model: Any,
+    prefill: Any,
+    attention_mask: Any,
+    position_ids: Any,
+    steps: int,
+    eos: Collection[int] = (),
+) -> list[int]:
     """Greedy tokens continuing a prefill's output (``.logits``, ``.past_key_values``), one
     token a step through the full model: at most ``steps``, stopping after a token in ``eos``.
     Qwen's M-RoPE positions (``position_ids`` given) continue at ``position_ids.max() + 1`` in
     all three rows."""
+    # heavy: the CLI imports this module (FAMILIES, PRESETS) and must start without it
     import torch
 
     start = int(position_ids.max()) + 1 if position_ids is not None else attention_mask.shape[1]
@@ -702,8 +503,12 @@ def greedy_after_prefill(model: Any, prefill: Any, attention_mask: Any, position
         if tokens[-1] in eos or step == steps - 1:
             break
         mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
-        kwargs = {"input_ids": torch.tensor([[tokens[-1]]]), "attention_mask": mask,
-                  "past_key_values": out.past_key_values, "use_cache": True}  # fmt: skip
+        kwargs = {
+            "input_ids": torch.tensor([[tokens[-1]]]),
+            "attention_mask": mask,
+            "past_key_values": out.past_key_values,
+            "use_cache": True,
+        }
         if position_ids is not None:
             kwargs["position_ids"] = torch.full((3, 1, 1), start + step)
         out = model(**kwargs)

@@ -5,8 +5,9 @@ arrays the encoder holds from its preparation until its forward (``prepared_byte
 bytes its decoding and preprocessing take on top while they run (``decode_bytes``). A family's
 :class:`ResizeRule` (``FamilyAdapter.resize_rule()``) computes it from the image's width,
 height and mode the way the family's image processor will size the image. The service admits
-work by these figures (``vitserve.deployments.admission``): a flat 6000x6000 PNG of ~120 KB on
-the wire takes hundreds of MB while it is decoded (``loadtest/results/decode-memory-cpu.md``).
+work by these figures (``vitserve.deployments.encoder.admission``): a flat 6000x6000 PNG of
+~120 KB on the wire takes hundreds of MB while it is decoded
+(``loadtest/results/decode-memory-cpu.md``).
 
 Light on purpose: the standard library only (the HTTP ingress imports it, without torch).
 
@@ -116,8 +117,11 @@ class ResizeRule:
 
     def work(self, width: int, height: int, mode: str = "RGB") -> ImageWork:
         """The cost of an image of ``width`` x ``height`` pixels in PIL ``mode``."""
-        per_pixel = (HIGH_DEPTH_DECODE_BYTES_PER_PIXEL if mode.startswith(HIGH_DEPTH_MODES)
-                     else DECODE_BYTES_PER_PIXEL)  # fmt: skip
+        per_pixel = (
+            HIGH_DEPTH_DECODE_BYTES_PER_PIXEL
+            if mode.startswith(HIGH_DEPTH_MODES)
+            else DECODE_BYTES_PER_PIXEL
+        )
         decode = per_pixel * width * height
         size = self.resized(width, height)
         if size is None:
@@ -139,9 +143,15 @@ class Capacity:
     max_bytes: int
 
     @classmethod
-    def derived(cls, *, budget_bytes: int, forward_patches: int, largest: ImageWork,
-                max_patches: int | None = None,
-                max_bytes: int | None = None) -> Capacity:  # fmt: skip
+    def derived(
+        cls,
+        *,
+        budget_bytes: int,
+        forward_patches: int,
+        largest: ImageWork,
+        max_patches: int | None = None,
+        max_bytes: int | None = None,
+    ) -> Capacity:
         """The default capacity, from the activation budget: bytes, the budget (inputs waiting
         for the device take at most what one forward's activations may); patches,
         ``QUEUE_FORWARDS`` full forwards (``forward_patches``: what one forward under the budget
@@ -165,5 +175,11 @@ class Terms:
     row_bytes: int
 
 
-__all__ = ["DECODE_BYTES_PER_PIXEL", "QUEUE_FORWARDS", "Capacity", "ImageWork", "ResizeRule",
-           "Terms"]  # fmt: skip
+__all__ = [
+    "DECODE_BYTES_PER_PIXEL",
+    "QUEUE_FORWARDS",
+    "Capacity",
+    "ImageWork",
+    "ResizeRule",
+    "Terms",
+]

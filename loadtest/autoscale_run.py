@@ -25,22 +25,32 @@ def main() -> int:
     import ray
     from ray import serve
 
-    from vitserve.deployments.app import build_application
-    from vitserve.deployments.config import VitserveConfig
-    from vitserve.deployments.local import free_port, serve_app, start_serve
+    from vitserve.deployments.common.config import VitserveConfig
+    from vitserve.deployments.encoder.app import build_application
+    from vitserve.deployments.runner.local import free_port, serve_app, start_serve
     from vitserve.encoder.testimages import make_image
     from vitserve.encoder.testmodels import cached_model
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning")
     url = start_serve("127.0.0.1", free_port())
-    cfg = VitserveConfig.load({
-        "model": str(cached_model("qwen2_vl", "small")), "dtype": "fp32", "torch_threads": 1,
-        "namespace": f"autoscale-{time.time_ns()}",
-        "encoder.num_cpus": 0.5, "ingress.num_cpus": 0.1,
-        "encoder.autoscaling": {"policy": "work", "min_replicas": 1, "max_replicas": 2,
-                                "target_queue_delay_s": 0.5, "upscale_delay_s": 1.0,
-                                "downscale_delay_s": 8.0},
-    })  # fmt: skip
+    cfg = VitserveConfig.load(
+        {
+            "model": str(cached_model("qwen2_vl", "small")),
+            "dtype": "fp32",
+            "torch_threads": 1,
+            "namespace": f"autoscale-{time.time_ns()}",
+            "encoder.num_cpus": 0.5,
+            "ingress.num_cpus": 0.1,
+            "encoder.autoscaling": {
+                "policy": "work",
+                "min_replicas": 1,
+                "max_replicas": 2,
+                "target_queue_delay_s": 0.5,
+                "upscale_delay_s": 1.0,
+                "downscale_delay_s": 8.0,
+            },
+        }
+    )
     serve_app(build_application(cfg), name="autoscale", route_prefix="/autoscale")
     t0 = time.monotonic()
     timeline: list[tuple[float, int, int]] = []  # (t, running replicas, requests done)
@@ -59,8 +69,9 @@ def main() -> int:
             k = 0
             while time.monotonic() - t0 < LOAD_S:
                 img = make_image(IMAGE_PX, IMAGE_PX, fmt="PNG", seed=worker * 100_000 + k)
-                r = c.post(f"{url}/autoscale/v1/encode",
-                           files=[("images", ("0.png", img, "image/png"))])  # fmt: skip
+                r = c.post(
+                    f"{url}/autoscale/v1/encode", files=[("images", ("0.png", img, "image/png"))]
+                )
                 r.raise_for_status()
                 done[0] += 1
                 k += 1

@@ -5,7 +5,7 @@ holds up the event loop (``/healthz``, every other request) is, for the gatherin
 single call the loop itself makes; for the parsing, the longest the parsing thread keeps the
 loop from the interpreter lock: a C call that holds it for 100 ms stops the loop for 100 ms,
 whichever thread makes it. For a 64 MiB ``/v1/encode`` JSON body (64 images of 1 MiB of base64),
-each step the way the ingress did it before issue 25 and the way ``deployments/requests.py``
+each step the way the ingress did it before issue 25 and the way ``deployments/common/requests.py``
 does it now, side by side in one run (median of ``--repeat``):
 
 * gathering the body (on the loop, as its 64 KiB chunks arrive): keeping the chunks and one
@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from vitserve.deployments import requests as parse
+from vitserve.deployments.common import requests as parse
 from vitserve.encoder.device import cpu_model
 
 CHUNK = 64 * 2**10
@@ -99,19 +99,32 @@ def main() -> None:
         out = bytearray()
         return [lambda c=c: out.extend(c) for c in chunks]
 
-    gathering = ("gather the body (event loop: longest call)", "chunks kept, b''.join at the end",
-                 longest_call(join_at_end), "one buffer extended per chunk",
-                 longest_call(extend_each))  # fmt: skip
+    gathering = (
+        "gather the body (event loop: longest call)",
+        "chunks kept, b''.join at the end",
+        longest_call(join_at_end),
+        "one buffer extended per chunk",
+        longest_call(extend_each),
+    )
     steps = [
-        ("count JSON values (reader thread: longest stall)", "bytes.count over the whole body",
-         lambda: sum(body.count(c) for c in (b",", b"[", b"{")),
-         "in SCAN_STEP steps (json_values)", lambda: parse.json_values(body)),
-        ("read the items (reader thread: longest stall)", "json.loads + encode_json",
-         lambda: parse.encode_json(json.loads(body), IMAGES),
-         "encode_json_bytes (item by item)", lambda: parse.encode_json_bytes(body, IMAGES)),
-    ]  # fmt: skip
+        (
+            "count JSON values (reader thread: longest stall)",
+            "bytes.count over the whole body",
+            lambda: sum(body.count(c) for c in (b",", b"[", b"{")),
+            "in SCAN_STEP steps (json_values)",
+            lambda: parse.json_values(body),
+        ),
+        (
+            "read the items (reader thread: longest stall)",
+            "json.loads + encode_json",
+            lambda: parse.encode_json(json.loads(body), IMAGES),
+            "encode_json_bytes (item by item)",
+            lambda: parse.encode_json_bytes(body, IMAGES),
+        ),
+    ]
     assert parse.encode_json_bytes(body, IMAGES) == parse.encode_json(
-        parse.json_body(body, allowed), IMAGES)  # fmt: skip
+        parse.json_body(body, allowed), IMAGES
+    )
     lines = [
         "# Reading a large body: the longest the ingress's other work waits "
         "(`loadtest/bench_body_reading.py`)",
@@ -135,8 +148,10 @@ def main() -> None:
         def ms(samples: list[tuple[float, float]], k: int) -> str:
             return f"{statistics.median(s[k] for s in samples) * 1000:.0f}"
 
-        lines.append(f"| {name} | {old_name} | {ms(before, 0)} | {ms(before, 1)} | {new_name} | "
-                     f"{ms(after, 0)} | {ms(after, 1)} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {old_name} | {ms(before, 0)} | {ms(before, 1)} | {new_name} | "
+            f"{ms(after, 0)} | {ms(after, 1)} |"
+        )
         print(lines[-1], flush=True)
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

@@ -60,8 +60,13 @@ print(json.dumps({"upload": len(data), "peak": peak, "estimate": work.decode_byt
 
 
 def measure(model: Path, kind: str, side: int) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _ONE, str(model), kind, str(side)],
-                          capture_output=True, text=True, timeout=600, check=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _ONE, str(model), kind, str(side)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -172,8 +172,9 @@ def bench_dtype(args: argparse.Namespace, dtype_name: str) -> dict[str, Any]:
     from vitserve.encoder.testmodels import cached_model
 
     model = args.model or str(cached_model(args.family, args.preset))
-    engine = EncoderEngine.from_pretrained(model, device=args.device, dtype=dtype_name,
-                                           budget_bytes=args.budget_bytes)  # fmt: skip
+    engine = EncoderEngine.from_pretrained(
+        model, device=args.device, dtype=dtype_name, budget_bytes=args.budget_bytes
+    )
     requests = workload(args.requests)
     prepared = {
         "loop": [[engine.prepare_one(b) for b in r] for r in requests],
@@ -207,24 +208,35 @@ def bench_dtype(args: argparse.Namespace, dtype_name: str) -> dict[str, Any]:
             print(f"  [{dtype_name}] {s:<9} {seconds:8.2f} s  {calls} forwards", flush=True)
     # The peak is measured before and after the strategies; the higher counts (less noise).
     peak = max(peak, matmul_peak_gflops(engine.device, engine.dtype))
-    return {"dtype": dtype_name, "device": str(engine.device), "model": model,
-            "peak_gflops": peak, "results": results,
-            "prepare_patches": [p.patches for p in prepared["loop"][0]]}  # fmt: skip
+    return {
+        "dtype": dtype_name,
+        "device": str(engine.device),
+        "model": model,
+        "peak_gflops": peak,
+        "results": results,
+        "prepare_patches": [p.patches for p in prepared["loop"][0]],
+    }
 
 
 def report(run: dict[str, Any]) -> None:
     peak = run["peak_gflops"]
     res: dict[str, Result] = run["results"]
-    print(f"\n== {run['dtype']} on {run['device']}: matmul peak {peak:.1f} GFLOP/s; "
-          f"patches per request {run['prepare_patches']}")  # fmt: skip
-    print(f"{'strategy':<9} {'median s':>9} {'images/s':>9} {'forwards':>9} {'waste':>7} "
-          f"{'GFLOP/s':>9} {'useful':>9} {'% peak':>7}")  # fmt: skip
+    print(
+        f"\n== {run['dtype']} on {run['device']}: matmul peak {peak:.1f} GFLOP/s; "
+        f"patches per request {run['prepare_patches']}"
+    )
+    print(
+        f"{'strategy':<9} {'median s':>9} {'images/s':>9} {'forwards':>9} {'waste':>7} "
+        f"{'GFLOP/s':>9} {'useful':>9} {'% peak':>7}"
+    )
     for s in STRATEGIES:
         r = res[s]
         achieved = r.flops_run / r.median_s / 1e9
         useful = r.flops_useful / r.median_s / 1e9
-        print(f"{s:<9} {r.median_s:9.2f} {r.images_per_s:9.3f} {r.forward_calls:9d} "
-              f"{r.waste:7.1%} {achieved:9.1f} {useful:9.1f} {achieved / peak:7.1%}")  # fmt: skip
+        print(
+            f"{s:<9} {r.median_s:9.2f} {r.images_per_s:9.3f} {r.forward_calls:9d} "
+            f"{r.waste:7.1%} {achieved:9.1f} {useful:9.1f} {achieved / peak:7.1%}"
+        )
     b = res["bucketed"].images_per_s
     print(
         f"bucketed / loop throughput: {b / res['loop'].images_per_s:.2f}x; "
@@ -260,8 +272,11 @@ def main() -> None:
             print(f"bucketed {run['dtype']} / {runs[0]['dtype']} throughput: {ratio:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{**r, "results": {k: asdict(v) for k, v in r["results"].items()}}
-                       for r in runs], f, indent=2)  # fmt: skip
+            json.dump(
+                [{**r, "results": {k: asdict(v) for k, v in r["results"].items()}} for r in runs],
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

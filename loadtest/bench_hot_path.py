@@ -81,8 +81,9 @@ def p50_ms(samples: list[float]) -> float:
 
 
 # -- one side: the same cases against either server -------------------------------------------
-def run_cases(post: Any, args: argparse.Namespace, meter: StageMeter | None = None
-              ) -> dict[str, Any]:  # fmt: skip
+def run_cases(
+    post: Any, args: argparse.Namespace, meter: StageMeter | None = None
+) -> dict[str, Any]:
     """Sequential cases (p50 ms) and the concurrent one (images/s); ``post(images)`` sends one
     request and raises on failure. With a ``meter``, each case also gets its stage breakdown."""
     out: dict[str, Any] = {}
@@ -107,8 +108,11 @@ def run_cases(post: Any, args: argparse.Namespace, meter: StageMeter | None = No
         with cf.ThreadPoolExecutor(clients) as pool:
             list(pool.map(post, bodies))
         elapsed = time.perf_counter() - start
-    out[CONCURRENT] = {"images_per_s": len(bodies) / elapsed, "clients": clients,
-                       "images": len(bodies)}  # fmt: skip
+    out[CONCURRENT] = {
+        "images_per_s": len(bodies) / elapsed,
+        "clients": clients,
+        "images": len(bodies),
+    }
     if meter:
         sent = clients + clients * per_client
         out[CONCURRENT]["stages"] = meter.case_done(sent, sent)
@@ -121,9 +125,9 @@ def vitserve_side(args: argparse.Namespace) -> dict[str, Any]:
 
     import httpx
 
-    from vitserve.deployments.app import build_application
-    from vitserve.deployments.config import VitserveConfig
-    from vitserve.deployments.local import free_port, serve_app, start_ray, start_serve
+    from vitserve.deployments.common.config import VitserveConfig
+    from vitserve.deployments.encoder.app import build_application
+    from vitserve.deployments.runner.local import free_port, serve_app, start_ray, start_serve
 
     start_ray(num_cpus=2)
     url = start_serve("127.0.0.1", free_port())
@@ -145,9 +149,12 @@ def vitserve_side(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError(f"encode failed: {errors}")
 
     health = httpx.get(f"{url}/healthz", timeout=60).json()
-    print(f"  vitserve: {health['family']} {health['dtype']} on {health['device']}, "
-          f"preprocess_at={health.get('preprocess_at', '-')}, cap {health['max_batch_patches']} "
-          "patches", flush=True)  # fmt: skip
+    print(
+        f"  vitserve: {health['family']} {health['dtype']} on {health['device']}, "
+        f"preprocess_at={health.get('preprocess_at', '-')}, cap {health['max_batch_patches']} "
+        "patches",
+        flush=True,
+    )
     out = run_cases(post, args, StageMeter(url))
     out["health"] = health
     return out
@@ -186,8 +193,10 @@ def stage_sums(url: str, until: dict[str, float] | None = None) -> dict[str, tup
         text = httpx.get(f"{url}/metrics", timeout=30).text
         sums: dict[str, list[float]] = {}
         for family in text_string_to_metric_families(text):
-            label = {"vitserve_stage_seconds": "stage",
-                     "vitserve_store_round_trip_seconds": "op"}.get(family.name)  # fmt: skip
+            label = {
+                "vitserve_stage_seconds": "stage",
+                "vitserve_store_round_trip_seconds": "op",
+            }.get(family.name)
             for sample in family.samples if label else ():
                 if sample.name.endswith(("_sum", "_count")) and label in sample.labels:
                     slot = sums.setdefault(f"{label}:{sample.labels[label]}", [0.0, 0.0])
@@ -244,8 +253,11 @@ def inprocess_side(args: argparse.Namespace) -> dict[str, Any]:
                 prep.append(mid - start)
                 fwd.append(time.perf_counter() - mid)
         out[case] = {"preprocess_ms": p50_ms(prep), "forward_ms": p50_ms(fwd)}
-        print(f"  {case:<40} preprocess {out[case]['preprocess_ms']:7.1f} ms, forward "
-              f"{out[case]['forward_ms']:7.1f} ms", flush=True)  # fmt: skip
+        print(
+            f"  {case:<40} preprocess {out[case]['preprocess_ms']:7.1f} ms, forward "
+            f"{out[case]['forward_ms']:7.1f} ms",
+            flush=True,
+        )
     return out
 
 
@@ -257,11 +269,12 @@ def vllm_side(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(HERE))
     from vllm_peer import VllmServer, post_chat
 
-    from vitserve.deployments.local import free_port
+    from vitserve.deployments.runner.local import free_port
 
     dtype = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[args.dtype]
-    with VllmServer(args.vllm_python, args.model, free_port(), dtype=dtype,
-                    log_path=args.vllm_log) as server:  # fmt: skip
+    with VllmServer(
+        args.vllm_python, args.model, free_port(), dtype=dtype, log_path=args.vllm_log
+    ) as server:
         clients: dict[int, httpx.Client] = {}
 
         def post(images: list[bytes]) -> None:
@@ -276,8 +289,7 @@ def vllm_side(args: argparse.Namespace) -> dict[str, Any]:
 def run_block(side: str, args: argparse.Namespace) -> dict[str, Any]:
     """One side in a fresh process (its Ray, its threads), its figures as JSON."""
     out_file = Path(args.workdir) / f"{side}-{time.monotonic_ns()}.json"
-    cmd = [sys.executable, __file__, "--side", side, "--json", str(out_file),
-           *args.passthrough]  # fmt: skip
+    cmd = [sys.executable, __file__, "--side", side, "--json", str(out_file), *args.passthrough]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     if side == "vitserve":
         env.setdefault("RAY_metrics_report_interval_ms", str(int(METRICS_EXPORT_S * 1000)))
@@ -313,8 +325,11 @@ def report(blocks: list[tuple[str, dict]], inproc: dict, args: argparse.Namespac
     a1 = blocks[0][1]
     vllm = next((b for s, b in blocks if s == "vllm"), None)
     a2 = blocks[-1][1] if len(blocks) > 1 and blocks[-1][0] == "vitserve" else None
-    lines = ["| case | vLLM p50 | vitserve p50 (1st / 2nd block) | vitserve / vLLM | target "
-             "| in-process forward |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| case | vLLM p50 | vitserve p50 (1st / 2nd block) | vitserve / vLLM | target "
+        "| in-process forward |",
+        "|---|---|---|---|---|---|",
+    ]
     misses = []
     for case in SEQUENTIAL:
         ours = [a1[case]["p50_ms"]] + ([a2[case]["p50_ms"]] if a2 else [])
@@ -327,8 +342,11 @@ def report(blocks: list[tuple[str, dict]], inproc: dict, args: argparse.Namespac
             if ratio > target:
                 misses.append(f"{case}: {ratio:.2f}x vs <= {target}x")
         fwd = inproc.get(case)
-        fwd_text = (f"{fwd['forward_ms']:.1f} ms (+{fwd['preprocess_ms']:.1f} ms preprocess)"
-                    if fwd else "-")  # fmt: skip
+        fwd_text = (
+            f"{fwd['forward_ms']:.1f} ms (+{fwd['preprocess_ms']:.1f} ms preprocess)"
+            if fwd
+            else "-"
+        )
         lines.append(
             f"| {case} | {f'{theirs:.1f} ms' if theirs else '-'} | "
             f"{' / '.join(f'{o:.1f}' for o in ours)} ms | "
@@ -342,29 +360,43 @@ def report(blocks: list[tuple[str, dict]], inproc: dict, args: argparse.Namespac
         verdict = ">= 1.0 " + ("met" if ratio >= 1.0 else "**missed**")
         if ratio < 1.0:
             misses.append(f"{CONCURRENT}: {ratio:.2f}x vs >= 1.0x")
-    lines.append(f"| {args.clients} {CONCURRENT} (images/s, higher is better) | "
-                 f"{f'{theirs:.2f}' if theirs else '-'} | {' / '.join(f'{o:.2f}' for o in ours)} "
-                 f"| {f'{ratio:.2f}' if ratio else '-'} | {verdict} | - |")  # fmt: skip
+    lines.append(
+        f"| {args.clients} {CONCURRENT} (images/s, higher is better) | "
+        f"{f'{theirs:.2f}' if theirs else '-'} | {' / '.join(f'{o:.2f}' for o in ours)} "
+        f"| {f'{ratio:.2f}' if ratio else '-'} | {verdict} | - |"
+    )
     one = "1 new image, 448x448"
     one_p50 = statistics.mean([a1[one]["p50_ms"]] + ([a2[one]["p50_ms"]] if a2 else []))
     overhead = one_p50 - inproc[one]["forward_ms"]
     met = "met" if overhead <= 10 else "**missed**"
     if overhead > 10:
         misses.append(f"HTTP p50 minus in-process forward, 1 new 448px image: {overhead:.1f} ms")
-    lines += ["", f"vitserve HTTP p50 minus in-process forward, one new 448px image: "
-              f"**{overhead:.1f} ms** (target <= 10 ms: {met})."]  # fmt: skip
+    lines += [
+        "",
+        f"vitserve HTTP p50 minus in-process forward, one new 448px image: "
+        f"**{overhead:.1f} ms** (target <= 10 ms: {met}).",
+    ]
     lines += stage_table(a1, a2, one_p50)
     lines += ["", "Targets missed: " + ("; ".join(misses) if misses else "none")]
     return "\n".join(lines)
 
 
-SHORT = {"1 new image, 448x448": "1 new 448px", "8 new images, 448x448, one request": "8 new",
-         "1 new tiny image, 56x56 (the floor)": "1 new 56px",
-         "the same image again (cached)": "1 cached", "the same 8 images again (cached)":
-         "8 cached", CONCURRENT: "concurrent"}  # fmt: skip
+SHORT = {
+    "1 new image, 448x448": "1 new 448px",
+    "8 new images, 448x448, one request": "8 new",
+    "1 new tiny image, 56x56 (the floor)": "1 new 56px",
+    "the same image again (cached)": "1 cached",
+    "the same 8 images again (cached)": "8 cached",
+    CONCURRENT: "concurrent",
+}
 #: the stages a new image's request passes, in order (the publish includes the store's put)
-PATH = ("op:lookup_or_claim", "stage:preprocess", "stage:queue_wait", "stage:forward",
-        "stage:publish")  # fmt: skip
+PATH = (
+    "op:lookup_or_claim",
+    "stage:preprocess",
+    "stage:queue_wait",
+    "stage:forward",
+    "stage:publish",
+)
 
 
 def stage_table(a1: dict, a2: dict | None, one_p50_ms: float) -> list[str]:
@@ -373,11 +405,15 @@ def stage_table(a1: dict, a2: dict | None, one_p50_ms: float) -> list[str]:
     blocks = [b for b in (a1, a2) if b]
     cases = [*SEQUENTIAL, CONCURRENT]
     names = sorted({n for b in blocks for c in cases for n in b[c].get("stages", {})})
-    lines = ["", "vitserve per-stage breakdown per case (mean ms per observation, warm-ups "
-             "included; 1st / 2nd block; from /metrics, where Ray exports a histogram's sum as "
-             "count x bucket midpoint, so each mean is within ~15% of the true one):", "",
-             "| stage / store op | " + " | ".join(SHORT[c] for c in cases) + " |",
-             "|---|" + "---|" * len(cases)]  # fmt: skip
+    lines = [
+        "",
+        "vitserve per-stage breakdown per case (mean ms per observation, warm-ups "
+        "included; 1st / 2nd block; from /metrics, where Ray exports a histogram's sum as "
+        "count x bucket midpoint, so each mean is within ~15% of the true one):",
+        "",
+        "| stage / store op | " + " | ".join(SHORT[c] for c in cases) + " |",
+        "|---|" + "---|" * len(cases),
+    ]
 
     def mean(block: dict, case: str, name: str) -> float | None:
         st = block[case].get("stages", {}).get(name)
@@ -394,12 +430,16 @@ def stage_table(a1: dict, a2: dict | None, one_p50_ms: float) -> list[str]:
     if all(m is not None for ms in seen for m in ms):
         parts = [statistics.mean(ms) for ms in seen]
         rest = one_p50_ms - sum(parts)
-        split = " + ".join(f"{n.partition(':')[2]} {p:.1f}"
-                           for n, p in zip(PATH, parts, strict=True))  # fmt: skip
-        lines += ["", f"One new 448px image, HTTP p50 {one_p50_ms:.1f} ms = {split}"
-                  + f" + **{rest:.1f} ms outside the stages** (the HTTP proxy, the Serve call "
-                  "ingress -> encoder and back, request parsing and hashing; means of both "
-                  "blocks against the p50, so a rough split)."]  # fmt: skip
+        split = " + ".join(
+            f"{n.partition(':')[2]} {p:.1f}" for n, p in zip(PATH, parts, strict=True)
+        )
+        lines += [
+            "",
+            f"One new 448px image, HTTP p50 {one_p50_ms:.1f} ms = {split}"
+            + f" + **{rest:.1f} ms outside the stages** (the HTTP proxy, the Serve call "
+            "ingress -> encoder and back, request parsing and hashing; means of both "
+            "blocks against the p50, so a rough split).",
+        ]
     return lines
 
 
@@ -412,10 +452,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--concurrent-requests", type=int, default=4,
-                        help="requests per client in the concurrent case")  # fmt: skip
-    parser.add_argument("--preprocess-at", default="encoder",
-                        choices=["encoder", "ingress", "deployment"])  # fmt: skip
+    parser.add_argument(
+        "--concurrent-requests",
+        type=int,
+        default=4,
+        help="requests per client in the concurrent case",
+    )
+    parser.add_argument(
+        "--preprocess-at", default="encoder", choices=["encoder", "ingress", "deployment"]
+    )
     parser.add_argument("--out", help="write the results file (markdown) here")
     parser.add_argument("--workdir", default="/tmp")
     parser.add_argument("--side", choices=["vitserve", "vllm", "inprocess"], help=argparse.SUPPRESS)
@@ -439,12 +484,16 @@ def main() -> None:
         info = machine()
         command = " ".join(args.passthrough)
         head = [
-            f"# The hot path vs vLLM ({time.strftime('%Y-%m-%d')})", "",
-            "Machine: " + "; ".join(f"{k}: {v}" for k, v in info.items()), "",
-            f"Command: `python loadtest/bench_hot_path.py {command}`", "",
+            f"# The hot path vs vLLM ({time.strftime('%Y-%m-%d')})",
+            "",
+            "Machine: " + "; ".join(f"{k}: {v}" for k, v in info.items()),
+            "",
+            f"Command: `python loadtest/bench_hot_path.py {command}`",
+            "",
             f"dtype {args.dtype} on both sides; {args.requests} requests after {args.warmup} "
-            f"warm-up per case; blocks in order: {', '.join(order)}.", "",
-        ]  # fmt: skip
+            f"warm-up per case; blocks in order: {', '.join(order)}.",
+            "",
+        ]
         Path(args.out).write_text("\n".join(head) + table + "\n")
         print(f"\nwrote {args.out}")
 

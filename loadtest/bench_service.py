@@ -51,16 +51,17 @@ def start(apps: dict[str, dict[str, Any]], model: str) -> tuple[str, dict[str, A
     """Local Ray and Serve with one application per entry (route prefix = name)."""
     from ray import serve
 
-    from vitserve.deployments.app import build_application
-    from vitserve.deployments.config import VitserveConfig
-    from vitserve.deployments.local import free_port, serve_app, start_ray, start_serve
+    from vitserve.deployments.common.config import VitserveConfig
+    from vitserve.deployments.common.serving import build_application
+    from vitserve.deployments.runner.local import free_port, serve_app, start_ray, start_serve
 
     start_ray(num_cpus=8)  # logical CPUs: both applications' replicas must fit
     url = start_serve("127.0.0.1", free_port())
     handles = {}
     for name, overrides in apps.items():
-        cfg = VitserveConfig.load({"model": model, "namespace": f"bench-{name}-{time.time()}",
-                                   **overrides})  # fmt: skip
+        cfg = VitserveConfig.load(
+            {"model": model, "namespace": f"bench-{name}-{time.time()}", **overrides}
+        )
         serve_app(build_application(cfg), name=name, route_prefix=f"/{name}")
         handles[name] = serve.get_deployment_handle("EncoderDeployment", app_name=name)
     return url, handles
@@ -85,18 +86,23 @@ def overhead(url: str, handle: Any, engine: Any, rounds: int) -> None:
     print(f"\n(a) overhead, one 448x448 image at a time, {rounds} rounds")
     print(f"    in-process median {statistics.median(local) * 1e3:8.1f} ms")
     print(f"    HTTP       median {statistics.median(remote) * 1e3:8.1f} ms")
-    print(f"    ratio of medians {statistics.median(remote) / statistics.median(local):.3f}x; "
-          f"median paired ratio {statistics.median(ratios):.3f}x "
-          f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})")  # fmt: skip
+    print(
+        f"    ratio of medians {statistics.median(remote) / statistics.median(local):.3f}x; "
+        f"median paired ratio {statistics.median(ratios):.3f}x "
+        f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
+    )
     device = handle.counters.remote().result()["seconds"]
     forward = (device["forward_and_encode"] - device0["forward_and_encode"]) / rounds
     publish = (device["publish"] - device0["publish"]) / rounds
-    print(f"    of which in the encoder replica: forward+record {forward * 1e3:.1f} ms, "
-          f"publish {publish * 1e3:.1f} ms (mean per image)")  # fmt: skip
+    print(
+        f"    of which in the encoder replica: forward+record {forward * 1e3:.1f} ms, "
+        f"publish {publish * 1e3:.1f} ms (mean per image)"
+    )
 
 
-def throughput(url: str, handles: dict[str, Any], clients: list[int], images: int,
-               repeats: int) -> None:  # fmt: skip
+def throughput(
+    url: str, handles: dict[str, Any], clients: list[int], images: int, repeats: int
+) -> None:
     print(f"\n(b) throughput, {images} one-image requests of mixed sizes {MIXED}, every image new")
     print("    clients  app  images/s  forwards  (per repeat)")
     for c in clients:
@@ -116,8 +122,10 @@ def throughput(url: str, handles: dict[str, Any], clients: list[int], images: in
                 print(f"    {c:>7}  {name:<3}  {images / elapsed:8.3f}  {forwards:>8}")
         on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
         paired = [a / b for a, b in zip(rates["on"], rates["off"], strict=True)]
-        print(f"    {c:>7} clients: batching on/off = {on / off:.3f}x "
-              f"(paired {', '.join(f'{p:.2f}' for p in paired)})")  # fmt: skip
+        print(
+            f"    {c:>7} clients: batching on/off = {on / off:.3f}x "
+            f"(paired {', '.join(f'{p:.2f}' for p in paired)})"
+        )
 
 
 def cached(url: str, n: int, repeat: int) -> None:
@@ -160,13 +168,15 @@ def main() -> None:
 
     import torch
 
-    from vitserve.deployments.app import resolve_model
+    from vitserve.deployments.common.serving import resolve_model
     from vitserve.encoder.engine import EncoderEngine
 
     model = resolve_model("demo")
     engine = EncoderEngine.from_pretrained(model)
-    print(f"model: demo (Qwen2-VL, ViT-B tower), {engine.dtype} on {engine.device}; "
-          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")  # fmt: skip
+    print(
+        f"model: demo (Qwen2-VL, ViT-B tower), {engine.dtype} on {engine.device}; "
+        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"
+    )
     url, handles = start({"on": {}, "off": {"batching": {"enabled": False}}}, model)
     if "a" not in args.skip:
         overhead(url, handles["on"], engine, args.rounds)

@@ -65,16 +65,24 @@ def record_of(mib: int, seed: int) -> Any:
     rows = mib * 2**20 // (WIDTH * 2)
     rng = np.random.default_rng(seed)
     data = rng.standard_normal((rows, WIDTH), dtype=np.float32).astype(np.float16)
-    return EmbeddingRecord(key=new_key(), fingerprint="bench", dtype="fp16", num_tokens=rows,
-                           grid=None, tensors={"embedding": data})  # fmt: skip
+    return EmbeddingRecord(
+        key=new_key(),
+        fingerprint="bench",
+        dtype="fp16",
+        num_tokens=rows,
+        grid=None,
+        tensors={"embedding": data},
+    )
 
 
 def bench_local(store: Any, label: str, repeat: int) -> None:
     from vitserve.cache.codec import encode_record
 
     print(f"\n== {label} get vs numpy.copyto of the same bytes")
-    print(f"{'MiB':>4} {'copyto GB/s':>12} {'get GB/s':>9} {'ratio':>6} {'alloc/get':>10} "
-          f"{'get (no checksum)':>18}")  # fmt: skip
+    print(
+        f"{'MiB':>4} {'copyto GB/s':>12} {'get GB/s':>9} {'ratio':>6} {'alloc/get':>10} "
+        f"{'get (no checksum)':>18}"
+    )
     for mib in SIZES_MIB:
         record = record_of(mib, mib)
         value = encode_record(record)
@@ -84,13 +92,15 @@ def bench_local(store: Any, label: str, repeat: int) -> None:
         t_copy = timed(lambda: np.copyto(dst, src), repeat)  # noqa: B023
         t_get = timed(lambda: store.get(record.key), repeat)  # noqa: B023
         alloc = allocated(lambda: store.get(record.key))  # noqa: B023
-        verify = store.verify_payload
-        store.verify_payload = False
+        # whether reads check payloads is the connection's setting: off for one measurement
+        store.connection.verify_payload = False
         t_raw = timed(lambda: store.get(record.key), repeat)  # noqa: B023
-        store.verify_payload = verify
+        del store.connection.verify_payload  # back to its class's setting
         n = src.nbytes
-        print(f"{mib:>4} {gbps(n, t_copy):>12.2f} {gbps(n, t_get):>9.2f} "
-              f"{t_copy / t_get:>6.2f} {alloc:>10,} {gbps(n, t_raw):>18.2f}")  # fmt: skip
+        print(
+            f"{mib:>4} {gbps(n, t_copy):>12.2f} {gbps(n, t_get):>9.2f} "
+            f"{t_copy / t_get:>6.2f} {alloc:>10,} {gbps(n, t_raw):>18.2f}"
+        )
 
 
 def bench_node_lookups(store: Any, repeat: int) -> None:
@@ -100,9 +110,11 @@ def bench_node_lookups(store: Any, repeat: int) -> None:
     record = record_of(1, 99)
     store.put_values([(record.key, encode_record(record))])
     print("\n== node-local lookups of one held key (one actor round trip each)")
-    for name, fn in (("headers_many", lambda: store.headers_many([record.key])),
-                     ("lookup_or_claim", lambda: store.lookup_or_claim([record.key], 10)),
-                     ("exists_many", lambda: store.exists_many([record.key]))):  # fmt: skip
+    for name, fn in (
+        ("headers_many", lambda: store.headers_many([record.key])),
+        ("lookup_or_claim", lambda: store.lookup_or_claim([record.key], 10)),
+        ("exists_many", lambda: store.exists_many([record.key])),
+    ):
         print(f"{name:>16}: p50 {timed(fn, repeat * 20) * 1e3:.3f} ms")
 
 
@@ -128,10 +140,14 @@ def bench_redis(url: str, repeat: int) -> None:
 
     raw = redis.Redis.from_url(url)
     store = RedisStore(url, namespace="bench")
-    print("\n== Redis: vitserve put/get vs raw redis-py SET/GET of the same bytes "
-          "(ratio: median of paired raw/vitserve time ratios; 1.0 = no overhead)")  # fmt: skip
-    print(f"{'MiB':>4} {'SET GB/s':>9} {'put GB/s':>9} {'ratio':>6} {'GET GB/s':>9} "
-          f"{'get GB/s':>9} {'ratio':>6} {'alloc/GET':>11} {'alloc/get':>11}")  # fmt: skip
+    print(
+        "\n== Redis: vitserve put/get vs raw redis-py SET/GET of the same bytes "
+        "(ratio: median of paired raw/vitserve time ratios; 1.0 = no overhead)"
+    )
+    print(
+        f"{'MiB':>4} {'SET GB/s':>9} {'put GB/s':>9} {'ratio':>6} {'GET GB/s':>9} "
+        f"{'get GB/s':>9} {'ratio':>6} {'alloc/GET':>11} {'alloc/get':>11}"
+    )
     for mib in SIZES_MIB:
         record = record_of(mib, 100 + mib)
         value = bytes(encode_record(record))  # the same bytes object for both sides
@@ -149,9 +165,11 @@ def bench_redis(url: str, repeat: int) -> None:
         )
         a_raw = allocated(lambda: raw.get(raw_key))  # noqa: B023
         a_get = allocated(lambda: store.get(record.key))  # noqa: B023
-        print(f"{mib:>4} {gbps(n, t_set):>9.2f} {gbps(n, t_put):>9.2f} {r_put:>6.2f} "
-              f"{gbps(n, t_get_raw):>9.2f} {gbps(n, t_get):>9.2f} {r_get:>6.2f} "
-              f"{a_raw:>11,} {a_get:>11,}")  # fmt: skip
+        print(
+            f"{mib:>4} {gbps(n, t_set):>9.2f} {gbps(n, t_put):>9.2f} {r_put:>6.2f} "
+            f"{gbps(n, t_get_raw):>9.2f} {gbps(n, t_get):>9.2f} {r_get:>6.2f} "
+            f"{a_raw:>11,} {a_get:>11,}"
+        )
         raw.delete(raw_key)
         store.delete(record.key)
 
@@ -168,8 +186,10 @@ def bench_redis(url: str, repeat: int) -> None:
         before = store.stats()["bytes_fetched"]
         t = timed(lambda: store.get_rows(record.key, r0, r0 + k), repeat)  # noqa: B023
         moved = (store.stats()["bytes_fetched"] - before) // (repeat + 1)
-        print(f"{k:>6} {n_rows:>6} {k / n_rows:>7.3f} {moved:>12,} {moved / whole:>12.3f} "
-              f"{t * 1e3:>7.2f}")  # fmt: skip
+        print(
+            f"{k:>6} {n_rows:>6} {k / n_rows:>7.3f} {moved:>12,} {moved / whole:>12.3f} "
+            f"{t * 1e3:>7.2f}"
+        )
     store.delete(record.key)
     store.close()
 
@@ -193,8 +213,11 @@ def main() -> None:
         ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
         name = "vitserve-bench-node-store"
         bench_local(NodeStore(actor_name=name), "node-local store, repeated read", args.repeat)
-        bench_local(NodeStore(actor_name=name, read_cache_bytes=0),
-                    "node-local store, first read (no reader cache)", args.repeat)  # fmt: skip
+        bench_local(
+            NodeStore(actor_name=name, read_cache_bytes=0),
+            "node-local store, first read (no reader cache)",
+            args.repeat,
+        )
         bench_node_lookups(NodeStore(actor_name=name), args.repeat)
         ray.shutdown()
     bench_redis(args.redis, args.repeat)

@@ -92,7 +92,7 @@ sys.path.insert(0, str(REPO))  # run as a script: loadtest.* from the repository
 from loadtest.harness.monitor import tree_cpu_s  # noqa: E402
 from loadtest.harness.promtext import parse, scalar  # noqa: E402
 from loadtest.vllm_peer import VllmServer  # noqa: E402
-from vitserve.deployments.local import free_port  # noqa: E402
+from vitserve.deployments.runner.local import free_port  # noqa: E402
 
 SETUPS = {"A": "vLLM alone", "B": "vLLM + vitserve", "C": "vLLM EPD"}
 SCENARIOS = ("new1", "new4", "conv")
@@ -135,8 +135,13 @@ class Request:
 
 def chat(messages: list[dict[str, Any]], max_tokens: int, new: int | None = None) -> Request:
     body = {"model": MODEL_NAME, "messages": messages, "temperature": 0}
-    images = sum(1 for m in messages if isinstance(m["content"], list)
-                 for p in m["content"] if p["type"] == "image_url")  # fmt: skip
+    images = sum(
+        1
+        for m in messages
+        if isinstance(m["content"], list)
+        for p in m["content"]
+        if p["type"] == "image_url"
+    )
     return Request(
         stream=json.dumps({**body, "max_tokens": max_tokens, "stream": True}).encode(),
         producer=json.dumps({**body, "max_tokens": 1}).encode(),
@@ -205,8 +210,9 @@ def log_steps(path: str) -> dict[str, float]:
     tower), ``tower_tokens`` (their output embeddings), ``tower_steps`` / ``tower_step_ms``
     (the steps that ran the tower, and their time: tower plus that step's prefill chunk),
     ``steps`` / ``step_ms`` (all steps)."""
-    out = dict.fromkeys(("tower", "tower_tokens", "tower_steps", "tower_step_ms", "steps",
-                         "step_ms"), 0.0)  # fmt: skip
+    out = dict.fromkeys(
+        ("tower", "tower_tokens", "tower_steps", "tower_step_ms", "steps", "step_ms"), 0.0
+    )
     for ms_, inputs, tokens in _STEP.findall(Path(path).read_bytes()):
         out["steps"] += 1
         out["step_ms"] += float(ms_)
@@ -233,10 +239,32 @@ def idle_cores(roots: list[int], seconds: float = 3.0) -> float:
 class VitserveServer:
     """``vitserve serve`` (encoder + vLLM front) in its own session; stopped with its tree."""
 
-    def __init__(self, exe: str, model: Path, store: str, port: int, vllm_urls: list[str],
-                 log_path: str, ready_timeout: float = 240.0) -> None:  # fmt: skip
-        self.cmd = [exe, "serve", "--model", str(model), "--store", store, "--dtype", "fp32",
-                    "--device", "cpu", "--port", str(port), "--grace", "1"]  # fmt: skip
+    def __init__(
+        self,
+        exe: str,
+        model: Path,
+        store: str,
+        port: int,
+        vllm_urls: list[str],
+        log_path: str,
+        ready_timeout: float = 240.0,
+    ) -> None:
+        self.cmd = [
+            exe,
+            "serve",
+            "--model",
+            str(model),
+            "--store",
+            store,
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            "--grace",
+            "1",
+        ]
         for url in vllm_urls:
             self.cmd += ["--vllm-url", url]
         self.url = f"http://127.0.0.1:{port}"
@@ -246,19 +274,26 @@ class VitserveServer:
 
     def __enter__(self) -> VitserveServer:
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT,
-                                         start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + self.ready_timeout
         try:
             with httpx.Client(timeout=2.0) as client:
                 while True:
                     if self.proc.poll() is not None:
-                        raise RuntimeError(f"vitserve serve exited ({self.proc.returncode}); "
-                                           f"see {self.log_path}")  # fmt: skip
+                        raise RuntimeError(
+                            f"vitserve serve exited ({self.proc.returncode}); see {self.log_path}"
+                        )
                     with contextlib.suppress(httpx.HTTPError):
-                        if all(client.get(self.url + path).status_code == 200
-                               for path in ("/healthz", "/vllm/healthz")):  # fmt: skip
+                        if all(
+                            client.get(self.url + path).status_code == 200
+                            for path in ("/healthz", "/vllm/healthz")
+                        ):
                             return self
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"vitserve not ready; see {self.log_path}")
@@ -312,8 +347,9 @@ class Block:
 class Setup:
     """The servers of one setup for one block, and how a request is sent through them."""
 
-    def __init__(self, name: str, args: argparse.Namespace, model: Path, logs: Path,
-                 tag: str) -> None:  # fmt: skip
+    def __init__(
+        self, name: str, args: argparse.Namespace, model: Path, logs: Path, tag: str
+    ) -> None:
         self.name, self.args, self.model, self.logs, self.tag = name, args, model, logs, tag
         self.stack = contextlib.ExitStack()
         self.llm: list[VllmServer] = []  # the servers that answer (prefill + first token)
@@ -325,14 +361,28 @@ class Setup:
         self.metrics_wait_s = 0.0
 
     def _vllm(self, label: str, extra: list[str]) -> VllmServer:
-        env = {"VLLM_CPU_OMP_THREADS_BIND": self.args.omp_bind,
-               "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}  # fmt: skip
-        common = ["--enable-logging-iteration-details", "--max-model-len", "8192",
-                  "--limit-mm-per-prompt", json.dumps({"image": TURNS, "video": 0})]  # fmt: skip
-        return VllmServer(self.args.vllm_python, str(self.model), free_port(), "float32",
-                          str(self.logs / f"{self.tag}-{label}.log"),
-                          served_model_name=MODEL_NAME, ready_timeout=300.0, extra_env=env,
-                          extra_args=common + extra)  # fmt: skip
+        env = {
+            "VLLM_CPU_OMP_THREADS_BIND": self.args.omp_bind,
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
+        }
+        common = [
+            "--enable-logging-iteration-details",
+            "--max-model-len",
+            "8192",
+            "--limit-mm-per-prompt",
+            json.dumps({"image": TURNS, "video": 0}),
+        ]
+        return VllmServer(
+            self.args.vllm_python,
+            str(self.model),
+            free_port(),
+            "float32",
+            str(self.logs / f"{self.tag}-{label}.log"),
+            served_model_name=MODEL_NAME,
+            ready_timeout=300.0,
+            extra_env=env,
+            extra_args=common + extra,
+        )
 
     def __enter__(self) -> Setup:
         t0 = time.perf_counter()
@@ -343,13 +393,19 @@ class Setup:
             elif self.name == "B":
                 flush_redis(self.args.store)
                 vport = free_port()
-                ec = {"ec_connector": "VitserveECConnector",
-                      "ec_connector_module_path": "vitserve.client.vllm",
-                      "ec_role": "ec_consumer",
-                      "ec_connector_extra_config": {"url": f"http://127.0.0.1:{vport}",
-                                                    "store": self.args.store}}  # fmt: skip
-                self.llm = [self._vllm(f"consumer{i}", ["--ec-transfer-config", json.dumps(ec)])
-                            for i in range(2)]  # fmt: skip
+                ec = {
+                    "ec_connector": "VitserveECConnector",
+                    "ec_connector_module_path": "vitserve.client.vllm",
+                    "ec_role": "ec_consumer",
+                    "ec_connector_extra_config": {
+                        "url": f"http://127.0.0.1:{vport}",
+                        "store": self.args.store,
+                    },
+                }
+                self.llm = [
+                    self._vllm(f"consumer{i}", ["--ec-transfer-config", json.dumps(ec)])
+                    for i in range(2)
+                ]
                 self.vitserve = VitserveServer(
                     self.args.vitserve,
                     self.model,
@@ -363,16 +419,23 @@ class Setup:
 
                 def ec(role: str) -> list[str]:
                     extra = {"shared_storage_path": self.ec_dir}
-                    cfg = {"ec_connector": "ECExampleConnector", "ec_role": role,
-                           "ec_connector_extra_config": extra}  # fmt: skip
+                    cfg = {
+                        "ec_connector": "ECExampleConnector",
+                        "ec_role": role,
+                        "ec_connector_extra_config": extra,
+                    }
                     return ["--ec-transfer-config", json.dumps(cfg)]
 
-                self.producer = self._vllm("producer", ["--mm-encoder-only",
-                                                        "--no-enable-prefix-caching",
-                                                        *ec("ec_producer")])  # fmt: skip
+                self.producer = self._vllm(
+                    "producer",
+                    ["--mm-encoder-only", "--no-enable-prefix-caching", *ec("ec_producer")],
+                )
                 self.llm = [self._vllm(f"consumer{i}", ec("ec_consumer")) for i in range(2)]
-            starting = [*self.llm, *([self.producer] if self.producer else []),
-                        *([self.vitserve] if self.vitserve else [])]  # fmt: skip
+            starting = [
+                *self.llm,
+                *([self.producer] if self.producer else []),
+                *([self.vitserve] if self.vitserve else []),
+            ]
             self._start_all(starting)
         except BaseException:
             self.stack.close()
@@ -442,8 +505,10 @@ class Setup:
                 out[key] = out.get(key, 0.0) + value
             page = parse(client.get(server.url + "/metrics").text)
             role = "producer" if server is self.producer else "llm"
-            for key, name in (("ttft", "vllm:time_to_first_token_seconds"),
-                              ("e2e", "vllm:e2e_request_latency_seconds")):  # fmt: skip
+            for key, name in (
+                ("ttft", "vllm:time_to_first_token_seconds"),
+                ("e2e", "vllm:e2e_request_latency_seconds"),
+            ):
                 for part in ("sum", "count"):
                     k = f"{role}_{key}_{part}"
                     out[k] = out.get(k, 0.0) + scalar(page, f"{name}_{part}")
@@ -465,8 +530,11 @@ class Setup:
         time.sleep(1.0)
         now = self.counters(client)
         t0 = time.monotonic()
-        while (self.vitserve is not None and time.monotonic() < t0 + self.args.metrics_wait
-               and now["vitserve_encoded"] < self.new_images):  # fmt: skip
+        while (
+            self.vitserve is not None
+            and time.monotonic() < t0 + self.args.metrics_wait
+            and now["vitserve_encoded"] < self.new_images
+        ):
             time.sleep(1.0)
             now = self.counters(client)
         self.metrics_wait_s += time.monotonic() - t0
@@ -505,8 +573,9 @@ def engine_probe(model: Path, seeds: list[int], gap: float) -> dict[str, list[fl
     engine = _ENGINES.get(model)
     if engine is None:
         torch.set_num_threads(os.cpu_count() or 1)  # as vitserve's encoder replica does
-        engine = _ENGINES[model] = EncoderEngine.from_pretrained(str(model), device="cpu",
-                                                                 dtype="fp32")  # fmt: skip
+        engine = _ENGINES[model] = EncoderEngine.from_pretrained(
+            str(model), device="cpu", dtype="fp32"
+        )
         engine.run(engine.prepare([new_jpeg(seeds[0] - 1)]))  # warm-up
     out: dict[str, list[float]] = {"prepare": [], "forward": []}
     for seed in seeds:
@@ -521,8 +590,9 @@ def engine_probe(model: Path, seeds: list[int], gap: float) -> dict[str, list[fl
     return out
 
 
-def measure(setup: Setup, tag: str, work: dict[str, list[Request]], warm: list[Request],
-            probe_seed: int) -> Block:  # fmt: skip
+def measure(
+    setup: Setup, tag: str, work: dict[str, list[Request]], warm: list[Request], probe_seed: int
+) -> Block:
     """One block on a started setup: warm-up, the scenarios, and with vitserve its encode of
     new images alone (``--probes`` of one image, one of four)."""
     block = Block(setup.name, startup_s=setup.startup_s)
@@ -545,27 +615,35 @@ def measure(setup: Setup, tag: str, work: dict[str, list[Request]], warm: list[R
             scenario.counts = {k: after[k] - before.get(k, 0.0) for k in after}
             before = after
             block.scenarios[name] = scenario
-            print(f"  {tag} {SETUPS[setup.name]:<16} {name:<5} p50 "
-                  f"{statistics.median(scenario.ttft) * 1e3:8.1f} ms  p90 "
-                  f"{pct(scenario.ttft, 90) * 1e3:8.1f} ms  tower "
-                  f"{scenario.counts['tower']:.0f}  vitserve "
-                  f"{scenario.counts.get('vitserve_encoded', 0):.0f}  images "
-                  f"{scenario.images}", flush=True)  # fmt: skip
+            print(
+                f"  {tag} {SETUPS[setup.name]:<16} {name:<5} p50 "
+                f"{statistics.median(scenario.ttft) * 1e3:8.1f} ms  p90 "
+                f"{pct(scenario.ttft, 90) * 1e3:8.1f} ms  tower "
+                f"{scenario.counts['tower']:.0f}  vitserve "
+                f"{scenario.counts.get('vitserve_encoded', 0):.0f}  images "
+                f"{scenario.images}",
+                flush=True,
+            )
         if setup.vitserve is not None and setup.args.probes:
             seeds = [[probe_seed + i] for i in range(setup.args.probes)]
             block.probes[1] = setup.probe_encode(seeds)
             block.probes[4] = setup.probe_encode([[probe_seed + 100 + j for j in range(4)]])
-            print(f"  {tag} vitserve alone: encode 1 new image p50 "
-                  f"{statistics.median(block.probes[1]) * 1e3:.1f} ms, 4 new images "
-                  f"{block.probes[4][0] * 1e3:.1f} ms; waited {setup.metrics_wait_s:.0f} s "
-                  "for vitserve's metrics", flush=True)  # fmt: skip
+            print(
+                f"  {tag} vitserve alone: encode 1 new image p50 "
+                f"{statistics.median(block.probes[1]) * 1e3:.1f} ms, 4 new images "
+                f"{block.probes[4][0] * 1e3:.1f} ms; waited {setup.metrics_wait_s:.0f} s "
+                "for vitserve's metrics",
+                flush=True,
+            )
         if setup.name in "AB" and setup.args.probes:
             seeds = [probe_seed + 200 + i for i in range(setup.args.probes)]
             block.engine = engine_probe(setup.model, seeds, setup.args.gap)
-            print(f"  {tag} vitserve's engine in this process, beside the idle servers: "
-                  f"prepare {statistics.median(block.engine['prepare']) * 1e3:.1f} ms, "
-                  f"forward {statistics.median(block.engine['forward']) * 1e3:.1f} ms",
-                  flush=True)  # fmt: skip
+            print(
+                f"  {tag} vitserve's engine in this process, beside the idle servers: "
+                f"prepare {statistics.median(block.engine['prepare']) * 1e3:.1f} ms, "
+                f"forward {statistics.median(block.engine['forward']) * 1e3:.1f} ms",
+                flush=True,
+            )
     return block
 
 
@@ -637,15 +715,21 @@ class ModelRun:
 
     def stat(self, setup: str, scenario: str, q: int) -> float:
         """The median over the setup's blocks of each block's ``q`` percentile, seconds."""
-        return med([pct(b.scenarios[scenario].ttft, q) for b in self.of(setup)
-                    if scenario in b.scenarios])  # fmt: skip
+        return med(
+            [pct(b.scenarios[scenario].ttft, q) for b in self.of(setup) if scenario in b.scenarios]
+        )
 
     def turn(self, setup: str, k: int) -> float:
         return med([b.scenarios["conv"].ttft[k] for b in self.of(setup) if "conv" in b.scenarios])
 
     def count(self, setup: str, scenario: str, key: str) -> float:
-        return med([b.scenarios[scenario].counts.get(key, 0.0) for b in self.of(setup)
-                    if scenario in b.scenarios])  # fmt: skip
+        return med(
+            [
+                b.scenarios[scenario].counts.get(key, 0.0)
+                for b in self.of(setup)
+                if scenario in b.scenarios
+            ]
+        )
 
     def mean_per_request(self, setup: str, scenario: str, key: str, n: str) -> float:
         vals = []
@@ -708,9 +792,11 @@ def model_section(run: ModelRun) -> tuple[list[str], list[str]]:
         for s in present:
             p50, p90 = run.stat(s, scenario, 50), run.stat(s, scenario, 90)
             per_block = ", ".join(ms(pct(b.scenarios[scenario].ttft, 50)) for b in run.of(s))
-            lines.append(f"| {SCENARIO_NAMES[scenario]} | {SETUPS[s]} | {len(run.of(s))} | "
-                         f"{ms(p50)} | {ms(p90)} | {ratio(p50, a50)} | {ratio(p90, a90)} | "
-                         f"{per_block} |")  # fmt: skip
+            lines.append(
+                f"| {SCENARIO_NAMES[scenario]} | {SETUPS[s]} | {len(run.of(s))} | "
+                f"{ms(p50)} | {ms(p90)} | {ratio(p50, a50)} | {ratio(p90, a90)} | "
+                f"{per_block} |"
+            )
     # per-turn table
     lines += ["", "### Conversation: TTFT per turn, ms (median over blocks)", ""]
     head = "| turn | " + " | ".join(SETUPS[s] for s in present)
@@ -734,9 +820,11 @@ def model_section(run: ModelRun) -> tuple[list[str], list[str]]:
     for scenario in SCENARIOS:
         for s in present:
             tower, vit, images = forwards(run, s, scenario)
-            lines.append(f"| {SCENARIO_NAMES[scenario]} | {SETUPS[s]} | {images:.0f} | "
-                         f"{tower:.0f} | {vit:.0f} | {tower + vit:.0f} | "
-                         f"{(tower + vit) / images:.2f} |")  # fmt: skip
+            lines.append(
+                f"| {SCENARIO_NAMES[scenario]} | {SETUPS[s]} | {images:.0f} | "
+                f"{tower:.0f} | {vit:.0f} | {tower + vit:.0f} | "
+                f"{(tower + vit) / images:.2f} |"
+            )
     # where the time goes
     lines += [
         "",
@@ -821,8 +909,9 @@ def parts(run: ModelRun, setup: str, scenario: str) -> dict[str, float]:
         out["front"] = out["before"] - out["alone"]
         out["loads"] = run.mean_per_request(setup, scenario, "ec_load_seconds", "llm_ttft_count")
     elif setup == "C":
-        out["producer"] = run.mean_per_request(setup, scenario, "producer_e2e_sum",
-                                               "producer_e2e_count")  # fmt: skip
+        out["producer"] = run.mean_per_request(
+            setup, scenario, "producer_e2e_sum", "producer_e2e_count"
+        )
     return out
 
 
@@ -831,16 +920,18 @@ def where(run: ModelRun, scenario: str) -> str:
     a, b = parts(run, "A", scenario), parts(run, "B", scenario)
     fwd_a, fwd_b = engine_stat(run, "A", "forward"), engine_stat(run, "B", "forward")
     prep_b = engine_stat(run, "B", "prepare")
-    return (f"  - where the time goes ({SCENARIO_NAMES[scenario]}, means per request): vLLM + "
-            f"vitserve {ms(b['client'])} ms = {ms(b['before'])} before vLLM (vitserve alone "
-            f"{ms(b['alone'])}, front + hops {ms(b['front'])}) + {ms(b['vllm'])} in vLLM (its "
-            f"TTFT, no tower; the connector's loads {ms(b['loads'])}); vLLM alone "
-            f"{ms(a['client'])} ms = {ms(a['before'])} before vLLM + {ms(a['vllm'])} in vLLM "
-            f"(tower steps {ms(a['tower'])} ms per image run). vitserve alone's one image "
-            f"{ms(b['alone'])} ms = the engine's prepare {ms(prep_b)} + forward {ms(fwd_b)} "
-            f"beside vitserve's idle servers (the same forward beside vLLM alone's: "
-            f"{ms(fwd_a)}) + the service's own {ms(b['alone'] - prep_b - fwd_b)} (HTTP, Ray's "
-            "hops, the device queue, the publish)")  # fmt: skip
+    return (
+        f"  - where the time goes ({SCENARIO_NAMES[scenario]}, means per request): vLLM + "
+        f"vitserve {ms(b['client'])} ms = {ms(b['before'])} before vLLM (vitserve alone "
+        f"{ms(b['alone'])}, front + hops {ms(b['front'])}) + {ms(b['vllm'])} in vLLM (its "
+        f"TTFT, no tower; the connector's loads {ms(b['loads'])}); vLLM alone "
+        f"{ms(a['client'])} ms = {ms(a['before'])} before vLLM + {ms(a['vllm'])} in vLLM "
+        f"(tower steps {ms(a['tower'])} ms per image run). vitserve alone's one image "
+        f"{ms(b['alone'])} ms = the engine's prepare {ms(prep_b)} + forward {ms(fwd_b)} "
+        f"beside vitserve's idle servers (the same forward beside vLLM alone's: "
+        f"{ms(fwd_a)}) + the service's own {ms(b['alone'] - prep_b - fwd_b)} (HTTP, Ray's "
+        "hops, the device queue, the publish)"
+    )
 
 
 def verdict(alone: float, got: float, limit: float) -> str:
@@ -859,22 +950,28 @@ def targets(run: ModelRun) -> list[str]:
     a, b = run.stat("A", "new1", 50), run.stat("B", "new1", 50)
     if limit is not None:
         p90 = run.stat("B", "new1", 90) / run.stat("A", "new1", 90)
-        out.append(f"- `{run.preset}`, a new image, p50: {ms(b)} vs {ms(a)} ms, {b / a:.2f}x "
-                   f"(target <= {limit}x): {verdict(a, b, limit)}; p90 {p90:.2f}x")  # fmt: skip
+        out.append(
+            f"- `{run.preset}`, a new image, p50: {ms(b)} vs {ms(a)} ms, {b / a:.2f}x "
+            f"(target <= {limit}x): {verdict(a, b, limit)}; p90 {p90:.2f}x"
+        )
         if b / a > limit:
             out.append(where(run, "new1"))
     a16, b16 = run.turn("A", TURNS - 1), run.turn("B", TURNS - 1)
-    out.append(f"- `{run.preset}`, conversation turn 16: {ms(b16)} vs {ms(a16)} ms, "
-               f"{b16 / a16:.2f}x (target <= {TARGET_TURN}x): "
-               f"{verdict(a16, b16, TARGET_TURN)}")  # fmt: skip
+    out.append(
+        f"- `{run.preset}`, conversation turn 16: {ms(b16)} vs {ms(a16)} ms, "
+        f"{b16 / a16:.2f}x (target <= {TARGET_TURN}x): "
+        f"{verdict(a16, b16, TARGET_TURN)}"
+    )
     if b16 / a16 > TARGET_TURN:
         out.append(where(run, "conv"))
     for scenario in SCENARIOS:
         tower, vit, images = forwards(run, "B", scenario)
         ok = "met" if tower + vit == images else "**missed**"
-        out.append(f"- `{run.preset}`, {SCENARIO_NAMES[scenario]}: encoder forwards "
-                   f"{tower + vit:.0f} for {images:.0f} images (vitserve {vit:.0f}, vLLM's tower "
-                   f"{tower:.0f}; target one per image): {ok}")  # fmt: skip
+        out.append(
+            f"- `{run.preset}`, {SCENARIO_NAMES[scenario]}: encoder forwards "
+            f"{tower + vit:.0f} for {images:.0f} images (vitserve {vit:.0f}, vLLM's tower "
+            f"{tower:.0f}; target one per image): {ok}"
+        )
     return out
 
 
@@ -889,13 +986,21 @@ def git_state() -> str:
     return f"`{git('rev-parse', '--short', 'HEAD')}`{dirty}"
 
 
-def header(args: argparse.Namespace, commit: str, started: datetime,
-           minutes: float) -> list[str]:  # fmt: skip
+def header(args: argparse.Namespace, commit: str, started: datetime, minutes: float) -> list[str]:
     from vitserve.encoder.device import cpu_model
 
-    vllm_version = subprocess.run(
-        [args.vllm_python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-        capture_output=True, text=True).stdout.strip() or "unknown"  # fmt: skip
+    vllm_version = (
+        subprocess.run(
+            [
+                args.vllm_python,
+                "-c",
+                "import importlib.metadata as m; print(m.version('vllm-cpu'))",
+            ],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        or "unknown"
+    )
     return [
         "# vLLM on CPU: alone, with vitserve, and vLLM's own EPD (`loadtest/bench_vllm.py`)",
         "",
@@ -951,30 +1056,44 @@ def header(args: argparse.Namespace, commit: str, started: datetime,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="tiny,small",
-                        help="test-model presets (qwen2_vl, vllm=True)")  # fmt: skip
+    parser.add_argument(
+        "--models", default="tiny,small", help="test-model presets (qwen2_vl, vllm=True)"
+    )
     parser.add_argument("--blocks", default="ABCA", help="setup order, per model")
     parser.add_argument(
         "--requests",
         default="tiny=12,small=6",
         help="one-image requests per block: N, or per model (tiny=N,small=M)",
     )
-    parser.add_argument("--requests4", default="tiny=6,small=3",
-                        help="four-image requests per block, as --requests")  # fmt: skip
+    parser.add_argument(
+        "--requests4", default="tiny=6,small=3", help="four-image requests per block, as --requests"
+    )
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--probes", type=int, default=3,
-                        help="vitserve alone: one-image encodes per vitserve block")  # fmt: skip
-    parser.add_argument("--gap", type=float, default=1.1,
-                        help="idle seconds before each request and between EPD's two "
-                             "hops (vLLM's busy-wait after a step)")  # fmt: skip
+    parser.add_argument(
+        "--probes", type=int, default=3, help="vitserve alone: one-image encodes per vitserve block"
+    )
+    parser.add_argument(
+        "--gap",
+        type=float,
+        default=1.1,
+        help="idle seconds before each request and between EPD's two "
+        "hops (vLLM's busy-wait after a step)",
+    )
     parser.add_argument("--max-tokens", type=int, default=2)
     parser.add_argument("--omp-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
-    parser.add_argument("--store", default="redis://127.0.0.1:6379/11",
-                        help="vitserve's store (flushed before each vitserve block)")  # fmt: skip
+    parser.add_argument(
+        "--store",
+        default="redis://127.0.0.1:6379/11",
+        help="vitserve's store (flushed before each vitserve block)",
+    )
     parser.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--vitserve", default=str(Path(sys.executable).parent / "vitserve"))
-    parser.add_argument("--metrics-wait", type=float, default=30.0,
-                        help="seconds to await vitserve's metrics after a scenario")  # fmt: skip
+    parser.add_argument(
+        "--metrics-wait",
+        type=float,
+        default=30.0,
+        help="seconds to await vitserve's metrics after a scenario",
+    )
     parser.add_argument("--logs", type=Path, help="server logs (default: a new temp folder)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -994,8 +1113,9 @@ def main() -> None:
     runs: list[ModelRun] = []
     for preset in args.models.split(","):
         folder = cached_model("qwen2_vl", preset, vllm=True)
-        run = ModelRun(preset, folder, per_model(args.requests, preset),
-                       per_model(args.requests4, preset))  # fmt: skip
+        run = ModelRun(
+            preset, folder, per_model(args.requests, preset), per_model(args.requests4, preset)
+        )
         runs.append(run)
         print(f"{preset}: {folder}", flush=True)
         run_model(run, args, logs)

@@ -5,7 +5,7 @@ the ready replicas (Serve's power of two choices on ongoing requests) and waits 
 a replica works off ``P`` patches/s. A new replica is ready ``STARTUP_S`` after it is asked
 for. Every ``TICK_S`` the autoscaler sees the metrics averaged over ``LOOK_BACK_S`` and decides:
 
-* work: :func:`vitserve.deployments.autoscaling.decide` itself, fed what the replicas report
+* work: :func:`vitserve.deployments.encoder.autoscaling.decide` itself, fed what the replicas report
   (queued + running patches, patches per busy second, busy fraction over the last 10 s);
 * requests: Serve's request-count policy as vitserve's ``policy: requests`` configures it
   (``target_ongoing_requests`` 8, not Serve's default 2; the same delays as the work policy,
@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vitserve.deployments.autoscaling import WorkParams, WorkStats, decide
+from vitserve.deployments.encoder.autoscaling import WorkParams, WorkStats, decide
 
 P = 100_000.0  # patches/s of one replica (a GPU tower of about ViT-L size)
 DT, TICK_S, LOOK_BACK_S, STARTUP_S, WINDOW_S = 0.05, 0.5, 3.0, 5.0, 10.0
@@ -79,8 +79,9 @@ def simulate(load, policy: str, duration: float = DURATION_S, seed: int = 0) -> 
     target, state, samples = 1, {}, deque()
     req_state: dict = {}
     run = Run()
-    params = WorkParams(TARGET_QUEUE_DELAY_S, UPSCALE_DELAY_S, DOWNSCALE_DELAY_S,
-                        MIN_REPLICAS, MAX_REPLICAS)  # fmt: skip
+    params = WorkParams(
+        TARGET_QUEUE_DELAY_S, UPSCALE_DELAY_S, DOWNSCALE_DELAY_S, MIN_REPLICAS, MAX_REPLICAS
+    )
     next_tick, t = 0.0, 0.0
     while t < duration:
         ready = [r for r in replicas if r.ready_at <= t]
@@ -112,9 +113,15 @@ def simulate(load, policy: str, duration: float = DURATION_S, seed: int = 0) -> 
                 r.busy.popleft()
                 r.done.popleft()
         # metrics a replica would report now
-        samples.append((t, sum(r.backlog() for r in ready), _tput(ready),
-                        sum(sum(b for _, b in r.busy) / WINDOW_S for r in ready),
-                        sum(len(r.queue) for r in ready)))  # fmt: skip
+        samples.append(
+            (
+                t,
+                sum(r.backlog() for r in ready),
+                _tput(ready),
+                sum(sum(b for _, b in r.busy) / WINDOW_S for r in ready),
+                sum(len(r.queue) for r in ready),
+            )
+        )
         while samples[0][0] < t - LOOK_BACK_S:
             samples.popleft()
         if t >= next_tick:
@@ -125,8 +132,7 @@ def simulate(load, policy: str, duration: float = DURATION_S, seed: int = 0) -> 
             busy = sum(s[3] for s in samples) / n
             ongoing = sum(s[4] for s in samples) / n
             if policy == "work":
-                stats = WorkStats(target, backlog, sum(rates) / len(rates) if rates else None,
-                                  busy)  # fmt: skip
+                stats = WorkStats(target, backlog, sum(rates) / len(rates) if rates else None, busy)
                 target, state = decide(stats, state, params, t)
             else:
                 target, req_state = _request_policy(ongoing, target, req_state, t)
@@ -173,8 +179,7 @@ def _poisson(rng: random.Random, lam: float) -> int:
         k += 1
 
 
-def summarize(run: Run, busy_from: float, settled_from: float,
-              busy_to: float) -> dict[str, float]:  # fmt: skip
+def summarize(run: Run, busy_from: float, settled_from: float, busy_to: float) -> dict[str, float]:
     """Peak (max) and p95 queue delay of requests arriving in [busy_from, busy_to) (the
     transient included) and in [settled_from, busy_to) (after the first reaction), the
     replica-seconds, the largest pool, and the pool at the end."""
@@ -183,10 +188,14 @@ def summarize(run: Run, busy_from: float, settled_from: float,
         return sorted(w for a, w in run.waits if lo <= a < busy_to) or [0.0]
 
     every, settled = waits(busy_from), waits(settled_from)
-    return {"peak_delay_s": every[-1], "p95_delay_s": every[int(0.95 * (len(every) - 1))],
-            "settled_peak_delay_s": settled[-1],
-            "replica_seconds": run.replica_seconds, "max_replicas": max(run.replicas),
-            "final_replicas": run.replicas[-1]}  # fmt: skip
+    return {
+        "peak_delay_s": every[-1],
+        "p95_delay_s": every[int(0.95 * (len(every) - 1))],
+        "settled_peak_delay_s": settled[-1],
+        "replica_seconds": run.replica_seconds,
+        "max_replicas": max(run.replicas),
+        "final_replicas": run.replicas[-1],
+    }
 
 
 #: load -> (offered patches/s at t, load from, settled from, load until)
@@ -230,10 +239,12 @@ def write_report(results, out_dir: Path) -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for (load_name, policy), (_, s) in results.items():
-        lines.append(f"| {load_name} | {policy} | {s['peak_delay_s']:.2f} | "
-                     f"{s['p95_delay_s']:.2f} | {s['settled_peak_delay_s']:.2f} | "
-                     f"{s['replica_seconds']:.0f} | "
-                     f"{s['max_replicas']} | {s['final_replicas']} |")  # fmt: skip
+        lines.append(
+            f"| {load_name} | {policy} | {s['peak_delay_s']:.2f} | "
+            f"{s['p95_delay_s']:.2f} | {s['settled_peak_delay_s']:.2f} | "
+            f"{s['replica_seconds']:.0f} | "
+            f"{s['max_replicas']} | {s['final_replicas']} |"
+        )
     lines += ["", "![replicas and queue delay over time](autoscaling-sim.png)", ""]
     (out_dir / "autoscaling-sim.md").write_text("\n".join(lines))
     _plot(results, out_dir / "autoscaling-sim.png")
@@ -253,8 +264,9 @@ def _plot(results, path: Path) -> None:
             axes[0][col].step(run.times, run.replicas, where="post", color=color, label=policy)
             axes[1][col].plot(run.times, run.delay, color=color, label=policy, lw=0.8)
         ts = results[load_name, "work"][0].times
-        axes[0][col].plot(ts, [load(t) / P for t in ts], color="gray", ls=":",
-                          label="offered load / P")  # fmt: skip
+        axes[0][col].plot(
+            ts, [load(t) / P for t in ts], color="gray", ls=":", label="offered load / P"
+        )
         axes[0][col].set_title(f"{load_name} load")
         axes[0][col].set_ylabel("replicas")
         axes[1][col].axhline(TARGET_QUEUE_DELAY_S, color="gray", ls="--", lw=0.8)

@@ -20,6 +20,8 @@ from tests.redis_process import RedisServer
 # sets VITSERVE_TEST_VLLM=1); `make test` leaves it out.
 collect_ignore = [] if os.environ.get("VITSERVE_TEST_VLLM") == "1" else ["vllm"]
 
+pytest_plugins = ["pytester"]  # tests/test_fast_tier.py runs the tier's rules in an inner session
+
 # Nothing in the suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -79,10 +81,14 @@ def ray_cluster():
         # address="local": a new cluster of this session, never one left running on the
         # machine (ray.init() alone would join a `ray start` cluster). Metrics reach the
         # node's endpoint every second (default 10 s), so tests of /metrics wait briefly.
-        ray.init(address="local", num_cpus=2, include_dashboard=False,
-                 namespace="vitserve-tests",
-                 logging_level="warning",
-                 _system_config={"metrics_report_interval_ms": 1000})  # fmt: skip
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            namespace="vitserve-tests",
+            logging_level="warning",
+            _system_config={"metrics_report_interval_ms": 1000},
+        )
     yield ray
     ray.shutdown()
 
@@ -164,9 +170,29 @@ class App:
     def counters(self) -> dict[str, Any]:
         return self.encoder().counters.remote().result()
 
+    def encoder_counters(self, replicas: int, rounds: int = 25) -> dict[str, dict[str, Any]]:
+        """``counters()`` of each of the encoder's ``replicas`` replicas, by replica id: Serve
+        routes a call to one of them, so calls go eight at a time until each has answered."""
+        handle, seen = self.encoder(), {}
+        for _ in range(rounds):
+            for call in [handle.counters.remote() for _ in range(8)]:
+                answer = call.result()
+                seen[answer["replica"]] = answer
+            if len(seen) == replicas:
+                return seen
+        raise AssertionError(f"{len(seen)} of {replicas} encoder replicas answered")
+
+    def stats(self) -> dict[str, Any]:
+        """The ingress's ``counts()`` by handle (what ``GET /v1/stats`` serves): its own
+        counters and an encoder replica's, each side's ``counts`` a ``metrics.Counts``."""
+        from ray import serve
+
+        return serve.get_deployment_handle("Ingress", app_name=self.name).counts.remote().result()
+
     def encode(self, images: list[bytes]) -> httpx.Response:
-        files = [("images", (f"{i}.img", b, "application/octet-stream"))
-                 for i, b in enumerate(images)]  # fmt: skip
+        files = [
+            ("images", (f"{i}.img", b, "application/octet-stream")) for i, b in enumerate(images)
+        ]
         return self.client.post(f"{self.url}/v1/encode", files=files)
 
     def samples(self) -> list[tuple[str, dict[str, str], float]]:
@@ -182,8 +208,9 @@ class App:
 
         def value(name: str, **labels: str) -> float:
             wanted = labels.items()
-            return sum(v for n, lab, v in samples
-                       if n == name and all(lab.get(k) == w for k, w in wanted))  # fmt: skip
+            return sum(
+                v for n, lab, v in samples if n == name and all(lab.get(k) == w for k, w in wanted)
+            )
 
         return value
 
@@ -191,8 +218,9 @@ class App:
         """The sum of this application's samples of ``name`` that match ``labels``."""
         return self.page()(name, **labels)
 
-    def wait_page(self, predicate: Callable[[Callable[..., float]], bool],
-                  timeout: float = 20) -> Callable[..., float]:  # fmt: skip
+    def wait_page(
+        self, predicate: Callable[[Callable[..., float]], bool], timeout: float = 20
+    ) -> Callable[..., float]:
         """Poll /metrics until ``predicate(page)`` holds (Ray reports every second here); the
         last page either way."""
         deadline = time.monotonic() + timeout
@@ -202,8 +230,9 @@ class App:
                 return page
             time.sleep(0.5)
 
-    def wait_metric(self, name: str, predicate: Callable[[float], bool], timeout: float = 20,
-                    **labels: str) -> float:  # fmt: skip
+    def wait_metric(
+        self, name: str, predicate: Callable[[float], bool], timeout: float = 20, **labels: str
+    ) -> float:
         """``wait_page`` for one value; the last value either way."""
         return self.wait_page(lambda page: predicate(page(name, **labels)), timeout)(name, **labels)
 
@@ -212,7 +241,7 @@ class App:
 def serve_url(ray_cluster) -> Iterator[str]:
     from ray import serve
 
-    from vitserve.deployments.local import free_port, start_serve
+    from vitserve.deployments.runner.local import free_port, start_serve
 
     yield start_serve("127.0.0.1", free_port())
     serve.shutdown()
@@ -245,8 +274,9 @@ def _delete_apps(names: list[str], timeout: float = 120) -> None:
 def _remove_module_apps() -> Iterator[None]:
     start = len(_MODULE_APPS)
     yield
-    _delete_apps([name for registry, name in _MODULE_APPS[start:]
-                  if registry.pop(name, None) is not None])  # fmt: skip
+    _delete_apps(
+        [name for registry, name in _MODULE_APPS[start:] if registry.pop(name, None) is not None]
+    )
     del _MODULE_APPS[start:]
 
 
@@ -267,9 +297,11 @@ def _wait_for_cpus(name: str, needed: float, timeout: float = 30) -> None:
     while (free := ray.available_resources().get("CPU", 0.0)) + 1e-6 < needed:
         if time.monotonic() > deadline:
             up = sorted(serve.status().applications)
-            pytest.fail(f"application {name!r} needs {needed:g} CPUs, the session cluster has "
-                        f"{free:g} free; applications up: {up} (remove what a module no longer "
-                        "needs: deploy.remove)")  # fmt: skip
+            pytest.fail(
+                f"application {name!r} needs {needed:g} CPUs, the session cluster has "
+                f"{free:g} free; applications up: {up} (remove what a module no longer "
+                "needs: deploy.remove)"
+            )
         time.sleep(0.5)
 
 
@@ -295,12 +327,13 @@ def _with_remove(deploy_fn: Callable[..., Any], apps: dict[str, Any]) -> Iterato
 
 
 @pytest.fixture(scope="session")
-def deploy(serve_url: str, tiny_models: dict[str, Path],
-           batching_limits: dict[str, int]) -> Iterator[Callable[..., App]]:  # fmt: skip
+def deploy(
+    serve_url: str, tiny_models: dict[str, Path], batching_limits: dict[str, int]
+) -> Iterator[Callable[..., App]]:
 
-    from vitserve.deployments.app import build_application
-    from vitserve.deployments.config import VitserveConfig
-    from vitserve.deployments.local import serve_app
+    from vitserve.deployments.common.config import VitserveConfig
+    from vitserve.deployments.encoder.app import build_application
+    from vitserve.deployments.runner.local import serve_app
 
     apps: dict[str, App] = {}
 
@@ -338,9 +371,13 @@ def main_app(deploy: Callable[..., App]) -> App:
         "main",
         keep=True,
         batching={"batch_wait_timeout_s": 0.2},
-        limits={"max_images_per_request": 8, "max_request_bytes": 3 * 2**20,
-                "max_image_bytes": 2 * 2**20, "max_image_pixels": 4_000_000},
-    )  # fmt: skip
+        limits={
+            "max_images_per_request": 8,
+            "max_request_bytes": 3 * 2**20,
+            "max_image_bytes": 2 * 2**20,
+            "max_image_pixels": 4_000_000,
+        },
+    )
 
 
 @pytest.fixture(scope="session")
@@ -357,8 +394,12 @@ def family_apps(deploy: Callable[..., App], tiny_models: dict[str, Path]) -> dic
         load_preprocessor(str(tiny_models[family]))
 
     def start(family: str) -> App:  # the smallest CPU shares: they hold them to the end
-        return deploy(f"fam-{family}", keep=True, model=str(tiny_models[family]),
-                      **{"encoder.num_cpus": 0.01, "ingress.num_cpus": 0.01})  # fmt: skip
+        return deploy(
+            f"fam-{family}",
+            keep=True,
+            model=str(tiny_models[family]),
+            **{"encoder.num_cpus": 0.01, "ingress.num_cpus": 0.01},
+        )
 
     with cf.ThreadPoolExecutor(len(FAMILIES)) as pool:
         return dict(zip(FAMILIES, pool.map(start, FAMILIES), strict=True))
@@ -377,9 +418,12 @@ class ChatApp:
     def chat(self, body: dict[str, Any]) -> httpx.Response:
         return self.client.post(f"{self.url}/v1/chat/completions", json=body)
 
-    def as_app(self) -> App:
-        """This application's /metrics helpers (``metric``, ``wait_metric``)."""
-        return App(self.name, self.url, self.config)
+    def counts(self) -> Any:
+        """The prefill replica's ``counts()`` by handle: a ``metrics.Counts``."""
+        from ray import serve
+
+        handle = serve.get_deployment_handle("PrefillServer", app_name=self.name)
+        return handle.counts.remote().result()
 
 
 @pytest.fixture(scope="session")
@@ -388,9 +432,9 @@ def deploy_prefill(deploy: Callable[..., App]) -> Iterator[Callable[..., ChatApp
     ``/<name>``) over ``encoder``'s model, reaching ``encoder`` by its handle and reading the
     rows from its store directly. ``deploy_prefill.remove(name)`` deletes it."""
 
-    from vitserve.deployments.config import VitserveConfig
-    from vitserve.deployments.local import serve_app
-    from vitserve.deployments.prefill import build_prefill_application
+    from vitserve.deployments.common.config import VitserveConfig
+    from vitserve.deployments.prefill.app import build_prefill_application
+    from vitserve.deployments.runner.local import serve_app
 
     apps: dict[str, ChatApp] = {}
 
@@ -399,9 +443,13 @@ def deploy_prefill(deploy: Callable[..., App]) -> Iterator[Callable[..., ChatApp
             return apps[name]
         base = {
             **encoder.config.model_dump(),
-            "prefill": {"encoder_app": encoder.name, "route_prefix": f"/{name}",
-                        "num_cpus": 0.05, "chunk_size": 16},
-        }  # fmt: skip
+            "prefill": {
+                "encoder_app": encoder.name,
+                "route_prefix": f"/{name}",
+                "num_cpus": 0.05,
+                "chunk_size": 16,
+            },
+        }
         cfg = VitserveConfig.load({**base, **overrides})
         _wait_for_cpus(name, _cpus(cfg.prefill))
         serve_app(build_prefill_application(cfg), name=name, route_prefix=f"/{name}")
@@ -416,7 +464,8 @@ def deploy_prefill(deploy: Callable[..., App]) -> Iterator[Callable[..., ChatApp
 @pytest.fixture
 def reliability(request: pytest.FixtureRequest) -> Any:
     """``reliability.record(case, tried=, failed=, wrong=, lost=, note=)``: one row of the
-    README's reliability table, rerun by this test's node id. Call it after the assertions."""
+    reliability table (the README links it), rerun by this test's node id. Call it after the
+    assertions."""
     import tests.reliability_table as table
 
     class Recorder:
@@ -439,3 +488,262 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     path.write_text(table.render(table.ROWS, header=True))
     terminalreporter.write_sep("=", f"reliability table ({len(table.ROWS)} rows, also in {path})")
     terminalreporter.write(text)
+
+
+# -- tiers: `make test-fast` ---------------------------------------------------------------------
+# Every test is marked by what it starts or talks to: ``ray`` (a Ray cluster, Serve on it),
+# ``redis`` (a Redis server), ``subprocess`` (a new process: redis-server, the console script,
+# kubectl, a fresh interpreter), and ``heavy`` when it has any of them. The marks come from the
+# fixtures a test uses (their closure: ``main_app`` brings ``deploy``, ``serve_url`` and
+# ``ray_cluster``; ``make_store`` by its store kind, STORE_KIND_NEEDS) and, for a test that
+# starts one without a suite fixture, from HEAVY_TESTS; nobody writes them on a test. ``slow``
+# comes from SLOW_TESTS: tests that need none of them but take seconds of CPU. ``make test-fast``
+# runs ``-m "not heavy and not slow"``; ``make test`` runs everything.
+#
+# Invariants:
+# - A run that selects no heavy test runs under FastTierGuard: ``ray.init``, a Redis connection
+#   and a new process raise TierViolation, and the test that tried fails even if it caught it.
+#   A test the marks miss fails the fast tier instead of slowing it down.
+# - Marks only add: a hand-written ``ray``/``redis``/``subprocess`` mark makes a test heavy, a
+#   hand-written ``slow`` stays.
+# - Every fixture and test named below exists (tests/test_fast_tier.py checks).
+
+FIXTURE_NEEDS: dict[str, tuple[str, ...]] = {
+    "ray_cluster": ("ray",),  # serve_url, deploy, main_app, family_apps, deploy_prefill over it
+    "redis_url": ("redis",),
+    "lru_redis_url": ("redis", "subprocess"),
+    "spawn_redis": ("redis", "subprocess"),
+    "kustomize": ("subprocess",),  # tests/k8s: render runs `kubectl kustomize`
+}
+
+# What tests/cache's ``make_store`` needs for each store kind it is parametrized with (it asks
+# for Ray or Redis only when it opens a store of a kind that needs one).
+STORE_KIND_NEEDS: dict[str, tuple[str, ...]] = {
+    "memory": (),
+    "node": ("ray",),
+    "redis": ("redis",),
+    "tiered": ("redis",),
+}
+
+# Tests (a folder, a module, or a module::test for all its parameters) that start Ray, Redis or
+# a process without a fixture above: the fast tier's guard found each of them.
+_CLI = "tests/deployments/test_cli.py::"
+HEAVY_TESTS: dict[str, tuple[str, ...]] = {
+    # real vLLM servers beside `vitserve serve` (make test-vllm; make test leaves them out)
+    "tests/vllm/": ("ray", "redis", "subprocess"),
+    "tests/test_layering.py": ("subprocess",),  # fresh interpreters, pip wheel
+    "tests/fuzz/test_atheris.py": ("subprocess",),
+    "tests/k8s/test_tooling.py": ("subprocess",),  # hadolint, kubernetes-validate
+    "tests/deployments/test_exposure.py::"
+    "test_serve_as_a_user_runs_it_keeps_rays_token_auth_on_every_port_beyond_loopback": (
+        "ray",
+        "subprocess",
+    ),
+    # node:// asks for the Ray cluster by getfixturevalue (the memory:// case goes with it)
+    "tests/cache/test_views.py::test_closing_the_owner_gives_up_the_connections_claims": ("ray",),
+    "tests/loadtest/test_bench_client.py::test_each_script_answers_help_with_its_own_flags": (
+        "subprocess",
+    ),
+    "tests/loadtest/test_bench_client.py::test_the_fetch_script_measures_a_short_run": (
+        "ray",
+        "subprocess",
+    ),
+    "tests/client/test_adapters.py::test_importing_the_adapters_loads_no_torch": ("subprocess",),
+    "tests/client/test_client.py::test_importing_the_client_loads_no_heavy_dependency": (
+        "subprocess",
+    ),
+    "tests/encoder/test_engine.py::test_cpu_allocator_tuning_stops_refaulting_large_buffers": (
+        "subprocess",
+    ),
+    "tests/encoder/test_language_model.py::test_importing_the_loader_loads_no_torch": (
+        "subprocess",
+    ),
+    "tests/encoder/test_work.py::test_decode_bytes_over_estimate_the_measured_peak": (
+        "subprocess",
+    ),
+    f"{_CLI}test_make_model_writes_a_loadable_sharded_checkpoint": ("subprocess",),
+    f"{_CLI}test_make_model_for_vllm_has_heads_vllms_cpu_attention_takes": ("subprocess",),
+    f"{_CLI}test_make_model_rejects_unknown_family": ("subprocess",),
+    f"{_CLI}test_encode_against_no_server_fails_clearly": ("subprocess",),
+    f"{_CLI}test_demo_with_a_missing_model_fails_clearly_before_starting_anything": ("subprocess",),
+    f"{_CLI}test_serve_demo_with_prefill_then_encode_and_chat_through_http_then_ctrl_c": (
+        "subprocess",
+        "ray",
+    ),
+    f"{_CLI}test_demo_serves_encodes_twice_and_the_second_pass_comes_from_the_store": (
+        "subprocess",
+        "ray",
+    ),
+    "tests/cache/test_redis_security.py::test_tls_with_client_certificate_and_acl_user": (
+        "redis",
+        "subprocess",
+    ),  # tls_server: a redis-server of its own
+    # server: a redis-server of its own; manifest: runs Redis' init container (vitserve)
+    "tests/k8s/test_redis_acl.py": ("redis", "subprocess"),
+    # its application and Redis come from request.getfixturevalue
+    "tests/reliability/test_faults.py::test_a_replica_killed_mid_load": (
+        "ray",
+        "redis",
+        "subprocess",
+    ),
+    # a private redis-server with a reader user per tenant (its module fixture)
+    "tests/reliability/test_cross_tenant.py": ("ray", "redis", "subprocess"),
+}
+
+# Tests (named as in HEAVY_TESTS) that need no server or process but took over 2 s of a 2-vCPU
+# machine's time in a fast-tier run (pytest --durations=0, all their parameters together):
+# towers compared across every family, hypothesis searches (a hand-written ``slow`` counts too).
+SLOW_TESTS = frozenset(
+    {
+        "tests/encoder/test_families.py",
+        "tests/encoder/test_language_model.py::test_image_embeddings_give_the_full_models_logits",
+        "tests/encoder/test_language_model.py::test_vision_bytes_are_never_read",
+        "tests/encoder/test_language_model.py::test_other_checkpoint_layout_loads_the_same_model",
+        "tests/encoder/test_loading.py::test_reads_only_vision_tensors",
+        "tests/encoder/test_loading.py::test_other_naming_layouts_load",
+        "tests/encoder/test_work.py::test_the_packed_rule_over_many_sizes",
+        "tests/fuzz/test_request_parsing.py::test_every_parser_parses_or_refuses_any_input",
+        "tests/fuzz/test_image_properties.py::test_decompression_bombs_are_refused_before_decoding",
+        "tests/fuzz/test_image_properties.py::test_arbitrary_and_mutated_images",
+        "tests/fuzz/test_codec_properties.py::test_a_buggy_writers_headers_never_crash_the_reader",
+        "tests/fuzz/test_codec_properties.py::test_valid_records_round_trip_exactly",
+        "tests/fuzz/test_codec_properties.py::test_damaged_values_are_refused_never_misread",
+    }
+)
+
+HEAVY_MARKS = ("ray", "redis", "subprocess")
+
+# The processes the fast tier's guard lets through: what vitserve's own code runs to probe the
+# host (ctypes.util.find_library("c") runs `ldconfig -p`), milliseconds, not a server.
+HOST_PROBES = frozenset({"ldconfig"})
+
+
+def _keys(item: pytest.Item) -> tuple[str, ...]:
+    """The keys the lists may name ``item`` by: its folders (``tests/vllm/``), its module and
+    its module::test without parameters."""
+    path = item.nodeid.partition("::")[0]
+    parts = path.split("/")
+    folders = ["/".join(parts[:i]) + "/" for i in range(1, len(parts))]
+    return *folders, path, item.nodeid.partition("[")[0]
+
+
+def tier_needs(item: pytest.Item) -> set[str]:
+    """The marks of HEAVY_MARKS that ``item`` needs (see above)."""
+    needs = {m for name in item.fixturenames for m in FIXTURE_NEEDS.get(name, ())}
+    if "make_store" in item.fixturenames:  # its kind asks for Ray or Redis when it opens one
+        needs.update(STORE_KIND_NEEDS[item.callspec.params["make_store"]])
+    needs.update(m for key in _keys(item) for m in HEAVY_TESTS.get(key, ()))
+    needs.update(m for m in HEAVY_MARKS if item.get_closest_marker(m))
+    return needs
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        needs = tier_needs(item)
+        for mark in sorted(needs):
+            item.add_marker(mark)
+        if needs:
+            item.add_marker("heavy")
+        if not item.get_closest_marker("slow") and SLOW_TESTS.intersection(_keys(item)):
+            item.add_marker("slow")
+
+
+class TierViolation(Exception):
+    """A test of the fast tier started Ray, reached Redis or started a process (not a
+    RuntimeError: code that retries on those, as TlsRedisServer.start does, must not hide it)."""
+
+
+class FastTierGuard:
+    """While entered, ``ray.init``, a Redis connection (sync or asyncio) and a new process
+    (``subprocess``, ``os.system``, ``os.posix_spawn``, ``os.fork``) raise TierViolation;
+    ``violations`` lists each attempt, so a test that swallowed the error still fails."""
+
+    def __init__(self) -> None:
+        self.violations: list[str] = []
+        self._patch = pytest.MonkeyPatch()
+
+    def _refuse(self, what: str, mark: str) -> Callable[..., Any]:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            self.violations.append(what)
+            raise TierViolation(
+                f"{what} in a fast-tier run: give the test a fixture that brings the `{mark}` "
+                "mark or add it to HEAVY_TESTS in tests/conftest.py"
+            )
+
+        return refuse
+
+    def __enter__(self) -> FastTierGuard:
+        import subprocess
+
+        import ray
+        import redis.asyncio.connection
+        import redis.connection
+
+        patch = self._patch.setattr
+        patch(ray, "init", self._refuse("ray.init", "ray"))
+        patch(ray._private.worker, "init", self._refuse("ray.init", "ray"))
+        for module in (redis.connection, redis.asyncio.connection):
+            patch(module.AbstractConnection, "connect", self._refuse("a Redis connection", "redis"))
+        refuse_process = self._refuse("a subprocess", "subprocess")
+        execute_child = subprocess.Popen._execute_child
+
+        def execute_unless_refused(popen: subprocess.Popen, args: Any, *rest: Any) -> Any:
+            argv = [args] if isinstance(args, str | bytes | os.PathLike) else list(args)
+            if os.path.basename(os.fsdecode(argv[0])) not in HOST_PROBES:
+                refuse_process()
+            return execute_child(popen, args, *rest)
+
+        patch(subprocess.Popen, "_execute_child", execute_unless_refused)
+        for name in ("system", "posix_spawn", "posix_spawnp", "fork"):
+            patch(os, name, self._refuse(f"os.{name}", "subprocess"))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._patch.undo()
+
+
+_GUARD = pytest.StashKey[FastTierGuard]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtestloop(session: pytest.Session) -> Iterator[None]:
+    """Run the tests under FastTierGuard when none of them is heavy."""
+    if not session.items or any(item.get_closest_marker("heavy") for item in session.items):
+        return (yield)
+    with FastTierGuard() as guard:
+        session.config.stash[_GUARD] = guard
+        try:
+            return (yield)
+        finally:
+            del session.config.stash[_GUARD]
+
+
+_VIOLATIONS_BEFORE = pytest.StashKey[int]()
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if (guard := item.config.stash.get(_GUARD, None)) is not None:
+        item.stash[_VIOLATIONS_BEFORE] = len(guard.violations)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[Any]:
+    """Fail a test that tried what the fast tier's guard refuses, even if it caught the error
+    (its teardown's report fails unless its setup or call already did), and say what it tried
+    in the report of the phase that failed."""
+    report = yield
+    guard = item.config.stash.get(_GUARD, None)
+    if guard is None:
+        return report
+    tried = guard.violations[item.stash.get(_VIOLATIONS_BEFORE, len(guard.violations)) :]
+    said = f"tried {', '.join(tried)} in a fast-tier run"
+    if report.failed and tried:
+        report.sections.append(("fast-tier guard", said))
+    elif call.when == "teardown" and tried and not item.stash.get(_FAILED, False):
+        report.outcome = "failed"
+        report.longrepr = f"{said} (and caught the error)"
+    if report.failed:
+        item.stash[_FAILED] = True
+    return report

@@ -13,7 +13,7 @@ class RedisServer:
     """A private redis-server subprocess on a free port (killed at teardown)."""
 
     def __init__(self, *args: str) -> None:
-        from vitserve.deployments.local import free_port
+        from vitserve.deployments.runner.local import free_port
 
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
@@ -24,14 +24,25 @@ class RedisServer:
     def start(self, attempts: int = 3) -> None:
         """Start on ``self.port``; if the server exits at once (another process took the port
         since it was found free), on a new free port."""
-        from vitserve.deployments.local import free_port
+        from vitserve.deployments.runner.local import free_port
 
         for _ in range(attempts):
             self.proc = subprocess.Popen(
-                [shutil.which("redis-server") or "redis-server", "--port", str(self.port),
-                 "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *self.args],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
+                [
+                    shutil.which("redis-server") or "redis-server",
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    *self.args,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             deadline = time.monotonic() + 10
             while self.proc.poll() is None and time.monotonic() < deadline:
                 try:

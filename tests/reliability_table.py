@@ -1,4 +1,5 @@
-"""The README's reliability table, written by the tests that produce its rows.
+"""The reliability table (`loadtest/results/reliability*.md`, linked from the README), written by
+the tests that produce its rows.
 
 A test that injects a fault or tries a class of bad input records one row through the
 ``reliability`` fixture (``tests/conftest.py``) *after* its assertions: a row exists only when
@@ -20,8 +21,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-HEADER = ("fault or input class", "cases tried", "requests failed", "wrong answers", "data lost",
-          "rerun")  # fmt: skip
+HEADER = (
+    "fault or input class",
+    "cases tried",
+    "requests failed",
+    "wrong answers",
+    "data lost",
+    "rerun",
+)
 
 
 @dataclass(frozen=True)
@@ -38,8 +45,32 @@ class Row:
 ROWS: list[Row] = []
 
 
-def record(case: str, *, tried: int, failed: int, wrong: int, lost: int, rerun: str,
-           note: str = "") -> Row:  # fmt: skip
+class Tally:
+    """What a test tried for its row: each case's answer status and whether it leaked or was
+    wrong (``case`` names it in the failure message), counted as the row's columns."""
+
+    def __init__(self) -> None:
+        self.tried = self.failed = self.wrong = 0
+        self.leaks: list[str] = []
+
+    def add(self, status: int, leaked: bool, case: str = "") -> None:
+        self.tried += 1
+        self.failed += status >= 500
+        if leaked:
+            self.wrong += 1
+            self.leaks.append(case)
+
+    def assert_clean(self) -> None:
+        assert self.wrong == 0 and self.failed == 0, (self.failed, self.leaks)
+
+    def counts(self) -> dict[str, int]:
+        """``tried``, ``failed`` and ``wrong``: the row's columns but ``lost``."""
+        return {"tried": self.tried, "failed": self.failed, "wrong": self.wrong}
+
+
+def record(
+    case: str, *, tried: int, failed: int, wrong: int, lost: int, rerun: str, note: str = ""
+) -> Row:
     """Add a row (call it after the test's assertions). ``note``: a short qualifier shown after
     the case (e.g. ``"24 s of load, Redis down 3 s"``)."""
     if tried <= 0:
@@ -64,12 +95,27 @@ def commit() -> str:
     import subprocess
 
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
         dirty = subprocess.run(  # the results pages a run writes are not a change
-            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-             ":!loadtest/results"], capture_output=True, text=True, timeout=10,
-        ).stdout.strip()  # fmt: skip
+            [
+                "git",
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":!loadtest/results",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + ("+changes" if dirty else "")
@@ -83,13 +129,15 @@ def render(rows: list[Row], *, header: bool = False) -> str:
     lines = []
     if header:
         when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        lines += [f"Written by the test suite (`tests/reliability_table.py`) at commit "
-                  f"`{commit()}`, {when}, on {machine()}.", ""]  # fmt: skip
+        lines += [
+            f"Written by the test suite (`tests/reliability_table.py`) at commit "
+            f"`{commit()}`, {when}, on {machine()}.",
+            "",
+        ]
     lines += ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for r in rows:
         case = f"{r.case} ({r.note})" if r.note else r.case
-        lines.append(f"| {case} | {r.tried:,} | {r.failed} | {r.wrong} | {r.lost} | "
-                     f"`{r.rerun}` |")  # fmt: skip
+        lines.append(f"| {case} | {r.tried:,} | {r.failed} | {r.wrong} | {r.lost} | `{r.rerun}` |")
     return "\n".join(lines) + "\n"
 
 

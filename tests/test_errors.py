@@ -4,6 +4,7 @@ for every error with fields (the caller then got Ray's ``UnserializableException
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import pytest
@@ -29,6 +30,7 @@ CASES = [
     errors.ApiError(502, "Bad", "gateway"),
     errors.InternalError("KeyError"),
     errors.BackpressureError(3, 4, "full"),
+    errors.QuotaExceededError("requests_per_s", "alice", 5, retry_after_s=0.2),
 ]
 
 
@@ -45,5 +47,42 @@ def test_the_cases_cover_every_error_class() -> None:
         return {cls} | {s for c in cls.__subclasses__() for s in subclasses(c)}
 
     hierarchy = {c for c in subclasses(errors.VitserveError) if c.__module__ == errors.__name__}
-    assert hierarchy - {errors.VitserveError, errors.ImageError, errors.StoreError,
-                        errors.RequestError} == {type(e) for e in CASES}  # fmt: skip
+    assert hierarchy - {
+        errors.VitserveError,
+        errors.ImageError,
+        errors.StoreError,
+        errors.RequestError,
+    } == {type(e) for e in CASES}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "vLLM server http://10.0.0.5:8000/v1 no answer",
+        "redis://vitserve-writer:pw@vitserve-redis:6379/0 down",
+        "ConnectError: [Errno 111] connect to 10.1.2.3:6379",
+        "cannot reach [fd00::1]:8000",
+        "node metrics endpoint: vitserve-head-0.svc.cluster.local:8080 refused",
+    ],
+)
+def test_an_error_answer_carries_no_network_address(text: str) -> None:
+    """What callers get (``to_dict``, the answer's body) names no URL, IP or host:port; the
+    error itself (what the log prints) keeps them."""
+    exc = errors.ServiceUnavailableError("encoder", text)
+    answered = json.dumps(exc.to_dict())
+    assert "<address>" in answered
+    for leak in ("10.", "://", "6379", "8000", "8080", "fd00", "svc"):
+        assert leak not in answered, answered
+    assert text in str(exc)
+
+
+def test_public_text_leaves_what_is_not_an_address() -> None:
+    for text in (
+        "line 3:12: bad",
+        "at capacity (3/4 queued)",
+        "Qwen/Qwen2.5-VL-7B-Instruct",
+        "images[0].key is not a 64-hex key",
+        "reads[0][1] and keys[12]",
+        "image 3: 640x480",
+    ):
+        assert errors.public_text(text) == text

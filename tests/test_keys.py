@@ -39,7 +39,11 @@ def test_fingerprint_covers_every_field_and_ignores_dict_order() -> None:
     base = model_fingerprint(**kw)
     assert re.fullmatch(r"[0-9a-f]{64}", base)
     assert model_fingerprint(**{**kw, "processor": {"b": (1, 2), "a": 1}}) == base
-    for field, value in [("model", "m2"), ("weights", "w2"), ("dtype", "bf16"),
-                         ("processor", {"a": 2, "b": [1, 2]})]:  # fmt: skip
+    for field, value in [
+        ("model", "m2"),
+        ("weights", "w2"),
+        ("dtype", "bf16"),
+        ("processor", {"a": 2, "b": [1, 2]}),
+    ]:
         assert model_fingerprint(**{**kw, field: value}) != base
     assert model_fingerprint(**kw, settings={"feature_layer": -2}) != base

@@ -34,8 +34,19 @@ def test_encoder_never_imports_ray_redis_or_http(tiny_models) -> None:
     assert not loaded & {"ray", "redis", "httpx", "fastapi", "starlette", "aiohttp"}
 
 
-@pytest.mark.parametrize("module", ["vitserve.keys", "vitserve.encoder.planner",
-                                    "vitserve.encoder.images", "vitserve"])  # fmt: skip
+@pytest.mark.parametrize(
+    "module",
+    [
+        "vitserve.keys",
+        "vitserve.encoder.planner",
+        "vitserve.encoder.images",
+        "vitserve",
+        # the rooms that promise it (their docstrings; room_violations checks their statements)
+        "vitserve.deployments.common.serving",
+        "vitserve.deployments.common.clients",
+        "vitserve.deployments.vllm.app",
+    ],
+)
 def test_light_modules_do_not_import_torch(module: str) -> None:
     assert "torch" not in _modules_after_import(module)
 
@@ -55,24 +66,184 @@ def test_cache_never_imports_torch_or_transformers(redis_url) -> None:
     assert not loaded & {"torch", "transformers"}
 
 
+def test_family_specs_and_the_client_adapters_load_no_torch() -> None:
+    """The light client reads every family's spec (and builds prompt layouts, vLLM forms and
+    mrope positions from it) without torch or transformers."""
+    loaded = _modules_after(
+        "import vitserve.families\n"
+        "import vitserve.client.adapters\n"
+        "assert len(vitserve.families.SPECS) >= 5\n"
+    )
+    assert "numpy" in loaded  # the adapters' own dependency: the import ran
+    assert not loaded & {"torch", "transformers"}
+
+
 def test_cli_starts_without_torch() -> None:
-    assert "torch" not in _modules_after_import("vitserve.deployments.cli")
+    assert "torch" not in _modules_after_import("vitserve.deployments.runner.cli")
 
 
 def test_wheel_maps_top_level_folders_to_subpackages(tmp_path) -> None:
     """A plain (non-editable) build ships encoder/ as vitserve/encoder/ etc., and the script."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path), str(ROOT)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
     [wheel] = tmp_path.glob("vitserve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for path in ("vitserve/__init__.py", "vitserve/errors.py", "vitserve/encoder/engine.py",
-                 "vitserve/encoder/families/qwen.py", "vitserve/cache/__init__.py",
-                 "vitserve/client/__init__.py", "vitserve/deployments/cli.py"):  # fmt: skip
+    for path in (
+        "vitserve/__init__.py",
+        "vitserve/errors.py",
+        "vitserve/encoder/engine.py",
+        "vitserve/encoder/families/qwen.py",
+        "vitserve/families/llava.py",
+        "vitserve/cache/__init__.py",
+        "vitserve/client/__init__.py",
+        "vitserve/deployments/runner/cli.py",
+    ):
         assert path in names, path
     assert not any(n.startswith(("tests/", "encoder/", "loadtest/")) for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "vitserve = vitserve.deployments.cli:main" in text
+    assert "vitserve = vitserve.deployments.runner.cli:main" in text
+
+
+# -- the rooms of vitserve.deployments ----------------------------------------------------------
+# Each room's package docstring states what it may import; these are those rules, checked on
+# every import statement of every module (at the top or inside a function).
+DEPLOYMENTS = "vitserve.deployments"
+ROOMS = ("common", "encoder", "prefill", "vllm", "runner")
+#: room -> the other rooms it may import (every room may import itself)
+MAY_IMPORT = {
+    "common": set(),
+    "encoder": {"common"},
+    "prefill": {"common"},
+    "vllm": {"common"},
+    "runner": {"common", "encoder", "prefill", "vllm"},
+}
+#: (module, modules it must not import): what crosses a process inside a room goes through a
+#: module both sides import, never one side's own module
+APART = [
+    ("encoder.ingress", "encoder.replica"),
+    ("encoder.encode_flow", "encoder.replica"),
+    ("encoder.ingress", "encoder.preprocessing.PreprocessDeployment"),
+    ("encoder.preprocessing", "encoder.replica"),
+    ("encoder.replica", "encoder.ingress"),
+    ("encoder.replica", "encoder.encode_flow"),
+]
+#: rooms that never import torch or transformers, not even inside a function
+LIGHT_ROOMS = {"common": {"torch", "transformers"}, "vllm": {"torch", "transformers"}}
+
+
+def _imports(source: str, module: str) -> list[str]:
+    """Every name ``source`` (the module ``module``) imports, absolute, with the imported names
+    appended (``from a.b import c`` gives ``a.b.c``)."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against the module's package
+                package = module.rsplit(".", node.level)[0]
+                base = f"{package}.{base}" if base else package
+            out += [f"{base}.{alias.name}" for alias in node.names]
+    return out
+
+
+def room_violations(module: str, source: str) -> list[str]:
+    """The rules of the rooms that ``source``, the module ``module``
+    (``vitserve.deployments.<room>.<name>``), breaks; empty when it keeps them all."""
+    parts = module.split(".")
+    if parts[:2] != ["vitserve", "deployments"] or len(parts) < 4 or parts[2] not in ROOMS:
+        return []
+    room, here = parts[2], ".".join(parts[2:])
+    found = []
+    for name in _imports(source, module):
+        top = name.split(".")[0]
+        if room in LIGHT_ROOMS and top in LIGHT_ROOMS[room]:
+            found.append(f"{module} imports {name}: the {room} room never imports {top}")
+        if not name.startswith(DEPLOYMENTS + "."):
+            continue
+        target = name[len(DEPLOYMENTS) + 1 :]
+        other = target.split(".")[0]
+        if other in ROOMS and other != room and other not in MAY_IMPORT[room]:
+            found.append(
+                f"{module} imports {name}: the {room} room may not import the {other} room"
+            )
+        for a, b in APART:
+            if here == a and (target == b or target.startswith(b + ".")):
+                found.append(f"{module} imports {name}: {a} and {b} meet in a shared module")
+    return found
+
+
+def _deployment_modules() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted((ROOT / "deployments").rglob("*.py")):
+        rel = path.relative_to(ROOT / "deployments").with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"]
+        out.append((".".join([DEPLOYMENTS, *parts]), path))
+    return out
+
+
+def test_every_deployments_module_lives_in_a_room() -> None:
+    """No module sits beside the rooms (only the package's own __init__)."""
+    loose = [
+        m for m, _ in _deployment_modules() if m != DEPLOYMENTS and m.split(".")[2] not in ROOMS
+    ]
+    assert loose == []
+    assert {m.split(".")[2] for m, _ in _deployment_modules() if m != DEPLOYMENTS} == set(ROOMS)
+
+
+def test_the_rooms_keep_their_import_rules() -> None:
+    """Every module of every room keeps the rules its room's docstring states."""
+    modules = _deployment_modules()
+    assert len(modules) > 20  # else the check would be vacuous
+    broken = [v for module, path in modules for v in room_violations(module, path.read_text())]
+    assert broken == []
+
+
+@pytest.mark.parametrize(
+    ("module", "source"),
+    [
+        ("vitserve.deployments.common.config", "from vitserve.deployments.encoder import app"),
+        ("vitserve.deployments.common.auth", "import vitserve.deployments.runner.cli"),
+        ("vitserve.deployments.encoder.replica", "from vitserve.deployments.prefill.chat import X"),
+        ("vitserve.deployments.prefill.app", "from vitserve.deployments.encoder.app import x"),
+        ("vitserve.deployments.prefill.chat", "from ..vllm import app"),
+        ("vitserve.deployments.vllm.app", "from vitserve.deployments.prefill.app import T"),
+        ("vitserve.deployments.vllm.app", "def f():\n    import torch\n"),
+        ("vitserve.deployments.common.metrics", "from transformers import AutoConfig"),
+        (
+            "vitserve.deployments.encoder.ingress",
+            "from vitserve.deployments.encoder.replica import y",
+        ),
+        ("vitserve.deployments.encoder.encode_flow", "from .replica import EncodeBatch"),
+        ("vitserve.deployments.encoder.app", "from vitserve.deployments.runner.local import z"),
+    ],
+)
+def test_each_room_rule_fails_when_broken(module: str, source: str) -> None:
+    assert room_violations(module, source), f"{module}: {source!r} went unnoticed"
+
+
+def test_a_room_may_import_what_its_rules_allow() -> None:
+    allowed = [
+        ("vitserve.deployments.encoder.replica", "from vitserve.deployments.common import metrics"),
+        ("vitserve.deployments.runner.local", "from vitserve.deployments.prefill.app import a"),
+        ("vitserve.deployments.encoder.ingress", "from .wire import describe_header"),
+        ("vitserve.deployments.prefill.chat_service", "import torch"),
+    ]
+    assert [v for m, s in allowed for v in room_violations(m, s)] == []

@@ -23,8 +23,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("cache", "client", "deployments", "encoder", "vitserve")
-FORBIDDEN_MODULES = ("pickle", "cPickle", "_pickle", "cloudpickle", "dill", "marshal", "shelve",
-                     "joblib", "ray.cloudpickle", "torch.serialization")  # fmt: skip
+FORBIDDEN_MODULES = (
+    "pickle",
+    "cPickle",
+    "_pickle",
+    "cloudpickle",
+    "dill",
+    "marshal",
+    "shelve",
+    "joblib",
+    "ray.cloudpickle",
+    "torch.serialization",
+)
 FORBIDDEN_NAMES = ("torch.load",)  # dotted names, after resolving import aliases
 FORBIDDEN_ATTRIBUTES = ("read_pickle", "to_pickle")  # pandas and the like, on any object
 

@@ -7,6 +7,23 @@ call again can help. The HTTP layer maps ``http_status`` to a response code.
 
 from __future__ import annotations
 
+import re
+
+# What an answer never carries: URLs (with their credentials, hosts and paths), IP addresses and
+# ``host:port`` pairs (a host with a letter or a dot in it: ``redis-0.svc:6379``, not ``3:12``).
+_ADDRESS = re.compile(
+    r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+"  # a URL
+    r"|\[[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*\](?::\d+)?"  # [IPv6]:port (a colon inside: not [0])
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"  # IPv4[:port]
+    r"|\b(?=[\w.-]*[A-Za-z.])[\w.-]+:\d{2,5}\b"  # host:port
+)
+
+
+def public_text(text: str) -> str:
+    """``text`` with every network address replaced by ``<address>``: what an error answer
+    may say about the service's insides."""
+    return _ADDRESS.sub("<address>", text)
+
 
 class VitserveError(Exception):
     """Root of every error vitserve raises on purpose."""
@@ -15,9 +32,12 @@ class VitserveError(Exception):
     http_status: int = 500
 
     def to_dict(self) -> dict[str, object]:
-        """A JSON-able description: the class name, the message and the structured fields."""
+        """A JSON-able description: the class name, the message and the structured fields, as
+        answered to callers: every network address in their text (URLs, ``host:port``, IP
+        addresses) replaced by ``<address>`` (:func:`public_text`); the log keeps ``str(exc)``."""
         fields = {k: v for k, v in vars(self).items() if not k.startswith("_")}
-        return {"type": type(self).__name__, "message": str(self), **fields}
+        described = {"type": type(self).__name__, "message": str(self), **fields}
+        return {k: public_text(v) if isinstance(v, str) else v for k, v in described.items()}
 
     def __reduce__(self) -> tuple[object, ...]:
         """Rebuilt from its message and fields, not by calling ``__init__`` with its message
@@ -27,8 +47,9 @@ class VitserveError(Exception):
         return (_rebuild, (type(self), self.args, dict(vars(self))))
 
 
-def _rebuild(cls: type[VitserveError], args: tuple[object, ...],
-             fields: dict[str, object]) -> VitserveError:  # fmt: skip
+def _rebuild(
+    cls: type[VitserveError], args: tuple[object, ...], fields: dict[str, object]
+) -> VitserveError:
     exc = cls.__new__(cls)
     Exception.__init__(exc, *args)
     exc.__dict__.update(fields)
@@ -152,8 +173,10 @@ class RequestTimeoutError(RequestError):
     http_status = 408
 
     def __init__(self, limit: str, seconds: float, received: int) -> None:
-        super().__init__(f"the request body did not arrive within {limit} ({seconds:g} s; "
-                         f"{received} bytes received)")  # fmt: skip
+        super().__init__(
+            f"the request body did not arrive within {limit} ({seconds:g} s; "
+            f"{received} bytes received)"
+        )
         self.limit = limit
         self.seconds = seconds
         self.received = received
@@ -166,9 +189,14 @@ class AuthenticationError(RequestError):
     http_status = 401
 
     def __init__(self, reason: str, message: str = "") -> None:
-        super().__init__(message or ("this service needs a bearer token (Authorization: Bearer "
-                                     "<token>)" if reason == "missing" else
-                                     "the bearer token is not valid here"))  # fmt: skip
+        super().__init__(
+            message
+            or (
+                "this service needs a bearer token (Authorization: Bearer <token>)"
+                if reason == "missing"
+                else "the bearer token is not valid here"
+            )
+        )
         self.reason = reason
 
     @property
@@ -185,8 +213,9 @@ class PromptTooLongError(RequestError):
     http_status = 400
 
     def __init__(self, tokens: int, allowed: int, detail: str = "") -> None:
-        super().__init__(f"{detail or 'the prompt has'} {tokens} tokens; the model's context "
-                         f"holds {allowed}")  # fmt: skip
+        super().__init__(
+            f"{detail or 'the prompt has'} {tokens} tokens; the model's context holds {allowed}"
+        )
         self.tokens = tokens
         self.allowed = allowed
 
@@ -235,14 +264,32 @@ class InternalError(VitserveError):
         self.exception = exception
 
 
-def actor_unavailable_errors() -> tuple[type[BaseException], ...]:
+def actor_unavailable_errors() -> tuple[type[Exception], ...]:
     """Ray's errors for a replica that died, restarts or cannot be reached (importing Ray only
     when called): what both the ingress and the client's handle transport turn into a
     retryable :class:`ServiceUnavailableError`."""
+    # heavy, and absent from the client-only install, which imports this module too
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
     from ray.serve.exceptions import DeploymentUnavailableError
 
     return (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError)
+
+
+class QuotaExceededError(VitserveError):
+    """A tenant is over one of its quotas (``quota``: its name, ``requests_per_s``;
+    ``limit`` in its unit); other tenants are not. The rate refills: retrying after
+    ``retry_after_s`` can help."""
+
+    http_status = 429
+
+    def __init__(self, quota: str, tenant: str | None, limit: float, retry_after_s: float) -> None:
+        who = f"tenant {tenant!r}" if tenant else "this caller"
+        super().__init__(f"{who} is over its quota {quota} = {limit:g}")
+        self.quota = quota
+        self.tenant = tenant
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.retryable = retry_after_s > 0
 
 
 class BackpressureError(VitserveError):

@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Mapping
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -57,7 +58,7 @@ class LimitsConfig(_Strict):
 
 
 class AdmissionConfig(_Strict):
-    """The work one encoder replica admits at once (``vitserve.deployments.admission``):
+    """The work one encoder replica admits at once (``vitserve.deployments.encoder.admission``):
     patches, and bytes (prepared pixel arrays and the decodings under way), both taken from
     each image's header before it is decoded. None: derived from the activation budget
     (``vitserve.encoder.work.Capacity.derived``)."""
@@ -67,7 +68,10 @@ class AdmissionConfig(_Strict):
 
 
 class BatchingConfig(_Strict):
-    """How the encoder's device queue forms forwards (see vitserve.deployments.device_queue)."""
+    """How the encoder's device queue forms forwards.
+
+    See vitserve.deployments.encoder.device_queue.
+    """
 
     enabled: bool = True
     # The most patches one device step (and one tower forward) takes. None: the
@@ -86,7 +90,7 @@ class AutoscalingConfig(_Strict):
       ``target_ongoing_requests``. Right when requests cost about the same.
     * ``work`` (the encoder): the replicas' queued and running patches against their measured
       patch throughput, sized so a new image waits about ``target_queue_delay_s``
-      (``vitserve.deployments.autoscaling``). Requests that differ 100x in patches do not
+      (``vitserve.deployments.encoder.autoscaling``). Requests that differ 100x in patches do not
       mis-size it.
 
     A change of replica count must be wanted for ``upscale_delay_s`` / ``downscale_delay_s``
@@ -139,7 +143,7 @@ class EncoderAccessConfig(DeploymentConfig):
 
 
 class PrefillConfig(EncoderAccessConfig):
-    """The prefill application (``vitserve.deployments.prefill``): its replicas (the fields
+    """The prefill application (``vitserve.deployments.prefill.app``): its replicas (the fields
     of every deployment, scaled apart from the encoder's), its chunking and how it reaches the
     encoder application (rows read from the store directly unless ``direct_store`` is off:
     then through the encoder's ``/v1/rows``). It serves the same ``model`` (its language model
@@ -153,7 +157,7 @@ class PrefillConfig(EncoderAccessConfig):
 
 
 class VllmFrontConfig(EncoderAccessConfig):
-    """The vLLM front (``vitserve.deployments.vllm_front``): an OpenAI-compatible route that
+    """The vLLM front (``vitserve.deployments.vllm.app``): an OpenAI-compatible route that
     encodes a chat's images through vitserve and forwards the chat to one of the vLLM OpenAI
     servers at ``urls`` (round robin), its images named by their vitserve keys. Probes read
     the store directly unless ``direct_store`` is off."""
@@ -179,8 +183,6 @@ class VllmFrontConfig(EncoderAccessConfig):
     @field_validator("urls")
     @classmethod
     def _urls(cls, value: list[str]) -> list[str]:
-        from urllib.parse import urlsplit
-
         out = []
         for url in value:
             parts = urlsplit(url)
@@ -226,21 +228,62 @@ class TokenConfig(_Strict):
         return value
 
 
-class AuthConfig(_Strict):
-    """Bearer-token auth of the HTTP API and the ingress handle (vitserve.deployments.auth).
+class QuotaConfig(_Strict):
+    """A tenant's request rate (vitserve.deployments.common.quota), the same for every tenant;
+    off unless set. Over it a request is answered 429 naming the quota (QuotaExceededError):
+    a token bucket per tenant in each ingress replica (so the service-wide rate is this times
+    the ingress replicas), ``burst`` requests at once. A tenant's byte share of the store is the
+    store URL's ``share_bytes`` (``node://?share_bytes=1GiB``; vitserve.cache.urls)."""
 
-    Off unless a token is configured, in ``tokens`` or in ``tokens_file`` (a file each replica
-    reads at start, one ``tenant:token`` per line, ``#`` comments: fit for a mounted Kubernetes
-    Secret). Each tenant's keys live in the namespace ``<namespace>.<tenant>`` (``<tenant>``
-    when ``namespace`` is empty).
+    requests_per_s: float | None = Field(None, gt=0)
+    burst: int | None = Field(None, gt=0)  # None: max(1, requests_per_s)
+
+    @property
+    def bucket(self) -> int:
+        """The bucket's size: ``burst``, else one second's worth (at least 1)."""
+        if self.burst is not None:
+            return self.burst
+        return max(1, int(self.requests_per_s or 1))
+
+
+class AuthConfig(_Strict):
+    """Bearer-token auth of the HTTP API and the ingress handle (vitserve.deployments.common.auth).
+
+    Off unless a token is configured, in ``tokens`` or in ``tokens_file`` (one ``tenant:token``
+    per line, ``#`` comments: fit for a mounted Kubernetes Secret; each replica re-reads it when
+    its content changes, looking every ``reload_s`` seconds, so a token added or removed takes
+    effect within ``reload_s`` of the file changing, without a restart). Each tenant's keys
+    live in the namespace ``<namespace>.<tenant>`` (``<tenant>`` when ``namespace`` is empty),
+    followed by ``.<tag>`` when ``key_secret`` is set.
+
+    ``scrape_token`` / ``scrape_token_file``: with auth on, ``/metrics`` answers only this
+    bearer token (Prometheus'), no tenant's; with none configured it answers no one.
+    ``key_secret`` / ``key_secret_file``: a server secret mixed into every namespace (a tag,
+    HMAC-SHA256 of the namespace), so content keys cannot be computed from outside from an image
+    and the fingerprint; a caller learns its own namespace from ``/healthz`` with its token. The
+    cost: keys differ between deployments with different secrets (their stores share nothing),
+    and a changed secret turns every stored entry into a miss.
     """
 
     tokens: list[TokenConfig] = []
     tokens_file: str | None = None
+    reload_s: float = Field(5.0, gt=0)
+    scrape_token: SecretStr | None = None
+    scrape_token_file: str | None = None
+    key_secret: SecretStr | None = None
+    key_secret_file: str | None = None
+    quota: QuotaConfig = QuotaConfig()
 
     @property
     def enabled(self) -> bool:
         return bool(self.tokens) or self.tokens_file is not None
+
+    @field_validator("scrape_token", "key_secret")
+    @classmethod
+    def _secret_long_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < MIN_TOKEN_CHARS:
+            raise ValueError(f"needs at least {MIN_TOKEN_CHARS} characters")
+        return value
 
     @model_validator(mode="after")
     def _one_tenant_per_token(self) -> AuthConfig:
@@ -250,6 +293,10 @@ class AuthConfig(_Strict):
             if secret in seen:
                 raise ValueError("a token is configured twice (each names one tenant)")
             seen.add(secret)
+        if self.scrape_token is not None and self.scrape_token_file is not None:
+            raise ValueError("scrape_token and scrape_token_file: give one")
+        if self.key_secret is not None and self.key_secret_file is not None:
+            raise ValueError("key_secret and key_secret_file: give one")
         return self
 
 
@@ -263,7 +310,7 @@ class VitserveConfig(_Strict):
     store: str = "node://"  # any open_store URL
     namespace: str = ""
     budget_bytes: int | None = Field(None, gt=0)
-    torch_threads: int | None = Field(None, gt=0)  # None: all cores of the node
+    torch_threads: int | None = Field(None, gt=0)  # None: the cores the container may use
     batching: BatchingConfig = BatchingConfig()
     # Where images are decoded and preprocessed: in the encoder replica's CPU threads (the
     # bytes travel, the pixels never leave the replica), in the ingress, or in the preprocess
@@ -296,8 +343,9 @@ class VitserveConfig(_Strict):
         return value
 
     @classmethod
-    def load(cls, overrides: Mapping[str, Any] | None = None,
-             environ: Mapping[str, str] | None = None) -> VitserveConfig:  # fmt: skip
+    def load(
+        cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+    ) -> VitserveConfig:
         """Defaults, then ``VITSERVE_*`` environment, then ``overrides``.
 
         Overrides name nested fields by dotted names (``"limits.max_images_per_request"``), by
@@ -322,6 +370,7 @@ class VitserveConfig(_Strict):
         """The configuration as one line of JSON with every secret masked: the password of
         every URL (``redis://user:***@host``, nested ``tiered://`` URLs too; see
         ``vitserve.cache.urls.redact_url``) and every ``SecretStr`` (``**********``)."""
+        # heavy (numpy, msgpack): vitserve.cache loads them; the CLI imports this module
         from vitserve.cache.urls import redact_url
 
         def masked(value: Any) -> Any:

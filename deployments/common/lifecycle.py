@@ -2,7 +2,7 @@
 
 Serve's own shutdown closes the HTTP proxy at once (requests in flight lose their connection)
 and took 5-60 s here (its controller's shutdown timed out at 30 s). A local run
-(``vitserve serve``, :mod:`vitserve.deployments.local`) stops this way instead:
+(``vitserve serve``, :mod:`vitserve.deployments.runner.local`) stops this way instead:
 
 1. The driver calls :func:`drain_all`: one :class:`StopSignal` actor, created before the
    applications, wakes every HTTP ingress replica that watches it (each replica's
@@ -32,9 +32,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import ray
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vitserve.cache.node import RAY_NAMESPACE
+from vitserve.deployments.common.responses import error_response
 from vitserve.errors import ServiceUnavailableError
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
@@ -102,17 +104,20 @@ class DrainGate:
         if self.inflight:
             cut.set()
             await _wait_until(self._idle, changed, time.monotonic() + SETTLE_S)
-        return {"pid": os.getpid(), "finished": self.finished, "cut": self.cut,
-                "refused": self.refused, "streaming": self.inflight,
-                "seconds": round(time.monotonic() - started, 3)}  # fmt: skip
+        return {
+            "pid": os.getpid(),
+            "finished": self.finished,
+            "cut": self.cut,
+            "refused": self.refused,
+            "streaming": self.inflight,
+            "seconds": round(time.monotonic() - started, 3),
+        }
 
 
 GATE = DrainGate()  # one per replica process (one HTTP ingress per replica)
 
 
 async def _unavailable(scope: Scope, receive: Receive, send: Send, reason: str) -> None:
-    from vitserve.deployments.responses import error_response
-
     exc = ServiceUnavailableError("vitserve", reason)
     await error_response(exc, {"Connection": "close"})(scope, receive, send)
 
@@ -220,17 +225,15 @@ class StopSignal:
         """Once every registered watcher reported (or ``timeout_s`` passed): the reports and
         the watchers that did not report."""
         _, reported = self._events()
-        await _wait_until(lambda: set(self.reports) >= self.watchers, reported,
-                          time.monotonic() + timeout_s)  # fmt: skip
-        return {"reports": dict(self.reports),
-                "missing": sorted(self.watchers - set(self.reports))}  # fmt: skip
+        await _wait_until(
+            lambda: set(self.reports) >= self.watchers, reported, time.monotonic() + timeout_s
+        )
+        return {"reports": dict(self.reports), "missing": sorted(self.watchers - set(self.reports))}
 
 
 async def watch_for_stop(gate: DrainGate) -> None:
     """A replica's watcher: wait for this cluster's :class:`StopSignal` (if one runs), drain
     ``gate`` with its grace and report. Returns at once where no signal runs."""
-    import ray
-
     try:
         signal = await asyncio.to_thread(ray.get_actor, STOP_SIGNAL_NAME, namespace=RAY_NAMESPACE)
     except ValueError:  # no local run's signal in this cluster: nothing to watch
@@ -247,18 +250,15 @@ async def watch_for_stop(gate: DrainGate) -> None:
 def open_stop_signal() -> Any:
     """The driver's side: create this cluster's :class:`StopSignal` (before the applications,
     so that every replica finds it); its handle."""
-    import ray
-
     actor = ray.remote(num_cpus=0)(StopSignal)
-    return actor.options(name=STOP_SIGNAL_NAME, namespace=RAY_NAMESPACE,
-                         max_concurrency=1000).remote()  # fmt: skip
+    return actor.options(
+        name=STOP_SIGNAL_NAME, namespace=RAY_NAMESPACE, max_concurrency=1000
+    ).remote()
 
 
 def drain_all(signal: Any, grace_s: float) -> dict[str, Any]:
     """Fire ``signal`` and wait (about ``grace_s`` + ``SETTLE_S``, bounded) until every
     watching replica drained; their counts summed, with ``replicas`` and ``missing``."""
-    import ray
-
     ray.get(signal.fire.remote(grace_s), timeout=5)
     wait_s = grace_s + SETTLE_S + 1.0
     done = ray.get(signal.drained.remote(wait_s), timeout=wait_s + 2)

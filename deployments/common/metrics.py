@@ -52,27 +52,80 @@ vllm_front_images_total{kind}          counter    the vLLM front's chat images: 
                                                   bytes went to the encoder), ``cached``
                                                   (distinct images the store held already)
 =====================================  =========  ===============================================
+
+Counts the code owns. Ray exports a process's metrics a second or more after they change, and
+the ``/metrics`` page carries every application's series (megabytes late in a long run): a
+caller that must know what happened (a test, an operator's script) reads ``counts()``
+instead, each counter as this process incremented it, exact at once. The ingress answers its
+own and its encoder replica's on ``GET /v1/stats`` and by handle (``Ingress.counts``); the
+encoder replica's ``counters()`` and the prefill application's ``counts()`` carry theirs.
+
+Invariants:
+
+* every ``inc`` is counted once in this process's :class:`Tally`, under the same name (without
+  the ``vitserve_`` prefix) and tags as the Ray counter it increments; histograms and gauges
+  are exported only;
+* a :class:`Counts` is a copy: later increments never change one already taken.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
+
+import httpx
+import ray
+from ray.serve import metrics as ray_metrics
+
+from vitserve.errors import StoreUnavailableError
 
 LATENCY_BOUNDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 # Stages and store calls take from well under a millisecond (a node-store lookup) to seconds.
 # Ray exports a histogram's ``_sum`` as count x bucket midpoint, not the observed sum, so the
 # bounds are close together (~1.25-1.5x) where the hot path's stages fall (0.25-100 ms): a
 # mean read from /metrics is then within ~15% of the true one, not within 2x.
-STAGE_BOUNDS = [0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0065,
-                0.008, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.065, 0.08, 0.1,
-                0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]  # fmt: skip
-SIZE_BOUNDS = [1, 2, 4, 8, 16, 32, 64, 128]
-PATCH_BOUNDS = [256, 1024, 4096, 16384, 65536, 262144]
+STAGE_BOUNDS = [
+    0.00025,
+    0.0005,
+    0.00075,
+    0.001,
+    0.0015,
+    0.002,
+    0.003,
+    0.004,
+    0.005,
+    0.0065,
+    0.008,
+    0.01,
+    0.0125,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.065,
+    0.08,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+]
+SIZE_BOUNDS: list[float] = [1, 2, 4, 8, 16, 32, 64, 128]
+PATCH_BOUNDS: list[float] = [256, 1024, 4096, 16384, 65536, 262144]
 
 _SPECS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
     "images_encoded_total": ("counter", "Images run through the vision tower", (), None),
@@ -124,20 +177,80 @@ _SPECS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
 @cache
 def metric(name: str) -> Any:
     """The Ray metric ``vitserve_<name>`` of this process (created on first use)."""
-    from ray.serve import metrics
-
     kind, description, tags, bounds = _SPECS[name]
     full = f"vitserve_{name}"
     if kind == "counter":
-        return metrics.Counter(full, description=description, tag_keys=tags)
+        return ray_metrics.Counter(full, description=description, tag_keys=tags)
     if kind == "gauge":
-        return metrics.Gauge(full, description=description, tag_keys=tags)
-    return metrics.Histogram(full, description=description, boundaries=bounds, tag_keys=tags)
+        return ray_metrics.Gauge(full, description=description, tag_keys=tags)
+    return ray_metrics.Histogram(full, description=description, boundaries=bounds, tag_keys=tags)
+
+
+Tags = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Counts:
+    """One process's counters as its code incremented them: ``(name, tags, value)`` samples,
+    sorted, the names without the ``vitserve_`` prefix (``images_encoded_total``)."""
+
+    samples: tuple[tuple[str, Tags, float], ...] = ()
+
+    def value(self, name: str, **labels: str) -> float:
+        """The sum of the samples of ``name`` whose tags include ``labels`` (0 when none)."""
+        wanted = labels.items()
+        return sum(v for n, tags, v in self.samples if n == name and wanted <= dict(tags).items())
+
+    def as_json(self) -> list[dict[str, Any]]:
+        return [{"name": n, "tags": dict(tags), "value": v} for n, tags, v in self.samples]
+
+    @classmethod
+    def from_json(cls, samples: list[dict[str, Any]]) -> Counts:
+        """``as_json``'s list read back (what ``GET /v1/stats`` serves)."""
+        return cls(
+            tuple(
+                sorted((s["name"], tuple(sorted(s["tags"].items())), s["value"]) for s in samples)
+            )
+        )
+
+
+class Tally:
+    """Counter increments of one process, summed under one lock (``inc`` runs on the event loop
+    and in worker threads alike).
+
+    Invariants:
+
+    * ``counts()`` holds every ``add`` that returned before it was called, each once;
+    * a name with the same tags in another order is the same sample.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[tuple[str, Tags], float] = {}
+
+    def add(self, name: str, value: float, tags: dict[str, str]) -> None:
+        key = (name, tuple(sorted(tags.items())))
+        with self._lock:
+            self._values[key] = self._values.get(key, 0.0) + value
+
+    def counts(self) -> Counts:
+        with self._lock:
+            values = list(self._values.items())
+        return Counts(tuple(sorted((n, tags, v) for (n, tags), v in values)))
+
+
+TALLY = Tally()  # this process's
+
+
+def counts() -> Counts:
+    """This process's counters so far (see the module's "Counts the code owns")."""
+    return TALLY.counts()
 
 
 def inc(name: str, value: float = 1.0, **tags: str) -> None:
     if value:
         metric(name).inc(value, tags=tags or None)
+        TALLY.add(name, value, tags)
 
 
 def observe(name: str, value: float, **tags: str) -> None:
@@ -155,8 +268,10 @@ def flight_hook(where: str) -> Callable[..., None]:
 
     def hook(event: str, **fields: Any) -> None:
         if event == "join":
-            inc("single_flight_joins_total", scope="ingress" if where == "ingress" else
-                fields["scope"])  # fmt: skip
+            inc(
+                "single_flight_joins_total",
+                scope="ingress" if where == "ingress" else fields["scope"],
+            )
         elif event == "store_call":
             observe("store_round_trip_seconds", fields["seconds"], op=fields["op"])
             if fields["error"]:
@@ -190,23 +305,20 @@ def vitserve_families(prometheus_text: str) -> str:
 
 async def node_page() -> str:
     """The ``vitserve_*`` families of this node's Ray metrics endpoint (what the ``/metrics``
-    routes serve); StoreUnavailableError when the endpoint does not answer."""
-    import httpx
-
-    from vitserve.errors import StoreUnavailableError
-
+    routes serve); StoreUnavailableError when the endpoint does not answer. The endpoint is
+    looked up once per process, off the event loop (``ray.nodes()`` is a blocking GCS call)."""
+    url = await asyncio.to_thread(node_metrics_url)
     try:
         async with httpx.AsyncClient(timeout=5) as client:
-            page = await client.get(node_metrics_url())
+            page = await client.get(url)
     except httpx.HTTPError as exc:
         raise StoreUnavailableError("metrics", f"node metrics endpoint: {exc}") from None
     return vitserve_families(page.text)
 
 
+@cache  # a process's node, and its endpoint, never move
 def node_metrics_url() -> str:
     """This node's Ray metrics endpoint."""
-    import ray
-
     node_id = ray.get_runtime_context().get_node_id()
     node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
     return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"

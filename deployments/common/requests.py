@@ -26,10 +26,15 @@ import json
 import re
 from typing import Any, Protocol
 
+from starlette.requests import ClientDisconnect
+
 from vitserve.errors import LimitExceededError, MalformedRequestError, RequestTimeoutError
 
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 KEY_SCHEMA = {"type": "string", "pattern": KEY_RE.pattern}
+# An image inlined in a chat message (OpenAI's image_url), as the prefill app and the vLLM front
+# read it: only base64 data: URLs carry bytes.
+DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<b64>;base64)?,(?P<data>.*)$", re.S)
 
 Item = bytes | str  # an image's bytes, or the key of an image the caller believes held
 Read = tuple[str, int, int]  # (key, start, end): rows [start, end) of one image
@@ -38,8 +43,10 @@ Read = tuple[str, int, int]  # (key, start, end): rows [start, end) of one image
 class Limits(Protocol):
     """The request limits these functions check (``config.LimitsConfig`` has them)."""
 
-    max_images_per_request: int
-    max_request_bytes: int
+    @property
+    def max_images_per_request(self) -> int: ...
+    @property
+    def max_request_bytes(self) -> int: ...
 
 
 # -- bodies ---------------------------------------------------------------------------------
@@ -53,16 +60,15 @@ def content_length(header: str | None, limit: int, name: str = "max_request_byte
         raise LimitExceededError(name, int(header), limit)
 
 
-async def read_body(request: Any, limit: int, timeout_s: float | None = None,
-                    name: str = "max_request_bytes") -> bytearray:  # fmt: skip
+async def read_body(
+    request: Any, limit: int, timeout_s: float | None = None, name: str = "max_request_bytes"
+) -> bytearray:
     """The body of a Starlette ``request``, refused (413 naming ``name``) as soon as it passes
     ``limit`` bytes, declared or read: a chunked body without ``Content-Length`` is never
     buffered whole; and refused (408) when it has not arrived whole within ``timeout_s`` (a
     slow client does not hold a slot of the replica for longer). Gathered chunk by chunk into
     one buffer: no join of the whole body at the end, one C call that holds the interpreter
     lock for as long as it copies (``loadtest/results/body-reading-cpu.md``)."""
-    from starlette.requests import ClientDisconnect
-
     content_length(request.headers.get("content-length"), limit, name)
     body = bytearray()
 
@@ -92,8 +98,9 @@ def is_json_type(ctype: str) -> bool:
 def json_type(ctype: str | None) -> None:
     """A JSON route takes a JSON content type, or none named: 415 for any other."""
     if ctype and not is_json_type(ctype):
-        raise MalformedRequestError(f"unsupported content type {ctype[:80]!r}; send JSON "
-                                    "(application/json)", 415)  # fmt: skip
+        raise MalformedRequestError(
+            f"unsupported content type {ctype[:80]!r}; send JSON (application/json)", 415
+        )
 
 
 #: the fewest JSON values a body may hold before it is refused unparsed: parsed, they take a
@@ -126,8 +133,11 @@ def json_values(body: bytes | bytearray) -> int:
     speed, ``SCAN_STEP`` at a time): every value but the first follows a comma or opens a
     container. Valid requests of this API never hold a comma or bracket inside a string (keys
     are hex, images base64)."""
-    return 1 + sum(body.count(c, i, i + SCAN_STEP) for i in range(0, len(body), SCAN_STEP)
-                   for c in (b",", b"[", b"{"))  # fmt: skip
+    return 1 + sum(
+        body.count(c, i, i + SCAN_STEP)
+        for i in range(0, len(body), SCAN_STEP)
+        for c in (b",", b"[", b"{")
+    )
 
 
 def json_body(body: bytes | bytearray, max_values: int | None = None) -> Any:
@@ -147,7 +157,7 @@ def json_body(body: bytes | bytearray, max_values: int | None = None) -> Any:
         raise MalformedRequestError(f"invalid JSON: {str(exc)[:200]}") from None
 
 
-def multipart_parts(body: bytes, ctype: str) -> int:
+def multipart_parts(body: bytes | bytearray, ctype: str) -> int:
     """How many parts a multipart ``body`` holds, counted by its boundary (0 without one):
     what a request refused at the image limit's next file really sent."""
     match = re.search(r'boundary="?([^";]+)"?', ctype)
@@ -327,37 +337,105 @@ def _json_body(schema: dict[str, Any]) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": schema}}}
 
 
-ENCODE_OPENAPI = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": {
-        "type": "object", "required": ["images"], "additionalProperties": False,
-        "properties": {"images": {"type": "array", "minItems": 1, "items": {"oneOf": [
-            {"type": "object", "required": ["data"], "additionalProperties": False,
-             "properties": {"data": {"type": "string", "format": "byte",
-                                     "description": "the image file, base64"}}},
-            {"type": "object", "required": ["key"], "additionalProperties": False,
-             "properties": {"key": {**KEY_SCHEMA, "description": "an image already encoded"}}},
-        ]}}},
-    }},
-    "multipart/form-data": {"schema": {
-        "type": "object", "required": ["images"],
-        "properties": {"images": {"type": "array", "minItems": 1,
-                                  "items": {"type": "string", "format": "binary"}}},
-    }},
-}}}  # fmt: skip
-PROBE_OPENAPI = {"requestBody": _json_body({
-    "type": "object", "required": ["keys"], "additionalProperties": False,
-    "properties": {"keys": {"type": "array", "items": KEY_SCHEMA},
-                   "headers": {"type": "boolean", "default": False}},
-})}  # fmt: skip
-ROWS_OPENAPI = {"requestBody": _json_body({
-    "type": "object", "required": ["reads"], "additionalProperties": False,
-    "properties": {"reads": {"type": "array", "items": {
-        "type": "array", "minItems": 3, "maxItems": 3,
-        "prefixItems": [KEY_SCHEMA, {"type": "integer", "minimum": 0},
-                        {"type": "integer", "minimum": 1}],
-        "items": False, "description": "[key, start, end]: rows [start, end) of one image",
-    }}},
-})}  # fmt: skip
+ENCODE_OPENAPI = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["images"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "images": {
+                            "type": "array",
+                            "minItems": 1,
+                            "items": {
+                                "oneOf": [
+                                    {
+                                        "type": "object",
+                                        "required": ["data"],
+                                        "additionalProperties": False,
+                                        "properties": {
+                                            "data": {
+                                                "type": "string",
+                                                "format": "byte",
+                                                "description": "the image file, base64",
+                                            }
+                                        },
+                                    },
+                                    {
+                                        "type": "object",
+                                        "required": ["key"],
+                                        "additionalProperties": False,
+                                        "properties": {
+                                            "key": {
+                                                **KEY_SCHEMA,
+                                                "description": "an image already encoded",
+                                            }
+                                        },
+                                    },
+                                ]
+                            },
+                        }
+                    },
+                }
+            },
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["images"],
+                    "properties": {
+                        "images": {
+                            "type": "array",
+                            "minItems": 1,
+                            "items": {"type": "string", "format": "binary"},
+                        }
+                    },
+                }
+            },
+        },
+    }
+}
+PROBE_OPENAPI = {
+    "requestBody": _json_body(
+        {
+            "type": "object",
+            "required": ["keys"],
+            "additionalProperties": False,
+            "properties": {
+                "keys": {"type": "array", "items": KEY_SCHEMA},
+                "headers": {"type": "boolean", "default": False},
+            },
+        }
+    )
+}
+ROWS_OPENAPI = {
+    "requestBody": _json_body(
+        {
+            "type": "object",
+            "required": ["reads"],
+            "additionalProperties": False,
+            "properties": {
+                "reads": {
+                    "type": "array",
+                    "items": {
+                        "type": "array",
+                        "minItems": 3,
+                        "maxItems": 3,
+                        "prefixItems": [
+                            KEY_SCHEMA,
+                            {"type": "integer", "minimum": 0},
+                            {"type": "integer", "minimum": 1},
+                        ],
+                        "items": False,
+                        "description": "[key, start, end]: rows [start, end) of one image",
+                    },
+                }
+            },
+        }
+    )
+}
 
 
 __all__ = [
@@ -382,4 +460,4 @@ __all__ = [
     "read_body",
     "row_range",
     "rows",
-]  # fmt: skip
+]

@@ -12,6 +12,7 @@ traceback; the replica keeps serving).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,7 +21,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vitserve.deployments import metrics
+from vitserve.deployments.common import metrics
+from vitserve.deployments.common.auth import ScrapeGate
 from vitserve.errors import InternalError, MalformedRequestError, VitserveError
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
@@ -28,19 +30,29 @@ RETRY_AFTER_S = 1
 
 # The error body in OpenAPI (``responses=error_responses(...)`` on a route).
 ERROR_SCHEMA = {
-    "type": "object", "required": ["error"],
-    "properties": {"error": {"type": "object", "required": ["type", "message"],
-                             "properties": {"type": {"type": "string"},
-                                            "message": {"type": "string"}},
-                             "additionalProperties": True}},
-}  # fmt: skip
-_WHAT = {400: "bad request (a prompt too long for the model's context, ...)",
-         401: "no bearer token, or an unknown one (auth on)",
-         404: "not found (a missing key or route)", 405: "method not allowed",
-         408: "the request body did not arrive in time",
-         413: "over a request limit", 415: "unsupported content type",
-         422: "malformed request", 429: "at capacity; retry after Retry-After",
-         503: "unavailable; retry after Retry-After"}  # fmt: skip
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+            "additionalProperties": True,
+        }
+    },
+}
+_WHAT = {
+    400: "bad request (a prompt too long for the model's context, ...)",
+    401: "no bearer token, or an unknown one (auth on)",
+    404: "not found (a missing key or route)",
+    405: "method not allowed",
+    408: "the request body did not arrive in time",
+    413: "over a request limit",
+    415: "unsupported content type",
+    422: "malformed request",
+    429: "at capacity; retry after Retry-After",
+    503: "unavailable; retry after Retry-After",
+}
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -58,9 +70,13 @@ def retry_headers(status: int) -> dict[str, str] | None:
 def error_response(exc: VitserveError, headers: dict[str, str] | None = None) -> JSONResponse:
     """``{"error": {"type", "message", ...fields}}`` with the error's status."""
     challenge = getattr(exc, "challenge", None)  # a 401's WWW-Authenticate (auth.py)
-    headers = {**(retry_headers(exc.http_status) or {}),
-               **({"WWW-Authenticate": challenge} if challenge else {}),
-               **(headers or {})}  # fmt: skip
+    retry_after = getattr(exc, "retry_after_s", None)  # a quota's own (QuotaExceededError)
+    headers = {
+        **(retry_headers(exc.http_status) or {}),
+        **({"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after else {}),
+        **({"WWW-Authenticate": challenge} if challenge else {}),
+        **(headers or {}),
+    }
     return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status, headers=headers)
 
 
@@ -122,8 +138,9 @@ class LastResort:
         try:
             await self.app(scope, receive, tracked)
         except Exception as exc:
-            log.exception("unexpected error answering %s %s", scope.get("method"),
-                          scope.get("path"))  # fmt: skip
+            log.exception(
+                "unexpected error answering %s %s", scope.get("method"), scope.get("path")
+            )
             if not started:
                 await error_response(InternalError(type(exc).__name__))(scope, receive, send)
 
@@ -136,10 +153,12 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_middleware(LastResort)
 
 
-async def metrics_response() -> Response:
-    """This node's ``vitserve_*`` metrics (Prometheus text), or the error of an endpoint that
-    does not answer."""
+async def metrics_response(scrape: ScrapeGate, authorization: str | None) -> Response:
+    """This node's ``vitserve_*`` metrics (Prometheus text) for a caller ``scrape`` lets in
+    (everyone with auth off; the scrape token's holder with it on: 401 otherwise), or the error
+    of an endpoint that does not answer."""
     try:
+        scrape.check(authorization)
         text = await metrics.node_page()
     except VitserveError as exc:
         return error_response(exc)

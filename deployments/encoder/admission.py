@@ -99,10 +99,11 @@ class WorkBudget:
         if self.patches + patches > cap.max_patches or self.nbytes + nbytes > cap.max_bytes:
             self.refused += 1
             raise BackpressureError(
-                queued=self.patches, limit=cap.max_patches,
+                queued=self.patches,
+                limit=cap.max_patches,
                 detail=f"the encoder's admitted work is {self.patches} patches and "
                 f"{self.nbytes} bytes of {cap.max_patches} and {cap.max_bytes}",
-            )  # fmt: skip
+            )
         self.patches += patches
         self.nbytes += nbytes
 
@@ -142,8 +143,10 @@ class Ticket:
     @property
     def held(self) -> tuple[int, int]:
         """(patches, bytes) this ticket holds now."""
-        return (sum(w.patches for w in self._works.values()),
-                sum(w.prepared_bytes for w in self._works.values()) + self._decode)  # fmt: skip
+        return (
+            sum(w.patches for w in self._works.values()),
+            sum(w.prepared_bytes for w in self._works.values()) + self._decode,
+        )
 
 
 __all__ = ["Ticket", "WorkBudget", "check_fits", "image_work", "request_cost"]

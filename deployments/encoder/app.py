@@ -1,8 +1,8 @@
-"""Application builders: the vitserve Serve application from one strict config.
+"""The encoder application's builder: the vitserve Serve application from one strict config.
 
-``build_app`` is what ``serve run vitserve.deployments.app:build_app model=demo`` and a
-``serve build``-style YAML (``import_path: vitserve.deployments.app:build_app`` with ``args``)
-call. ``args`` are the config's fields; nested fields take dotted names
+``build_app`` is what ``serve run vitserve.deployments.encoder.app:build_app model=demo`` and a
+``serve build``-style YAML (``import_path: vitserve.deployments.encoder.app:build_app`` with
+``args``) call. ``args`` are the config's fields; nested fields take dotted names
 (``limits.max_images_per_request=16``) or nested mappings. ``build_application(config)`` is the
 same from a ``VitserveConfig`` (the CLI, tests, benchmarks). The model ``demo`` is the small
 random-weight model, built once into the cache folder; it is never used in place of a model
@@ -14,57 +14,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vitserve.deployments.config import DeploymentConfig, VitserveConfig
-
-DEMO_MODEL = "demo"
-
-# The replicas' processes use one malloc arena. Serve runs work on pool threads, and glibc gives
-# those threads their own arenas, whose heaps it unmaps whenever they empty (whatever the trim
-# threshold), so every image's multi-MB arrays were faulted in afresh: ~3.8k minor faults and
-# 20-70 ms to preprocess a 448px image in the replica vs 5 ms in a tuned process; with one arena
-# (and ``tune_cpu_allocator``), ~0 faults and 5 ms, and the encoder's forwards gained too.
-WORKER_ENV = {"MALLOC_ARENA_MAX": "1"}
-DEMO_FAMILY, DEMO_PRESET = "qwen2_vl", "small"
-
-
-def resolve_model(model: str) -> str:
-    """``demo`` -> the folder of the demo model (built once); anything else unchanged."""
-    if model != DEMO_MODEL:
-        return model
-    from vitserve.encoder.testmodels import cached_model
-
-    return str(cached_model(DEMO_FAMILY, DEMO_PRESET))
-
-
-def check_model(cfg: VitserveConfig) -> None:
-    """Fail now, with the loader's clear error, if the model's config and image processor
-    cannot be read or its family is unsupported, instead of after replicas retry to start.
-    Reads no weights."""
-    from vitserve.encoder.loading import load_preprocessor
-
-    load_preprocessor(cfg.model, revision=cfg.revision)
-
-
-def deployment_options(d: DeploymentConfig) -> dict[str, Any]:
-    """Serve deployment options from vitserve's checked subset."""
-    options: dict[str, Any] = {
-        "ray_actor_options": {
-            "num_cpus": d.num_cpus,
-            "num_gpus": d.num_gpus,
-            "runtime_env": {"env_vars": WORKER_ENV},
-        },
-        "max_ongoing_requests": d.max_ongoing_requests,
-        "max_queued_requests": d.max_queued_requests,
-    }
-    if d.autoscaling is not None:
-        # policy "requests": Serve's own (ongoing requests per replica); "work": the encoder's
-        # patch-based policy (vitserve.deployments.autoscaling), parameters in policy_kwargs.
-        from vitserve.deployments.autoscaling import serve_autoscaling_config
-
-        options["autoscaling_config"] = serve_autoscaling_config(d.autoscaling)
-    else:
-        options["num_replicas"] = d.num_replicas
-    return options
+from vitserve.deployments.common.config import VitserveConfig
+from vitserve.deployments.common.serving import (
+    as_deployment,
+    check_model,
+    deployment_options,
+    resolve_model,
+)
+from vitserve.deployments.encoder.ingress import Ingress
+from vitserve.deployments.encoder.preprocessing import PreprocessDeployment
+from vitserve.deployments.encoder.replica import EncoderDeployment
 
 
 def build_app(args: Mapping[str, Any]):
@@ -76,15 +35,22 @@ def build_app(args: Mapping[str, Any]):
 def build_application(cfg: VitserveConfig):
     """The bound vitserve application for ``cfg``: ingress -> encoder, with the preprocess
     deployment between them when ``preprocess_at`` is ``deployment``."""
-    from vitserve.deployments.encoder import EncoderDeployment, PreprocessDeployment
-    from vitserve.deployments.ingress import Ingress
-
     cfg = cfg.model_copy(update={"model": resolve_model(cfg.model)})
     check_model(cfg)
     cfg.log_effective()
     plain = cfg.model_dump()
-    encoder = EncoderDeployment.options(**deployment_options(cfg.encoder)).bind(plain)
+    encoder = (
+        as_deployment(EncoderDeployment).options(**deployment_options(cfg.encoder)).bind(plain)
+    )
     preprocess = None
     if cfg.preprocess_at == "deployment":  # else no preprocess replicas at all
-        preprocess = PreprocessDeployment.options(**deployment_options(cfg.preprocess)).bind(plain)
-    return Ingress.options(**deployment_options(cfg.ingress)).bind(encoder, preprocess, plain)
+        preprocess = (
+            as_deployment(PreprocessDeployment)
+            .options(**deployment_options(cfg.preprocess))
+            .bind(plain)
+        )
+    return (
+        as_deployment(Ingress)
+        .options(**deployment_options(cfg.ingress))
+        .bind(encoder, preprocess, plain)
+    )

@@ -9,7 +9,8 @@ throughput while busy and its busy fraction (the four names below); Serve averag
 
 :func:`decide` is the whole decision, pure and I/O-free; :func:`work_policy` adapts Serve's
 ``AutoscalingContext`` to it. Its parameters travel in the Serve config's
-``policy.policy_kwargs`` (:func:`serve_autoscaling_config` builds it), which Ray 2.60 passes
+``policy.policy_kwargs`` (built by
+:func:`vitserve.deployments.common.serving.serve_autoscaling_config`), which Ray 2.60 passes
 only to class policies, so the function reads them from ``ctx.config.policy.policy_kwargs``.
 The delays are applied here, so Serve's own ``upscale_delay_s``/``downscale_delay_s`` are set
 to 0 for this policy (Serve wraps every custom policy in its delay logic; both would add up).
@@ -30,16 +31,10 @@ BUSY_FRACTION = "busy_fraction"  # share of the recent window the device was bus
 
 #: The window a replica measures its throughput and busy fraction over.
 STATS_WINDOW_S = 10.0
-#: Serve settings this policy needs (not vitserve config fields): metrics reach the controller
-#: every second (Serve's default is 10 s) and are averaged over the last 3 s (default 30 s).
-METRICS_INTERVAL_S = 1.0
-LOOK_BACK_PERIOD_S = 3.0
 #: The busy fraction a replica may run at: the pool never shrinks below
 #: ceil(sum of busy fractions / TARGET_UTILIZATION), so a pool that keeps its queue short
 #: only because it has enough replicas is not scaled down into a backlog.
 TARGET_UTILIZATION = 0.9
-
-POLICY_IMPORT_PATH = "vitserve.deployments.autoscaling:work_policy"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +59,9 @@ class WorkStats:
     busy: float = 0.0
 
 
-def decide(stats: WorkStats, state: Mapping[str, Any], params: WorkParams,
-           now: float) -> tuple[int, dict[str, Any]]:  # fmt: skip
+def decide(
+    stats: WorkStats, state: Mapping[str, Any], params: WorkParams, now: float
+) -> tuple[int, dict[str, Any]]:
     """The replica count to run, and the state to pass to the next call.
 
     raw = max(ceil(backlog / (throughput x target_queue_delay_s)),
@@ -117,10 +113,12 @@ def stats_from_metrics(target: int, metrics: Mapping[str, Mapping[Any, float]]) 
         return float(sum(metrics.get(name, {}).values()))
 
     rates = [v for v in metrics.get(PATCHES_PER_S, {}).values() if v > 0]
-    return WorkStats(target=target,
-                     backlog_patches=total(QUEUED_PATCHES) + total(RUNNING_PATCHES),
-                     patches_per_s=sum(rates) / len(rates) if rates else None,
-                     busy=total(BUSY_FRACTION))  # fmt: skip
+    return WorkStats(
+        target=target,
+        backlog_patches=total(QUEUED_PATCHES) + total(RUNNING_PATCHES),
+        patches_per_s=sum(rates) / len(rates) if rates else None,
+        busy=total(BUSY_FRACTION),
+    )
 
 
 def params_from(kwargs: Mapping[str, Any], min_replicas: int, max_replicas: int) -> WorkParams:
@@ -130,33 +128,15 @@ def params_from(kwargs: Mapping[str, Any], min_replicas: int, max_replicas: int)
 
 
 def work_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
-    """Serve's custom policy (``AutoscalingPolicy(policy_function=POLICY_IMPORT_PATH)``): Ray
+    """Serve's custom policy (``AutoscalingPolicy(policy_function=serving.WORK_POLICY)``): Ray
     calls it with an ``AutoscalingContext`` every control-loop tick and keeps the returned
     state (``ctx.policy_state`` next time). Serve then applies its scaling factors, its own
     delays (0 for this policy) and the capacity-adjusted bounds."""
     policy = getattr(ctx.config, "policy", None)
     kwargs = getattr(policy, "policy_kwargs", None) or {}
-    params = params_from(kwargs, ctx.capacity_adjusted_min_replicas,
-                         ctx.capacity_adjusted_max_replicas)  # fmt: skip
+    params = params_from(
+        kwargs, ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
+    )
     stats = stats_from_metrics(ctx.target_num_replicas, ctx.aggregated_metrics or {})
     state = {k: v for k, v in (ctx.policy_state or {}).items() if not k.startswith("__")}
     return decide(stats, state, params, ctx.current_time)
-
-
-def serve_autoscaling_config(a: Any) -> dict[str, Any]:
-    """Serve's ``autoscaling_config`` from vitserve's :class:`AutoscalingConfig` ``a``."""
-    out: dict[str, Any] = {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
-                           "target_ongoing_requests": a.target_ongoing_requests}  # fmt: skip
-    if a.policy == "requests":
-        return out | {"upscale_delay_s": a.upscale_delay_s,
-                      "downscale_delay_s": a.downscale_delay_s}  # fmt: skip
-    return out | {
-        "upscale_delay_s": 0.0,  # applied by decide()
-        "downscale_delay_s": 0.0,
-        "metrics_interval_s": METRICS_INTERVAL_S,
-        "look_back_period_s": LOOK_BACK_PERIOD_S,
-        "policy": {"policy_function": POLICY_IMPORT_PATH,
-                   "policy_kwargs": {"target_queue_delay_s": a.target_queue_delay_s,
-                                     "upscale_delay_s": a.upscale_delay_s,
-                                     "downscale_delay_s": a.downscale_delay_s}},
-    }  # fmt: skip

@@ -20,8 +20,8 @@ after; one new 448px image 85.9 ms p50 before, 61-65 ms after. Serve's batching 
 and its ``max_batch_size`` must be set per replica from outside the decorator; one queue that
 knows when the device is free states the whole rule in one place.
 
-Admission (``vitserve.deployments.admission``) happens before an image reaches the queue: what it
-holds is bounded by the replica's work budget, not by this class.
+Admission (``vitserve.deployments.encoder.admission``) happens before an image reaches the
+queue: what it holds is bounded by the replica's work budget, not by this class.
 
 Invariants: every queued image's future is settled exactly once, with its result or with the
 error of its step (a failing step fails its own images only, and the loop goes on), whether or
@@ -56,8 +56,14 @@ class DeviceQueue:
     """See the module docstring. ``run_step`` runs one device step and returns one result per
     image (the encoder's forward + publish); ``max_batch_patches`` None means no cap (GPUs)."""
 
-    def __init__(self, run_step: Step, *, max_batch_patches: int | None, wait_s: float = 0.0,
-                 enabled: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run_step: Step,
+        *,
+        max_batch_patches: int | None,
+        wait_s: float = 0.0,
+        enabled: bool = True,
+    ) -> None:
         self._run_step = run_step
         self.max_batch_patches = max_batch_patches
         self.wait_s = wait_s
@@ -72,8 +78,9 @@ class DeviceQueue:
         (a caller that goes away leaves its images to finish and publish)."""
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
-        work = [Work(p, now, w, loop.create_future())
-                for p, w in zip(prepared, publish, strict=True)]  # fmt: skip
+        work = [
+            Work(p, now, w, loop.create_future()) for p, w in zip(prepared, publish, strict=True)
+        ]
         if not work:
             return []
         self._queued.extend(work)

@@ -6,7 +6,7 @@ Per request, never per image:
    from their headers (``cached: true``); each new image is claimed for this request's token
    (or found claimed by someone else). An all-cached request ends here: no encoder call. A
    new image that another request on this ingress is encoding is joined here (single flight,
-   ``vitserve.deployments.single_flight``): it does not travel to the encoder again.
+   ``vitserve.deployments.encoder.single_flight``): it does not travel to the encoder again.
 2. **One encoder call** with all the request's new images (an :class:`EncodeBatch`), plus one
    preprocess call first when ``preprocess_at`` is ``deployment`` (its answer goes to the
    encoder by reference; the pixels never pass through the ingress). With ``ingress`` the
@@ -14,7 +14,7 @@ Per request, never per image:
 3. The encoder publishes each embedding and releases its claim in one store call.
 
 The same image twice in a request is encoded once. A full encoder queue, or an encoder replica
-whose admitted work leaves no room for the request's (``vitserve.deployments.admission``),
+whose admitted work leaves no room for the request's (``vitserve.deployments.encoder.admission``),
 raises :class:`~vitserve.errors.BackpressureError` (the API's 429), an encoder (or preprocess)
 replica that died or is restarting :class:`~vitserve.errors.ServiceUnavailableError` (503,
 retryable); either way the request's claims are released. A store that fails the lookup
@@ -26,12 +26,14 @@ client disconnected): its claims are then published or released, never left to t
 the encoder's admission counts its work until it ends.
 
 Namespaces: a request is served by one store, its namespace's (with auth on, the caller's
-tenant's view of the ingress's store; see ``vitserve.deployments.auth``). Its lookups, claims
-and releases go there, and the encoder call names that namespace, so the encoder claims, waits
-and publishes in it too: a key of another namespace is never found, claimed or written.
+tenant's store over the ingress's store connection; see ``vitserve.deployments.common.auth``).
+Its lookups, claims and releases go there, and the encoder call names that namespace, so the
+encoder claims, waits and publishes in it too: a key of another namespace is never found,
+claimed or written.
 
 The class is plain Python over a store and two Serve-handle-like objects (``.method.remote()``
-returning an awaitable), so tests can drive it with counting stand-ins.
+returning an awaitable: :class:`EncoderHandle`, :class:`PreprocessHandle`), so tests can drive it
+with counting stand-ins.
 """
 
 from __future__ import annotations
@@ -40,18 +42,26 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from typing import Any
+from collections.abc import Awaitable, Sequence
+from typing import Any, Protocol, TypeVar
 
-from vitserve.cache.base import Claim
-from vitserve.deployments import metrics
-from vitserve.deployments.config import VitserveConfig
-from vitserve.deployments.encoder import (
+from ray.serve.exceptions import BackPressureError
+
+from vitserve.cache.base import Claim, EmbeddingStore
+from vitserve.cache.codec import Header
+from vitserve.deployments.common import metrics
+from vitserve.deployments.common.config import VitserveConfig
+from vitserve.deployments.encoder.preprocessing import ImagePreparer, prepare_all
+from vitserve.deployments.encoder.single_flight import ClaimState, Role, SingleFlight
+from vitserve.deployments.encoder.wire import (
     EncodeBatch,
+    EncodedItem,
+    ErrorItem,
     describe_header,
     error_item,
-    prepare_all,
+    with_cached,
 )
-from vitserve.deployments.single_flight import ClaimState, Role, SingleFlight
+from vitserve.encoder.work import Terms
 from vitserve.errors import (
     BackpressureError,
     CacheMissError,
@@ -63,11 +73,39 @@ from vitserve.errors import (
 
 log = logging.getLogger("ray.serve")
 
+T_co = TypeVar("T_co", covariant=True)
+
+
+class RemoteMethod(Protocol[T_co]):
+    """A method of a Serve handle: ``.remote(...)`` answers a response, awaited for its result
+    or passed as an argument of another call (by reference: its result does not travel here)."""
+
+    def remote(self, *args: Any) -> Awaitable[T_co]: ...
+
+
+class EncoderHandle(Protocol):
+    """The encoder deployment's handle, as the flow and the ingress call it
+    (``EncoderDeployment``'s ``encode``, ``describe``, ``work_terms``, ``counters``)."""
+
+    @property
+    def encode(self) -> RemoteMethod[list[EncodedItem | ErrorItem]]: ...
+    @property
+    def describe(self) -> RemoteMethod[dict[str, Any]]: ...
+    @property
+    def work_terms(self) -> RemoteMethod[Terms]: ...
+    @property
+    def counters(self) -> RemoteMethod[dict[str, Any]]: ...
+
+
+class PreprocessHandle(Protocol):
+    """The preprocess deployment's handle (``PreprocessDeployment.prepare``)."""
+
+    @property
+    def prepare(self) -> RemoteMethod[list[Any]]: ...
+
 
 def backpressure(exc: Exception) -> BackpressureError | None:
     """Serve's full-queue error as vitserve's, or None for other errors."""
-    from ray.serve.exceptions import BackPressureError
-
     if isinstance(exc, BackPressureError):  # args: num_queued_requests, max_queued_requests
         return BackpressureError(queued=exc.args[0], limit=exc.args[1])
     return None
@@ -91,35 +129,45 @@ def unavailable(exc: Exception) -> ServiceUnavailableError | None:
     if isinstance(exc, dead):
         return ServiceUnavailableError("encoder", f"{type(exc).__name__}: {exc}"[:300])
     if isinstance(exc.__cause__, dead):  # the replica computing an argument of the call died
-        return ServiceUnavailableError("encoder", f"{type(exc.__cause__).__name__} upstream: "
-                                       f"{exc.__cause__}"[:300])  # fmt: skip
+        return ServiceUnavailableError(
+            "encoder", f"{type(exc.__cause__).__name__} upstream: {exc.__cause__}"[:300]
+        )
     return None
 
 
 class EncodeFlow:
     """One encode request -> one answer item per input item, in order (see the module)."""
 
-    def __init__(self, cfg: VitserveConfig, store: Any, encoder: Any,
-                 preprocess: Any = None, preprocessor: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: VitserveConfig,
+        store: EmbeddingStore | None,
+        encoder: EncoderHandle,
+        preprocess: PreprocessHandle | None = None,
+        preprocessor: ImagePreparer | None = None,
+    ) -> None:
         self.cfg = cfg
-        self.store = store
+        self.store = store  # None: every request names its own
         self.encoder = encoder
         self.preprocess = preprocess  # the preprocess deployment's handle (``deployment``)
         self.preprocessor = preprocessor  # a Preprocessor (``ingress``)
         # this ingress's flights, and the claims it releases
         self.flights = SingleFlight(hook=metrics.flight_hook("ingress"))
 
-    async def encode(self, items: list[bytes | str], keys: list[str],
-                     store: Any = None) -> list[dict[str, Any]]:  # fmt: skip
+    async def encode(
+        self, items: list[bytes | str], keys: list[str], store: EmbeddingStore | None = None
+    ) -> list[EncodedItem | ErrorItem]:
         """``items``: image bytes, or a key the caller believes held; ``keys`` their keys (in
         ``store``'s namespace; ``store`` None: this flow's store, the config's namespace). Runs
         as a task of its own: cancelling the caller leaves it to finish (module)."""
         work = asyncio.create_task(self._encode(items, keys, store))
         return await asyncio.shield(work)
 
-    async def _encode(self, items: list[bytes | str], keys: list[str],
-                      store: Any = None) -> list[dict[str, Any]]:  # fmt: skip
+    async def _encode(
+        self, items: list[bytes | str], keys: list[str], store: EmbeddingStore | None = None
+    ) -> list[EncodedItem | ErrorItem]:
         store = self.store if store is None else store
+        assert store is not None, "a flow without a store of its own is given each request's"
         distinct = list(dict.fromkeys(keys))
         # One token per request: releasing this request's claims (after a failed encoder call)
         # can never drop a later request's claim on the same key.
@@ -131,12 +179,13 @@ class EncodeFlow:
         for i, key in enumerate(keys):
             index_of.setdefault(key, i)
 
-        results: dict[str, dict[str, Any]] = {}
+        results: dict[str, EncodedItem | ErrorItem] = {}
         new: list[str] = []
+        states: list[ClaimState] = []  # each new key's
         unneeded: list[tuple[str, str]] = []  # claims on keys nobody sent pixels for
         for key, answer in answer_of.items():
             if answer is not None and not isinstance(answer, Claim):  # a header: held
-                results[key] = {**describe_header(answer), "cached": True}
+                results[key] = with_cached(describe_header(answer), True)
                 metrics.inc("cache_hits_total")
             elif key not in data_of:
                 results[key] = error_item(CacheMissError([key]))
@@ -145,41 +194,61 @@ class EncodeFlow:
                     unneeded.append((key, token))
             else:
                 new.append(key)
+                states.append(ClaimState.of(answer))
                 metrics.inc("cache_misses_total")
         if new:
-            await self._encode_new(new, [ClaimState.of(answer_of[k]) for k in new], data_of,
-                                   index_of, token, store, results, unneeded)  # fmt: skip
+            await self._encode_new(
+                new,
+                states,
+                data_of,
+                index_of,
+                token,
+                store,
+                results,
+                unneeded,
+            )
         else:
             self.flights.release_later(store, unneeded)
-        return [{**results[k]} for k in keys]
+        return [results[k].copy() for k in keys]
 
-    async def _encode_new(self, new: list[str], states: list[ClaimState],
-                          data_of: dict[str, bytes], index_of: dict[str, int], token: str,
-                          store: Any, results: dict[str, dict[str, Any]],
-                          releases: list[tuple[str, str]]) -> None:  # fmt: skip
+    async def _encode_new(
+        self,
+        new: list[str],
+        states: list[ClaimState],
+        data_of: dict[str, bytes],
+        index_of: dict[str, int],
+        token: str,
+        store: EmbeddingStore,
+        results: dict[str, EncodedItem | ErrorItem],
+        releases: list[tuple[str, str]],
+    ) -> None:
         """The request's new images: each one a request on this ingress is encoding already
         is joined here (single flight from the moment of the claim, before any preprocessing);
         the others go to the encoder in one call, and the flights they lead here end with it."""
         roles = self.flights.roles(new, states)
         futures = self.flights.begin(new, roles)
         send = [i for i, r in enumerate(roles) if r is not Role.JOIN]
-        releases += [(new[i], token) for i, r in enumerate(roles)
-                     if r is Role.JOIN and states[i] is ClaimState.WON]  # fmt: skip
+        releases += [
+            (new[i], token)
+            for i, r in enumerate(roles)
+            if r is Role.JOIN and states[i] is ClaimState.WON
+        ]
         self.flights.release_later(store, releases)
         try:
             if send:
                 batch = EncodeBatch(
-                    keys=[new[i] for i in send], indices=[index_of[new[i]] for i in send],
-                    claims=[states[i] for i in send], token=token,
-                    images=[data_of[new[i]] for i in send], namespace=store.namespace,
-                )  # fmt: skip
+                    keys=[new[i] for i in send],
+                    indices=[index_of[new[i]] for i in send],
+                    claims=[states[i] for i in send],
+                    token=token,
+                    images=[data_of[new[i]] for i in send],
+                    namespace=store.namespace,
+                )
                 answers = await self._call_encoder(batch, store)
                 for i, answer in zip(send, answers, strict=True):
                     if i in futures:
                         self.flights.settle(futures[i], answer)
-                    results[new[i]] = (
-                        {**answer, "cached": False} if "error" not in answer else answer
-                    )
+                    results[new[i]] = with_cached(answer, False)
         except BaseException as exc:
             for i in send:
                 if i in futures:  # joiners of this request's images fail as it did
@@ -188,10 +257,11 @@ class EncodeFlow:
         for i, role in enumerate(roles):
             if role is Role.JOIN:
                 answer = await self.flights.join(futures[i])
-                results[new[i]] = {**answer, "cached": False} if "error" not in answer else answer
+                results[new[i]] = with_cached(answer, False)
 
-    async def _lookup_or_claim(self, store: Any, keys: list[str],
-                               token: str) -> list[Any]:  # fmt: skip
+    async def _lookup_or_claim(
+        self, store: EmbeddingStore, keys: list[str], token: str
+    ) -> Sequence[Header | Claim | None]:
         """Per key its header, ``Claim.WON`` / ``Claim.BUSY``, or None (the store failed)."""
         ttl = self.cfg.single_flight.claim_ttl_s
         try:
@@ -202,28 +272,48 @@ class EncodeFlow:
             log.warning("store lookup failed: %s", exc)
             return [None] * len(keys)
 
-    async def _call_encoder(self, batch: EncodeBatch, store: Any) -> list[dict[str, Any]]:
+    async def _call_encoder(
+        self, batch: EncodeBatch, store: EmbeddingStore
+    ) -> list[EncodedItem | ErrorItem]:
         where = self.cfg.preprocess_at
         try:
             if where == "encoder":
                 return await self.encoder.encode.remote(batch)
+            prepared: Awaitable[list[Any]] | list[Any]
             if where == "deployment":  # the pixels go by reference; the bytes need not travel
+                assert self.preprocess is not None, "preprocess_at: deployment has its handle"
                 prepared = self.preprocess.prepare.remote(batch)
             else:
+                assert self.preprocessor is not None, "preprocess_at: ingress has a preprocessor"
+                assert batch.images is not None, "the flow sends the bytes it was given"
                 prepared = await asyncio.to_thread(
                     prepare_all, self.preprocessor, batch.images, batch.keys, batch.indices
                 )
-            return await self.encoder.encode.remote(dataclasses.replace(batch, images=None),
-                                                    prepared)  # fmt: skip
+            return await self.encoder.encode.remote(
+                dataclasses.replace(batch, images=None), prepared
+            )
         except Exception as exc:
             # nobody will publish them: let waiters go now, not at the claim's ttl
-            self.flights.release_later(store, [(k, batch.token) for k, c in
-                                               zip(batch.keys, batch.claims, strict=True)
-                                               if c is ClaimState.WON])  # fmt: skip
+            self.flights.release_later(
+                store,
+                [
+                    (k, batch.token)
+                    for k, c in zip(batch.keys, batch.claims, strict=True)
+                    if c is ClaimState.WON
+                ],
+            )
             err = backpressure(exc) or unavailable(exc) or raised_remotely(exc)
             if err is not None:
                 raise err from None
             raise
 
 
-__all__ = ["EncodeFlow", "backpressure", "raised_remotely", "unavailable"]
+__all__ = [
+    "EncodeFlow",
+    "EncoderHandle",
+    "PreprocessHandle",
+    "RemoteMethod",
+    "backpressure",
+    "raised_remotely",
+    "unavailable",
+]

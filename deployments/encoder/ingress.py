@@ -15,13 +15,20 @@ Routes:
   read in one body (``application/x-vitserve-records``, see ``cache.codec.pack_records``; a
   missing key has length 0), read in one batched store call.
 * ``GET /healthz``, ``GET /metrics`` (this node's ``vitserve_*`` metrics, Prometheus text).
+* ``GET /v1/stats`` (with auth on: the scrape token, as ``/metrics``; the counters are every
+  tenant's): the counters this ingress replica and the encoder replica the call
+  reached have incremented, exact at once (``/metrics`` lags Ray's export by a second or
+  more): ``{"ingress": {"replica", "counts"}, "encoder": {"replica", "images",
+  "forward_calls", ..., "counts"}}``, each ``counts`` a list of ``{name, tags, value}``. With
+  several replicas each call reaches one of each; the ``replica`` fields say which.
 
 Callers inside the Ray cluster reach the same answers through the deployment's handle:
 ``Ingress.call(route, payload, token)`` (the client SDK's handle transport).
 
 With the config's ``auth`` on, the ``/v1`` routes (and ``call``) need a bearer token and serve
 the token's tenant from its own namespace only; ``/healthz`` answers liveness without one and
-the caller's namespace with one; ``/metrics`` stays open (see ``vitserve.deployments.auth``).
+the caller's namespace with one; ``/metrics`` answers the scrape token alone (see
+``vitserve.deployments.common.auth``).
 
 Every error answer has one shape, ``{"error": {"type", "message", ...fields}}`` (FastAPI's
 validation errors, unknown routes and wrong methods included: ``responses.py``). Requests are
@@ -49,6 +56,7 @@ encoder that cannot describe its model yet (starting) -> 503.
 # No ``from __future__ import annotations`` here: FastAPI reads the routes' annotations
 # (``Request``) at run time inside Serve's class-based ingress.
 import asyncio
+import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -56,20 +64,30 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
 
-from vitserve.deployments import metrics
-from vitserve.deployments import requests as parse
-from vitserve.deployments.auth import Gate, Tenant, root_namespace
-from vitserve.deployments.config import VitserveConfig
-from vitserve.deployments.encode_flow import EncodeFlow
-from vitserve.deployments.lifecycle import Draining
-from vitserve.deployments.responses import (
+from vitserve.cache import open_connection
+from vitserve.cache.base import EmbeddingStore
+from vitserve.cache.codec import EmbeddingRecord, encode_record, pack_records
+from vitserve.cache.views import StoreViews
+from vitserve.deployments.common import metrics
+from vitserve.deployments.common import requests as parse
+from vitserve.deployments.common.auth import Gate, Tenant, bearer_token
+from vitserve.deployments.common.config import VitserveConfig
+from vitserve.deployments.common.lifecycle import Draining
+from vitserve.deployments.common.responses import (
     error_response,
     error_responses,
     install_error_handlers,
     metrics_response,
     retry_headers,
 )
+from vitserve.deployments.encoder.admission import check_fits, image_work, request_cost
+from vitserve.deployments.encoder.encode_flow import EncodeFlow, EncoderHandle, PreprocessHandle
+from vitserve.deployments.encoder.preprocessing import make_preprocessor
+from vitserve.deployments.encoder.wire import describe_header, with_cached
+from vitserve.encoder.images import ImageLimits
 from vitserve.encoder.work import Terms
 from vitserve.errors import (
     CacheMissError,
@@ -79,6 +97,7 @@ from vitserve.errors import (
     ServiceUnavailableError,
     VitserveError,
 )
+from vitserve.keys import content_key
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
 
@@ -93,33 +112,47 @@ api.add_middleware(Draining)  # graceful stop: drain, then 503 (lifecycle.py)
 
 def _rows_record(part: Any) -> Any:
     """A row-range read as a record of just those rows (what the row routes answer)."""
-    from vitserve.cache.codec import EmbeddingRecord
-
-    return EmbeddingRecord(key=part.key, fingerprint=part.fingerprint, dtype=part.dtype,
-                           num_tokens=len(part.embedding), grid=part.grid,
-                           tensors=part.tensors)  # fmt: skip
+    return EmbeddingRecord(
+        key=part.key,
+        fingerprint=part.fingerprint,
+        dtype=part.dtype,
+        num_tokens=len(part.embedding),
+        grid=part.grid,
+        tensors=part.tensors,
+    )
 
 
 @serve.deployment
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, encoder: Any, preprocess: Any, config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        encoder: EncoderHandle,
+        preprocess: PreprocessHandle | None,
+        config: dict[str, Any],
+    ) -> None:
         """``preprocess``: the preprocess deployment's handle, or None unless the config's
         ``preprocess_at`` is ``deployment``."""
-        from vitserve.cache import open_store
-
         self.cfg = VitserveConfig.model_validate(config)
         self.encoder = encoder
-        self.store = open_store(self.cfg.store, namespace=root_namespace(self.cfg))
-        self.gate = Gate(self.cfg, self.store)  # who calls, and their namespace's store
+        # One store connection for every namespace (the config's, or with auth on each
+        # tenant's), with a store over it per namespace. Those that read records check the
+        # model's fingerprint: they are made once the encoder has described the model
+        # (``_fetch_model``). Until then only exists probes are answered, which read no record:
+        # by stores that check no fingerprint, counting with the others.
+        connection, policy = open_connection(self.cfg.store)
+        self._unchecked = StoreViews(connection, policy, owns_connection=True)
+        self._stores: StoreViews | None = None
+        self.gate = Gate(self.cfg)  # who calls, and so their namespace
         preprocessor = None
         if self.cfg.preprocess_at == "ingress":
-            from vitserve.deployments.encoder import make_preprocessor
+            # heavy (torch): only an ingress that preprocesses loads it
             from vitserve.encoder.device import tune_cpu_allocator
 
-            tune_cpu_allocator()  # see WORKER_ENV in app.py
+            tune_cpu_allocator()  # see WORKER_ENV in vitserve.deployments.common.serving
             preprocessor = make_preprocessor(self.cfg)
-        self.flow = EncodeFlow(self.cfg, self.store, encoder, preprocess, preprocessor)
+        # no store of its own: each request's is its tenant's (``_store_for``)
+        self.flow = EncodeFlow(self.cfg, None, encoder, preprocess, preprocessor)
         self._model: dict[str, Any] | None = None
         self._terms: Terms | None = None
         self._describing: asyncio.Future | None = None
@@ -147,8 +180,20 @@ class Ingress:
     async def _fetch_model(self) -> None:
         model = await self.encoder.describe.remote()
         terms = await self.encoder.work_terms.remote()
-        self.store.fingerprint = model["fingerprint"]
+        if self._stores is None:
+            unchecked = self._unchecked
+            self._stores = StoreViews(
+                unchecked.connection,
+                dataclasses.replace(unchecked.policy, fingerprint=model["fingerprint"]),
+                counters=unchecked.counters,
+            )
         self._terms, self._model = terms, model
+
+    def _store_for(self, tenant: Tenant) -> EmbeddingStore:
+        """The store of ``tenant``'s namespace, checking the model's fingerprint (once
+        ``_describe`` has answered)."""
+        assert self._stores is not None, "the model is described first"
+        return self._stores.get(tenant.namespace)
 
     async def _work_terms(self) -> Terms:
         await self._describe()
@@ -159,9 +204,12 @@ class Ingress:
         return await asyncio.get_running_loop().run_in_executor(self._readers, fn, *args)
 
     # -- encode ------------------------------------------------------------------------------
-    @api.post("/v1/encode", summary="Encode images (multipart or JSON); items in input order",
-              openapi_extra=parse.ENCODE_OPENAPI,
-              responses=error_responses(401, 408, 413, 415, 422, 429, 503))  # fmt: skip
+    @api.post(
+        "/v1/encode",
+        summary="Encode images (multipart or JSON); items in input order",
+        openapi_extra=parse.ENCODE_OPENAPI,
+        responses=error_responses(401, 408, 413, 415, 422, 429, 503),
+    )
     async def encode(self, request: Request) -> Response:
         try:
             tenant = self.gate.tenant_of_header(request.headers.get("authorization"))
@@ -180,8 +228,10 @@ class Ingress:
         limits = self.cfg.limits
         body = await parse.read_body(request, limits.max_request_bytes, limits.body_timeout_s)
         if not body:
-            raise MalformedRequestError("empty request body; send images as multipart/form-data "
-                                        f"or JSON {parse.ENCODE_SHAPE}")  # fmt: skip
+            raise MalformedRequestError(
+                "empty request body; send images as multipart/form-data "
+                f"or JSON {parse.ENCODE_SHAPE}"
+            )
         ctype = request.headers.get("content-type", "")
         if ctype.startswith("multipart/form-data"):
             items = await self._form_items(request, body)
@@ -200,12 +250,9 @@ class Ingress:
         self._check_request(items, terms)
         return items
 
-    async def _form_items(self, request: Request, body: bytes) -> list[bytes | str]:
+    async def _form_items(self, request: Request, body: bytes | bytearray) -> list[bytes | str]:
         """The image files of a multipart ``body`` (already read), at most the image limit
         parsed."""
-        from starlette.exceptions import HTTPException
-        from starlette.formparsers import MultiPartException
-
         limits = self.cfg.limits
         ctype = request.headers.get("content-type", "")
 
@@ -215,9 +262,10 @@ class Ingress:
         items: list[bytes | str] = []
         try:
             async with Request(request.scope, replay).form(
-                max_files=limits.max_images_per_request, max_fields=16,
+                max_files=limits.max_images_per_request,
+                max_fields=16,
                 max_part_size=limits.max_image_bytes + 1,
-            ) as form:  # fmt: skip
+            ) as form:
                 for upload in form.getlist("images"):
                     if isinstance(upload, str):
                         raise MalformedRequestError("multipart field 'images' must be a file")
@@ -245,37 +293,42 @@ class Ingress:
         prepared arrays plus its decodings) against one encoder replica's capacity, all from
         the images' headers (no decode), as the encoder's admission counts them: a request no
         replica could ever admit is a 413 here, before any store or encoder call."""
-        from vitserve.deployments.admission import check_fits, image_work, request_cost
-        from vitserve.encoder.images import ImageLimits
-
-        limits = ImageLimits(max_image_bytes=self.cfg.limits.max_image_bytes,
-                             max_image_pixels=self.cfg.limits.max_image_pixels)  # fmt: skip
-        works = [image_work(terms.rule, item, i, limits) for i, item in enumerate(items)
-                 if isinstance(item, bytes)]  # fmt: skip
+        limits = ImageLimits(
+            max_image_bytes=self.cfg.limits.max_image_bytes,
+            max_image_pixels=self.cfg.limits.max_image_pixels,
+        )
+        works = [
+            image_work(terms.rule, item, i, limits)
+            for i, item in enumerate(items)
+            if isinstance(item, bytes)
+        ]
         check_fits(terms.capacity, *request_cost(works, decoding=True))
 
     async def _encode_answer(self, items: list[bytes | str], tenant: Tenant) -> dict[str, Any]:
-        from vitserve.keys import content_key
-
         model = await self._describe()
 
         def keys() -> list[str]:  # hashing up to max_request_bytes: off the loop
-            return [i if isinstance(i, str) else content_key(i, model["fingerprint"],
-                                                               tenant.namespace)
-                    for i in items]  # fmt: skip
+            return [
+                i if isinstance(i, str) else content_key(i, model["fingerprint"], tenant.namespace)
+                for i in items
+            ]
 
-        return {"items": await self.flow.encode(items, await self._off_loop(keys),
-                                                self.gate.store_for(tenant))}  # fmt: skip
+        store = self._store_for(tenant)
+        return {"items": await self.flow.encode(items, await self._off_loop(keys), store)}
 
     # -- probe and fetch -------------------------------------------------------------------------
-    @api.post("/v1/probe", summary="Which keys the store holds (and, asked, their headers)",
-              openapi_extra=parse.PROBE_OPENAPI,
-              responses=error_responses(401, 408, 413, 415, 422, 503))  # fmt: skip
+    @api.post(
+        "/v1/probe",
+        summary="Which keys the store holds (and, asked, their headers)",
+        openapi_extra=parse.PROBE_OPENAPI,
+        responses=error_responses(401, 408, 413, 415, 422, 429, 503),
+    )
     async def probe(self, request: Request) -> Response:
         return await self._json_route(request, "probe", self._probe)
 
-    async def _json_route(self, request: Request, route: str, work: Any,
-                          answer: Any = None) -> Response:  # fmt: skip
+    async def _json_route(
+        self, request: Request, route: str, work: Any, answer: Any = None
+    ) -> Response:
         """A route whose request is JSON: ``work(doc, tenant)``'s answer (as JSON, or as
         ``answer(body)`` makes it), or its error (``Retry-After`` where a retry can help);
         counted in ``requests_total``. The caller is authenticated before the body is read;
@@ -298,11 +351,11 @@ class Ingress:
         except VitserveError as exc:
             response = error_response(exc)
         else:
-            status, body = await self._answer(work(doc, tenant))
+            status, reply = await self._answer(work(doc, tenant))
             if status == 200 and answer is not None:
-                response = answer(body)
+                response = answer(reply)
             else:
-                response = JSONResponse(body, status_code=status, headers=retry_headers(status))
+                response = JSONResponse(reply, status_code=status, headers=retry_headers(status))
         metrics.inc("requests_total", route=route, status=str(response.status_code))
         return response
 
@@ -311,16 +364,15 @@ class Ingress:
         true`` also ``"items"``: each held key's description (as an encode item, ``cached:
         true``) or null, read in the same store round trip."""
         keys, with_headers = parse.probe(doc, self.cfg.limits.max_keys_per_probe)
-        store = self.gate.store_for(tenant)
-        if not with_headers:
+        if not with_headers:  # reads no record: answered before the model is known
+            store = self._unchecked.get(tenant.namespace)
             with metrics.timed("store_round_trip_seconds", op="exists"):
                 return {"exists": await asyncio.to_thread(store.exists_many, keys)}
         await self._describe()  # the store checks each header's fingerprint
-        from vitserve.deployments.encoder import describe_header
-
+        store = self._store_for(tenant)
         with metrics.timed("store_round_trip_seconds", op="headers"):
             headers = await asyncio.to_thread(store.headers_many, keys)
-        items = [None if h is None else {**describe_header(h), "cached": True} for h in headers]
+        items = [None if h is None else with_cached(describe_header(h), True) for h in headers]
         return {"exists": [h is not None for h in headers], "items": items}
 
     async def _answer(self, work: Any) -> tuple[int, dict[str, Any]]:
@@ -331,8 +383,9 @@ class Ingress:
             return exc.http_status, {"error": exc.to_dict()}
 
     # -- callers inside the Ray cluster ------------------------------------------------------------
-    async def call(self, route: str, payload: dict[str, Any],
-                   token: str | None = None) -> tuple[int, dict[str, Any]]:  # fmt: skip
+    async def call(
+        self, route: str, payload: dict[str, Any], token: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
         """The API for a caller holding this deployment's handle (the client SDK inside the
         cluster): the same answers as the HTTP routes, as ``(status, JSON body)``, without the
         HTTP proxy, authorized the same way (``token``: the bearer token). ``route``:
@@ -343,10 +396,14 @@ class Ingress:
             tenant = self._caller(token, optional=route == "healthz")
         except VitserveError as exc:
             return exc.http_status, {"error": exc.to_dict()}
-        routes = {"healthz": lambda: self._health(tenant),
-                  "probe": lambda: self._probe(payload, tenant),
-                  "encode": lambda: self._encode_payload(payload, tenant),
-                  "rows": lambda: self._rows(payload, tenant)}  # fmt: skip
+        if tenant is None:  # /healthz without a token, auth on: liveness alone
+            return await self._answer(self._health(None))
+        routes = {
+            "healthz": lambda: self._health(tenant),
+            "probe": lambda: self._probe(payload, tenant),
+            "encode": lambda: self._encode_payload(payload, tenant),
+            "rows": lambda: self._rows(payload, tenant),
+        }
         if route not in routes:
             unknown = MalformedRequestError(f"unknown route {route!r}; use {sorted(routes)}", 404)
             return unknown.http_status, {"error": unknown.to_dict()}
@@ -371,18 +428,23 @@ class Ingress:
             who["tenant"] = tenant.name
         model = await self._describe()
         terms = await self._work_terms()
-        return {"status": "ok", **model, **who, "row_bytes": terms.row_bytes,
-                "limits": {"max_images_per_request": limits.max_images_per_request,
-                           "max_request_bytes": limits.max_request_bytes,
-                           "max_keys_per_probe": limits.max_keys_per_probe,
-                           "max_rows_bytes": limits.max_rows_bytes}}  # fmt: skip
+        return {
+            "status": "ok",
+            **model,
+            **who,
+            "row_bytes": terms.row_bytes,
+            "limits": {
+                "max_images_per_request": limits.max_images_per_request,
+                "max_request_bytes": limits.max_request_bytes,
+                "max_keys_per_probe": limits.max_keys_per_probe,
+                "max_rows_bytes": limits.max_rows_bytes,
+            },
+        }
 
     async def _rows(self, payload: Any, tenant: Tenant) -> dict[str, Any]:
         """``{"reads": [[key, start, end], ...]}`` -> ``{"records": [record bytes | None]}``:
         each a record of just those rows (as ``/v1/embeddings/{key}?start=&end=``), read in one
         batched store call."""
-        from vitserve.cache.codec import encode_record
-
         limits = self.cfg.limits
         reads = parse.rows(payload, limits.max_keys_per_probe)
         terms = await self._work_terms()
@@ -394,12 +456,13 @@ class Ingress:
         distinct = list(dict.fromkeys(reads))  # each distinct read once from the store
         try:
             with metrics.timed("store_round_trip_seconds", op="get_rows"):
-                parts = await asyncio.to_thread(self.gate.store_for(tenant).get_rows_many,
-                                                distinct)  # fmt: skip
+                parts = await asyncio.to_thread(self._store_for(tenant).get_rows_many, distinct)
         except ConfigError as exc:
             raise MalformedRequestError(str(exc)) from None
-        encoded = {read: None if p is None else bytes(encode_record(_rows_record(p)))
-                   for read, p in zip(distinct, parts, strict=True)}  # fmt: skip
+        encoded = {
+            read: None if p is None else bytes(encode_record(_rows_record(p)))
+            for read, p in zip(distinct, parts, strict=True)
+        }
         records = [encoded[read] for read in reads]
         metrics.inc("bytes_fetched_total", sum(len(r) for r in records if r))
         return {"records": records}
@@ -409,22 +472,28 @@ class Ingress:
         await self._off_loop(self._check_request, images, await self._work_terms())
         return await self._encode_answer(images, tenant)
 
-    @api.post("/v1/rows", summary="Row ranges of several embeddings in one answer",
-              openapi_extra=parse.ROWS_OPENAPI,
-              responses=error_responses(401, 408, 413, 415, 422, 503))  # fmt: skip
+    @api.post(
+        "/v1/rows",
+        summary="Row ranges of several embeddings in one answer",
+        openapi_extra=parse.ROWS_OPENAPI,
+        responses=error_responses(401, 408, 413, 415, 422, 429, 503),
+    )
     async def rows(self, request: Request) -> Response:
-        from vitserve.cache.codec import pack_records
-
         def bundle(body: dict[str, Any]) -> Response:
-            return Response(pack_records(body["records"]),
-                            media_type="application/x-vitserve-records")  # fmt: skip
+            return Response(
+                pack_records(body["records"]), media_type="application/x-vitserve-records"
+            )
 
         return await self._json_route(request, "rows", self._rows, bundle)
 
-    @api.get("/v1/embeddings/{key}", summary="One embedding in the record format",
-             responses=error_responses(401, 404, 422, 503))  # fmt: skip
-    async def fetch(self, request: Request, key: str, start: int | None = None,
-                    end: int | None = None) -> Response:  # fmt: skip
+    @api.get(
+        "/v1/embeddings/{key}",
+        summary="One embedding in the record format",
+        responses=error_responses(401, 404, 422, 429, 503),
+    )
+    async def fetch(
+        self, request: Request, key: str, start: int | None = None, end: int | None = None
+    ) -> Response:
         try:
             tenant = self.gate.tenant_of_header(request.headers.get("authorization"))
             response = await self._fetch(key, start, end, tenant)
@@ -433,15 +502,14 @@ class Ingress:
         metrics.inc("requests_total", route="fetch", status=str(response.status_code))
         return response
 
-    async def _fetch(self, key: str, start: int | None, end: int | None,
-                     tenant: Tenant) -> Response:  # fmt: skip
-        from vitserve.cache.codec import encode_record
-
+    async def _fetch(
+        self, key: str, start: int | None, end: int | None, tenant: Tenant
+    ) -> Response:
         parse.key(key)
         whole = start is None and end is None
         start, end = parse.row_range(start, end)
-        store = self.gate.store_for(tenant)
         await self._describe()
+        store = self._store_for(tenant)
         if whole:
             with metrics.timed("store_round_trip_seconds", op="get"):
                 value = await asyncio.to_thread(store.get_value, key)
@@ -458,26 +526,52 @@ class Ingress:
             if part is None:
                 raise CacheMissError([key])
             body = bytes(encode_record(_rows_record(part)))
-            headers = {"X-Vitserve-Row-Start": str(part.row_start),
-                       "X-Vitserve-Num-Tokens": str(part.num_tokens)}  # fmt: skip
+            headers = {
+                "X-Vitserve-Row-Start": str(part.row_start),
+                "X-Vitserve-Num-Tokens": str(part.num_tokens),
+            }
         metrics.inc("bytes_fetched_total", len(body))
         return Response(body, media_type="application/octet-stream", headers=headers)
 
     # -- operations ------------------------------------------------------------------------------
     @api.get("/healthz", summary="Liveness, the served model and the request limits")
     async def healthz(self, request: Request) -> Response:
-        from vitserve.deployments.auth import bearer_token
-
         try:
-            tenant = self._caller(bearer_token(request.headers.get("authorization")),
-                                  optional=True)  # fmt: skip
+            tenant = self._caller(bearer_token(request.headers.get("authorization")), optional=True)
         except VitserveError as exc:
             return error_response(exc)
         return JSONResponse(await self._health(tenant))
 
     @api.get("/metrics", summary="This node's vitserve metrics (Prometheus text format)")
-    async def metrics_page(self) -> Response:
-        return await metrics_response()
+    async def metrics_page(self, request: Request) -> Response:
+        return await metrics_response(self.gate.scrape, request.headers.get("authorization"))
+
+    async def counts(self) -> dict[str, Any]:
+        """By handle: this replica's counters and those of the encoder replica the call
+        reached (``counters()``), each ``counts`` a ``metrics.Counts``."""
+        encoder = await self.encoder.counters.remote()
+        replica = serve.get_replica_context().replica_id.unique_id
+        return {"ingress": {"replica": replica, "counts": metrics.counts()}, "encoder": encoder}
+
+    @api.get(
+        "/v1/stats",
+        summary="The counters of this ingress replica and of an encoder replica, exact at once",
+        responses=error_responses(401, 503),
+    )
+    async def stats(self, request: Request) -> Response:
+        try:
+            # service-wide counters (every tenant's traffic): the operator's, like /metrics
+            self.gate.scrape.check(request.headers.get("authorization"))
+            both = await self.counts()
+        except VitserveError as exc:
+            return error_response(exc)
+        except Exception as exc:  # Ray's and Serve's errors for an encoder not there
+            return error_response(
+                ServiceUnavailableError("encoder", f"no counters: {type(exc).__name__}")
+            )
+        for side in both.values():
+            side["counts"] = side["counts"].as_json()
+        return JSONResponse(both)
 
 
 __all__ = ["Ingress", "api"]

@@ -1,4 +1,6 @@
-"""The encoder and preprocessing deployments.
+"""The encoder deployment (the preprocess replicas are in
+:mod:`~vitserve.deployments.encoder.preprocessing`, what both exchange with the ingress in
+:mod:`~vitserve.deployments.encoder.wire`).
 
 ``EncoderDeployment`` (one replica per GPU, or CPU) holds an :class:`EncoderEngine`. It takes
 **one call per request**: ``encode(batch, prepared)`` with all of the request's images that the
@@ -8,80 +10,79 @@ ingress found missing (:class:`EncodeBatch`) and answers with their results in o
   (the images arrive as bytes), in the ingress, or in ``PreprocessDeployment`` (CPU replicas
   that scale apart; its answer reaches this replica by reference through the object store).
   A bad image fails alone: its item carries the error.
-* Batching is :class:`~vitserve.deployments.device_queue.DeviceQueue`, the one queue between
+* Batching is :class:`~vitserve.deployments.encoder.device_queue.DeviceQueue`, the one queue between
   callers and the device (its docstring states the rule), so concurrent requests share forwards.
-* Admission (:class:`~vitserve.deployments.admission.WorkBudget`): a request's new images are
-  admitted by their patches and bytes, read from their headers before any pixel is decoded,
-  or the request is refused at once (429; 413 if it could never fit).
-* Single flight (:class:`~vitserve.deployments.single_flight.SingleFlight`, which states the
+* Admission (:class:`~vitserve.deployments.encoder.admission.WorkBudget`): a request's new
+  images are admitted by their patches and bytes, read from their headers before any pixel is
+  decoded, or the request is refused at once (429; 413 if it could never fit).
+* Single flight (:class:`~vitserve.deployments.encoder.single_flight.SingleFlight`, which states the
   rule): a won image is encoded and published with its claim released in the same store call;
   an image already being encoded on this replica (from the moment its request arrived) is
   joined; a busy one is awaited on the store without holding a thread, and encoded here only if
   its claimant gave up. Store failures never fail an encode (they are counted).
 * So a new image costs two store round trips on its path (the ingress's lookup-or-claim and
   the publish), and this replica makes none before its forward.
-* Namespaces (tenants, see ``vitserve.deployments.auth``): each batch names the namespace its
-  images are keyed in; claims, waits and the publish go to that namespace's view of this
-  replica's one store (a device step that mixes namespaces publishes once per namespace).
+* Namespaces (tenants, see ``vitserve.deployments.common.auth``): each batch names the namespace its
+  images are keyed in; claims, waits and the publish go to that namespace's store over this
+  replica's one store connection (a device step that mixes namespaces publishes once per
+  namespace).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-import os
 import time
-from collections import Counter, deque
+from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from ray import serve
 
-from vitserve.deployments import autoscaling, metrics
-from vitserve.deployments.admission import Ticket, WorkBudget, image_work
-from vitserve.deployments.config import VitserveConfig
-from vitserve.deployments.device_queue import DeviceQueue, Work
-from vitserve.deployments.single_flight import ClaimState, Role, SingleFlight
+from vitserve.cache import open_connection
+from vitserve.cache.base import EmbeddingStore
+from vitserve.cache.codec import EmbeddingRecord, encode_record, read_header
+from vitserve.cache.views import StoreViews
+from vitserve.deployments.common import metrics
+from vitserve.deployments.common.config import VitserveConfig
+from vitserve.deployments.encoder import autoscaling
+from vitserve.deployments.encoder.admission import Ticket, WorkBudget, image_work
+from vitserve.deployments.encoder.device_queue import DeviceQueue, Work
+from vitserve.deployments.encoder.preprocessing import make_preprocessor, prepare_all
+from vitserve.deployments.encoder.single_flight import ClaimState, Role, SingleFlight
+from vitserve.deployments.encoder.wire import (
+    EncodeBatch,
+    EncodedItem,
+    ErrorItem,
+    describe_header,
+    error_item,
+    is_error,
+)
+from vitserve.encoder.device import available_cpus, dtype_name
+from vitserve.encoder.engine import EncoderEngine
 from vitserve.encoder.work import ImageWork, Terms
-from vitserve.errors import ImageError, StoreError, VitserveError
+from vitserve.errors import StoreError, VitserveError
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
-
-
-@dataclass(slots=True)
-class EncodeBatch:
-    """One request's images for the encoder: keys, positions in the request (for errors), each
-    image's claim state and the token the won claims are held under, the image bytes when
-    the encoder preprocesses them (``None`` when ``prepared`` comes with the call), and the
-    namespace the keys are in (the request's tenant; ``None``: the config's namespace)."""
-
-    keys: list[str]
-    indices: list[int]
-    claims: list[ClaimState]
-    token: str
-    images: list[bytes] | None = None
-    namespace: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Publish:
     """Where a queued image's embedding goes (the device queue carries it opaquely): the store
-    view of its namespace, and the claim its publish releases (``(key, token)``) or None."""
+    of its namespace, and the claim its publish releases (``(key, token)``) or None."""
 
-    store: Any
+    store: EmbeddingStore
     release: tuple[str, str] | None
 
 
 def embedding_record(embedding: Any, fingerprint: str) -> Any:
     """The store record of an engine ``Embedding``: numpy views of its tensors (bf16 as raw
     16-bit words); tensors on a GPU are copied to host memory first (a store holds bytes)."""
-    import torch
-
-    from vitserve.cache.codec import EmbeddingRecord
-    from vitserve.encoder.device import dtype_name
 
     def host(t: torch.Tensor) -> np.ndarray:
         t = t.detach().to("cpu")  # no copy when already on the CPU
@@ -91,128 +92,81 @@ def embedding_record(embedding: Any, fingerprint: str) -> Any:
 
     tensors = {"embedding": host(embedding.tensor)}
     tensors |= {name: host(t) for name, t in embedding.extras.items()}
-    return EmbeddingRecord(key=embedding.key, fingerprint=fingerprint,
-                           dtype=dtype_name(embedding.tensor.dtype),
-                           num_tokens=embedding.num_tokens, grid=embedding.grid,
-                           tensors=tensors)  # fmt: skip
+    return EmbeddingRecord(
+        key=embedding.key,
+        fingerprint=fingerprint,
+        dtype=dtype_name(embedding.tensor.dtype),
+        num_tokens=embedding.num_tokens,
+        grid=embedding.grid,
+        tensors=tensors,
+    )
 
 
-def describe_header(header: Any) -> dict[str, Any]:
-    """The API's description of a stored embedding, from its record header."""
-    return {
-        "key": header.key,
-        "num_tokens": header.num_tokens,
-        "grid": list(header.grid) if header.grid else None,
-        "dtype": header.dtype,
-        "shape": [header.num_tokens, header.tensors[0].width],
-        "extras": [t.name for t in header.tensors[1:]],
-    }
-
-
-def error_item(exc: VitserveError) -> dict[str, Any]:
-    return {"error": {**exc.to_dict(), "status": exc.http_status}}
-
-
-def prepare_all(preprocessor: Any, images: list[bytes], keys: list[str],
-                indices: list[int]) -> list[Any]:  # fmt: skip
-    """Each image's PreparedImage, or its error item (a bad image fails alone)."""
-    out: list[Any] = []
-    for data, key, index in zip(images, keys, indices, strict=True):
-        start = time.perf_counter()
-        try:
-            out.append(preprocessor.prepare(data, key, index))
-        except ImageError as exc:
-            out.append(error_item(exc))
-        metrics.observe("stage_seconds", time.perf_counter() - start, stage="preprocess")
-    return out
-
-
-def make_preprocessor(cfg: VitserveConfig, adapter: Any = None) -> Any:
-    """The config's preprocessor (the model's image processor; no weights), under its limits."""
-    from vitserve.encoder.images import ImageLimits
-    from vitserve.encoder.preprocess import Preprocessor
-
-    limits = ImageLimits(max_image_bytes=cfg.limits.max_image_bytes,
-                         max_image_pixels=cfg.limits.max_image_pixels)  # fmt: skip
-    if adapter is not None:
-        return Preprocessor(adapter, limits)
-    return Preprocessor.from_pretrained(cfg.model, revision=cfg.revision, limits=limits)
-
-
-@serve.deployment
-class PreprocessDeployment:
-    """CPU replicas that decode and preprocess (``preprocess_at: deployment``)."""
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        from vitserve.encoder.device import tune_cpu_allocator
-
-        tune_cpu_allocator()  # see WORKER_ENV in app.py
-        self.preprocessor = make_preprocessor(VitserveConfig.model_validate(config))
-
-    def prepare(self, batch: EncodeBatch) -> list[Any]:
-        """Each image of the batch prepared, or its error item."""
-        return prepare_all(self.preprocessor, batch.images or [], batch.keys, batch.indices)
+def _release_on_done(ticket: Ticket, i: int, _: asyncio.Future) -> None:
+    """A queued image's done callback: its admitted work is given back."""
+    ticket.release(i)
 
 
 @serve.deployment
 class EncoderDeployment:
     def __init__(self, config: dict[str, Any]) -> None:
-        import torch
-
-        from vitserve.cache import open_store
-        from vitserve.encoder.engine import EncoderEngine
-
         cfg = VitserveConfig.model_validate(config)
         self.cfg = cfg
-        threads = cfg.torch_threads or (None if torch.cuda.is_available() else os.cpu_count())
+        threads = cfg.torch_threads or (None if torch.cuda.is_available() else available_cpus())
         if threads:
             torch.set_num_threads(threads)
         # Forwards run one at a time on one thread of their own. OpenMP's thread count is per
         # thread, and a new thread starts from OMP_NUM_THREADS, which Ray sets to the replica's
         # num_cpus (1): oneDNN's bf16 kernels then ran on one core while aten's ran on all
         # (448px forwards ~20% slower than in-process). The device thread sets it first.
-        self._device_pool = ThreadPoolExecutor(
-            1, thread_name_prefix="vitserve-device",
-            initializer=torch.set_num_threads if threads else None,
-            initargs=(threads,) if threads else (),
-        )  # fmt: skip
-        # Preprocessing (preprocess_at: encoder) on the node's cores, beside the forwards.
+        init: dict[str, Any] = (
+            {"initializer": torch.set_num_threads, "initargs": (threads,)} if threads else {}
+        )
+        self._device_pool = ThreadPoolExecutor(1, thread_name_prefix="vitserve-device", **init)
+        # Preprocessing (preprocess_at: encoder) on the cores the container may use, beside
+        # the forwards.
         self._cpu_pool: ThreadPoolExecutor | None = None
         if cfg.preprocess_at == "encoder":
             self._cpu_pool = ThreadPoolExecutor(
-                os.cpu_count() or 1, thread_name_prefix="vitserve-preprocess"
+                available_cpus(), thread_name_prefix="vitserve-preprocess"
             )
         self.engine = EncoderEngine.from_pretrained(
-            cfg.model, device=cfg.device, dtype=cfg.dtype, budget_bytes=cfg.budget_bytes,
-            max_batch_patches=cfg.batching.max_batch_patches, revision=cfg.revision,
+            cfg.model,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            budget_bytes=cfg.budget_bytes,
+            max_batch_patches=cfg.batching.max_batch_patches,
+            revision=cfg.revision,
             namespace=cfg.namespace,
-        )  # fmt: skip
+        )
         self.preprocessor = make_preprocessor(cfg, self.engine.adapter)  # no load: the engine's
-        from vitserve.cache.views import StoreViews
-        from vitserve.deployments.auth import root_namespace
-
-        # One store object (one connection) for every namespace: with auth on it has none of
-        # its own and each tenant's namespace is a view of it.
-        self.store = open_store(cfg.store, namespace=root_namespace(cfg),
-                                fingerprint=self.engine.fingerprint)  # fmt: skip
-        self._views = StoreViews(self.store)
+        # One connection for every namespace, one store over it per namespace (the config's,
+        # and with auth on each tenant's), all checking the engine's fingerprint and counting
+        # together (the replica's store gauges).
+        connection, policy = open_connection(cfg.store, fingerprint=self.engine.fingerprint)
+        self._views = StoreViews(connection, policy, owns_connection=True)
+        self.store = self._views.get(cfg.namespace)
         # One cap for the queue's steps and the engine's forwards (config, else the engine's).
-        self.queue = DeviceQueue(self._encode_and_publish,
-                                 max_batch_patches=self.engine.max_batch_patches,
-                                 wait_s=cfg.batching.batch_wait_timeout_s,
-                                 enabled=cfg.batching.enabled)  # fmt: skip
+        self.queue = DeviceQueue(
+            self._encode_and_publish,
+            max_batch_patches=self.engine.max_batch_patches,
+            wait_s=cfg.batching.batch_wait_timeout_s,
+            enabled=cfg.batching.enabled,
+        )
         # What this replica admits (from the activation budget unless configured), and how an
         # image's cost is read from its header (the ingress gets the same terms: ``terms``).
-        self.terms = self.engine.terms(max_image_pixels=cfg.limits.max_image_pixels,
-                                       max_patches=cfg.admission.max_patches,
-                                       max_bytes=cfg.admission.max_bytes)  # fmt: skip
+        self.terms = self.engine.terms(
+            max_image_pixels=cfg.limits.max_image_pixels,
+            max_patches=cfg.admission.max_patches,
+            max_bytes=cfg.admission.max_bytes,
+        )
         self.budget = WorkBudget(self.terms.capacity)
         self.flights = SingleFlight(hook=metrics.flight_hook("encoder"))
         # Publishes have a thread of their own: nothing else (single flight's polls, a slow
         # store call) can hold up the device loop's publish.
         self._publish_pool = ThreadPoolExecutor(1, thread_name_prefix="vitserve-publish")
         self._forwards: deque[dict[str, Any]] = deque(maxlen=256)  # the latest forwards
-        self._seconds: Counter[str] = Counter()  # device-step time by phase
+        self._seconds: defaultdict[str, float] = defaultdict(float)  # device-step time by phase
         self._store_reporter: asyncio.Task | None = None
         self._stopping = False  # set when Serve stops the replica (``__del__``)
         # Autoscaling on work (record_autoscaling_stats): the step on the device now and the
@@ -222,14 +176,18 @@ class EncoderDeployment:
 
     # -- queries -----------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
-        from vitserve.encoder.device import dtype_name
-
         e = self.engine
-        return {"model": self.cfg.model, "family": e.family, "fingerprint": e.fingerprint,
-                "dtype": dtype_name(e.dtype), "device": str(e.device),
-                "namespace": e.namespace, "max_batch_patches": e.max_batch_patches,
-                "budget_bytes": e.budget_bytes,
-                "preprocess_at": self.cfg.preprocess_at}  # fmt: skip
+        return {
+            "model": self.cfg.model,
+            "family": e.family,
+            "fingerprint": e.fingerprint,
+            "dtype": dtype_name(e.dtype),
+            "device": str(e.device),
+            "namespace": e.namespace,
+            "max_batch_patches": e.max_batch_patches,
+            "budget_bytes": e.budget_bytes,
+            "preprocess_at": self.cfg.preprocess_at,
+        }
 
     def work_terms(self) -> Terms:
         """What the ingress refuses at the door by (``vitserve.encoder.work.Terms``)."""
@@ -237,21 +195,28 @@ class EncoderDeployment:
 
     def counters(self) -> dict[str, Any]:
         c = self.engine.counters
-        return {"replica": serve.get_replica_context().replica_id.unique_id,
-                "forward_calls": c.forward_calls, "images": c.images, "patches": c.patches,
-                "oversize": c.oversize,
-                "admitted": {"patches": self.budget.patches, "bytes": self.budget.nbytes,
-                             "refused": self.budget.refused},
-                "recent_forwards": list(self._forwards),
-                "seconds": dict(self._seconds),
-                "forward_calls_by_bucket": {str(k): v for k, v in
-                                            c.forward_calls_by_bucket.items()}}  # fmt: skip
+        return {
+            "replica": serve.get_replica_context().replica_id.unique_id,
+            "forward_calls": c.forward_calls,
+            "images": c.images,
+            "patches": c.patches,
+            "oversize": c.oversize,
+            "admitted": {
+                "patches": self.budget.patches,
+                "bytes": self.budget.nbytes,
+                "refused": self.budget.refused,
+            },
+            "recent_forwards": list(self._forwards),
+            "seconds": dict(self._seconds),
+            "forward_calls_by_bucket": {str(k): v for k, v in c.forward_calls_by_bucket.items()},
+            "counts": metrics.counts(),  # this replica's metric counters, exact at once
+        }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's hook (called every few hundred ms; its values reach the autoscaling policy
         as custom metrics): patches queued and running, and over the last
         ``STATS_WINDOW_S`` the patches per busy device-second (0 when nothing ran) and the
-        busy fraction. See vitserve.deployments.autoscaling. Runs on the event loop, like
+        busy fraction. See vitserve.deployments.encoder.autoscaling. Runs on the event loop, like
         the queue's updates, so it reads them without locks."""
         now = time.perf_counter()
         while self._steps and self._steps[0][0] < now - autoscaling.STATS_WINDOW_S:
@@ -259,13 +224,17 @@ class EncoderDeployment:
         done = sum(p for _, _, p in self._steps)
         rate_busy = sum(s for _, s, _ in self._steps)  # the finished steps' device time
         busy = rate_busy + (now - self._running_since if self._running_patches else 0.0)
-        return {autoscaling.QUEUED_PATCHES: float(self.queue.queued_patches()),
-                autoscaling.RUNNING_PATCHES: float(self._running_patches),
-                autoscaling.PATCHES_PER_S: done / rate_busy if rate_busy > 0 else 0.0,
-                autoscaling.BUSY_FRACTION: min(1.0, busy / autoscaling.STATS_WINDOW_S)}  # fmt: skip
+        return {
+            autoscaling.QUEUED_PATCHES: float(self.queue.queued_patches()),
+            autoscaling.RUNNING_PATCHES: float(self._running_patches),
+            autoscaling.PATCHES_PER_S: done / rate_busy if rate_busy > 0 else 0.0,
+            autoscaling.BUSY_FRACTION: min(1.0, busy / autoscaling.STATS_WINDOW_S),
+        }
 
     # -- encoding ------------------------------------------------------------------------------
-    async def encode(self, batch: EncodeBatch, prepared: list[Any] | None = None) -> list[dict]:
+    async def encode(
+        self, batch: EncodeBatch, prepared: list[Any] | None = None
+    ) -> list[EncodedItem | ErrorItem]:
         """One request's missing images -> one result (or error item) per image, in order.
 
         In the event-loop turn it arrives in, before any pixel is decoded, each image gets its
@@ -281,53 +250,70 @@ class EncoderDeployment:
         store = self._store_for(batch.namespace)
         roles = self.flights.roles(batch.keys, batch.claims)
         # the cost of each image this request may encode here (a joined one costs nothing)
-        works = self._works(batch, prepared, [i for i, r in enumerate(roles)
-                                              if r is not Role.JOIN])  # fmt: skip
+        works = self._works(batch, prepared, [i for i, r in enumerate(roles) if r is not Role.JOIN])
         try:
             ticket = self.budget.take(works, decoding=prepared is None)
         except VitserveError as exc:
             metrics.inc("admission_refused_total", limit=type(exc).__name__)
             raise
         futures = self.flights.begin(batch.keys, roles)
-        run = asyncio.create_task(self._run(batch, prepared, store, roles, futures, works,
-                                            ticket))  # fmt: skip
+        run = asyncio.create_task(self._run(batch, prepared, store, roles, futures, works, ticket))
         results = await asyncio.shield(run)
         metrics.observe("encode_latency_seconds", time.perf_counter() - started)
         return results
 
-    def _works(self, batch: EncodeBatch, prepared: list[Any] | None,
-               indices: list[int]) -> dict[int, ImageWork]:  # fmt: skip
+    def _works(
+        self, batch: EncodeBatch, prepared: list[Any] | None, indices: list[int]
+    ) -> dict[int, ImageWork]:
         """The cost of images ``indices``: from their headers (bytes), or their prepared arrays
         (nothing for an image the preprocessor refused)."""
         if prepared is not None:
-            return {i: ImageWork(0, 0, 0) if isinstance(prepared[i], dict) else
-                    ImageWork(prepared[i].patches, prepared[i].pixels.nbytes, 0)
-                    for i in indices}  # fmt: skip
+            return {
+                i: ImageWork(0, 0, 0)
+                if is_error(prepared[i])
+                else ImageWork(prepared[i].patches, prepared[i].pixels.nbytes, 0)
+                for i in indices
+            }
         images, limits = batch.images or [], self.preprocessor.limits
-        return {i: image_work(self.terms.rule, images[i], batch.indices[i], limits)
-                for i in indices}  # fmt: skip
+        return {
+            i: image_work(self.terms.rule, images[i], batch.indices[i], limits) for i in indices
+        }
 
-    def _store_for(self, namespace: str | None) -> Any:
-        """The store of a batch's namespace (None: the config's): this replica's store for its
-        own, else a view of it (auth on: the store has no namespace, the tenants' views add
-        theirs)."""
+    def _store_for(self, namespace: str | None) -> EmbeddingStore:
+        """The store of a batch's namespace (None: the config's), over this replica's one
+        connection: ``self.store`` for the config's, a tenant's otherwise."""
         namespace = self.cfg.namespace if namespace is None else namespace
         return self.store if namespace == self.store.namespace else self._views.get(namespace)
 
-    async def _run(self, batch: EncodeBatch, prepared: list[Any] | None, store: Any,
-                   roles: list[Role], futures: dict[int, asyncio.Future],
-                   works: dict[int, ImageWork], ticket: Ticket) -> list[Any]:  # fmt: skip
+    async def _run(
+        self,
+        batch: EncodeBatch,
+        prepared: list[Any] | None,
+        store: EmbeddingStore,
+        roles: list[Role],
+        futures: dict[int, asyncio.Future],
+        works: dict[int, ImageWork],
+        ticket: Ticket,
+    ) -> list[Any]:
         """The admitted request: lead, wait, join; the ticket closed and every flight it leads
         settled at the end, whatever happens."""
         results: list[Any] = [None] * len(batch.keys)
         leads = [i for i, r in enumerate(roles) if r is Role.LEAD]
         # claims won by images that join a flight here: that flight's claim covers them
-        self.flights.release_later(store, [(batch.keys[i], batch.token) for i, r in
-                                           enumerate(roles) if r is Role.JOIN and
-                                           batch.claims[i] is ClaimState.WON])  # fmt: skip
+        self.flights.release_later(
+            store,
+            [
+                (batch.keys[i], batch.token)
+                for i, r in enumerate(roles)
+                if r is Role.JOIN and batch.claims[i] is ClaimState.WON
+            ],
+        )
         tasks = [self._lead(batch, prepared, store, leads, futures, results, ticket)]
-        tasks += [self._wait(batch, prepared, store, i, works[i], results, ticket)
-                  for i, r in enumerate(roles) if r is Role.WAIT]  # fmt: skip
+        tasks += [
+            self._wait(batch, prepared, store, i, works[i], results, ticket)
+            for i, r in enumerate(roles)
+            if r is Role.WAIT
+        ]
         try:
             done = await asyncio.gather(*tasks, return_exceptions=True)
             failed = [e for e in done if isinstance(e, BaseException)]
@@ -342,8 +328,9 @@ class EncoderDeployment:
                 self.flights.settle(futures[i], error=RuntimeError("the encode stopped early"))
         return results
 
-    async def _prepare(self, batch: EncodeBatch, prepared: list[Any] | None,
-                       indices: list[int]) -> list[Any]:  # fmt: skip
+    async def _prepare(
+        self, batch: EncodeBatch, prepared: list[Any] | None, indices: list[int]
+    ) -> list[Any]:
         """The images ``indices`` prepared (in the CPU pool when they came as bytes), each a
         PreparedImage or its error item."""
         if prepared is not None:
@@ -352,19 +339,29 @@ class EncoderDeployment:
             return []
         images = batch.images or []
         return await asyncio.get_running_loop().run_in_executor(
-            self._cpu_pool, prepare_all, self.preprocessor, [images[i] for i in indices],
-            [batch.keys[i] for i in indices], [batch.indices[i] for i in indices],
-        )  # fmt: skip
+            self._cpu_pool,
+            prepare_all,
+            self.preprocessor,
+            [images[i] for i in indices],
+            [batch.keys[i] for i in indices],
+            [batch.indices[i] for i in indices],
+        )
 
-    def _queue(self, batch: EncodeBatch, store: Any, items: list[tuple[int, Any, str | None]],
-               futures: dict[int, asyncio.Future], results: list[Any],
-               ticket: Ticket) -> list[asyncio.Future]:  # fmt: skip
+    def _queue(
+        self,
+        batch: EncodeBatch,
+        store: EmbeddingStore,
+        items: list[tuple[int, Any, str | None]],
+        futures: dict[int, asyncio.Future],
+        results: list[Any],
+        ticket: Ticket,
+    ) -> list[asyncio.Future]:
         """Put prepared images on the device queue, each ``(index, prepared or error item,
         token of the claim its publish releases)``; their flights follow the queue's futures.
         A refused image settles its flight with its error item (and its claim is released)."""
         good, releases = [], []
         for i, p, token in items:
-            if isinstance(p, dict):
+            if is_error(p):
                 results[i] = p
                 self.flights.settle(futures[i], p)
                 ticket.release(i)
@@ -376,27 +373,45 @@ class EncoderDeployment:
         queued = self.queue.enqueue(
             [p for _, p, _ in good],
             [Publish(store, None if t is None else (batch.keys[i], t)) for i, _, t in good],
-        )  # fmt: skip
+        )
         for (i, _, _), future in zip(good, queued, strict=True):
             self.flights.follow(futures[i], future)
-            future.add_done_callback(lambda _, i=i: ticket.release(i))
+            future.add_done_callback(functools.partial(_release_on_done, ticket, i))
         return queued
 
-    async def _lead(self, batch: EncodeBatch, prepared: list[Any] | None, store: Any,
-                    leads: list[int], futures: dict[int, asyncio.Future], results: list[Any],
-                    ticket: Ticket) -> None:  # fmt: skip
+    async def _lead(
+        self,
+        batch: EncodeBatch,
+        prepared: list[Any] | None,
+        store: EmbeddingStore,
+        leads: list[int],
+        futures: dict[int, asyncio.Future],
+        results: list[Any],
+        ticket: Ticket,
+    ) -> None:
         """The images this request encodes: prepared, queued, their results."""
         ready = await self._prepare(batch, prepared, leads)
         ticket.release_decode()
-        items = [(i, p, batch.token if batch.claims[i] is ClaimState.WON else None)
-                 for i, p in zip(leads, ready, strict=True)]  # fmt: skip
+        items = [
+            (i, p, batch.token if batch.claims[i] is ClaimState.WON else None)
+            for i, p in zip(leads, ready, strict=True)
+        ]
         queued = self._queue(batch, store, items, futures, results, ticket)
-        for (i, _, _), result in zip([it for it in items if not isinstance(it[1], dict)],
-                                     await asyncio.gather(*queued), strict=True):  # fmt: skip
+        for (i, _, _), result in zip(
+            [it for it in items if not is_error(it[1])], await asyncio.gather(*queued), strict=True
+        ):
             results[i] = result
 
-    async def _wait(self, batch: EncodeBatch, prepared: list[Any] | None, store: Any, i: int,
-                    work: ImageWork, results: list[Any], ticket: Ticket) -> None:  # fmt: skip
+    async def _wait(
+        self,
+        batch: EncodeBatch,
+        prepared: list[Any] | None,
+        store: EmbeddingStore,
+        i: int,
+        work: ImageWork,
+        results: list[Any],
+        ticket: Ticket,
+    ) -> None:
         """An image another caller claimed: its header once published; else (the claimant gave
         up, the wait timed out, the store failed) encoded here after all, joining a flight of
         this replica if one started meanwhile."""
@@ -421,9 +436,8 @@ class EncoderDeployment:
             finally:
                 if decoding is not None:
                     decoding.close()
-            [queued] = self._queue(batch, store, [(i, p, token)], {i: future}, results,
-                                   ticket) or [None]  # fmt: skip
-            if queued is not None:
+            # one image: one future, or none where the queue refused it (its error item set)
+            for queued in self._queue(batch, store, [(i, p, token)], {i: future}, results, ticket):
                 results[i] = await queued
         except VitserveError as exc:  # no room to decode it now: this image fails, retryable
             results[i] = error_item(exc)
@@ -433,7 +447,7 @@ class EncoderDeployment:
         finally:
             self.flights.settle(future, error=RuntimeError("the encode stopped early"))
 
-    async def _encode_and_publish(self, work: list[Work]) -> list[dict[str, Any]]:
+    async def _encode_and_publish(self, work: list[Work]) -> list[EncodedItem]:
         """One device step (the queue's ``run_step``): forward, then one publish per namespace
         in the step (one, unless tenants share it) that also releases their claims. A failed
         step releases them too (off the path)."""
@@ -496,14 +510,20 @@ class EncoderDeployment:
             metrics.observe("batch_images", batch.num_items)
             metrics.observe("batch_patches", batch.patches)
             metrics.observe("padded_token_fraction", padded / tokens)
-            self._forwards.append({"bucket": str(batch.bucket), "images": batch.num_items,
-                                   "item_buckets": sorted({str(p.bucket) for p in members}),
-                                   "tokens": tokens, "padded_tokens": padded})  # fmt: skip
+            self._forwards.append(
+                {
+                    "bucket": str(batch.bucket),
+                    "images": batch.num_items,
+                    "item_buckets": sorted({str(p.bucket) for p in members}),
+                    "tokens": tokens,
+                    "padded_tokens": padded,
+                }
+            )
 
-    def _forward_and_encode(self, items: list[Any]) -> tuple[list[dict], list[tuple], Any]:
+    def _forward_and_encode(
+        self, items: list[Any]
+    ) -> tuple[list[EncodedItem], list[tuple[str, Any]], Any]:
         """Worker thread: plan, forward, and encode each embedding into its record."""
-        from vitserve.cache.codec import encode_record, read_header
-
         plan = self.engine.plan(items)
         embeddings = self.engine.run(items, plan)
         results, values = [], []
@@ -539,5 +559,6 @@ class EncoderDeployment:
             stats = self.store.stats()
         except StoreError:
             return
-        metrics.set_gauge("cache_evictions", stats.get("evictions", 0)
-                          + stats.get("local_evictions", 0))  # fmt: skip
+        metrics.set_gauge(
+            "cache_evictions", stats.get("evictions", 0) + stats.get("local_evictions", 0)
+        )

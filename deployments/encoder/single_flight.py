@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from vitserve.cache.base import Claim, Header, Pending
+from vitserve.cache.base import Claim, EmbeddingStore, Header, Pending
 from vitserve.errors import StoreError
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
@@ -160,8 +160,9 @@ class SingleFlight:
             del self._flights[key]
 
     @staticmethod
-    def settle(future: asyncio.Future, result: Any = None,
-               error: BaseException | None = None) -> None:  # fmt: skip
+    def settle(
+        future: asyncio.Future, result: Any = None, error: BaseException | None = None
+    ) -> None:
         """Settle a flight with ``result`` or ``error`` (nothing if it is settled already)."""
         if future.done():
             return
@@ -190,7 +191,7 @@ class SingleFlight:
         return await asyncio.shield(future)
 
     # -- waits on another claimant ------------------------------------------------------------
-    async def wait(self, store: Any, key: str, timeout_s: float) -> Waited:
+    async def wait(self, store: EmbeddingStore, key: str, timeout_s: float) -> Waited:
         """Wait for ``key``'s value in ``store`` while someone holds its claim (module)."""
         self._hook("join", scope="remote")
         poller = self._pollers.get(id(store))
@@ -204,8 +205,9 @@ class SingleFlight:
         finally:
             poller.drop(key, future)
 
-    async def take_over(self, store: Any, key: str,
-                        ttl_s: float) -> tuple[Role, asyncio.Future, str | None]:  # fmt: skip
+    async def take_over(
+        self, store: EmbeddingStore, key: str, ttl_s: float
+    ) -> tuple[Role, asyncio.Future, str | None]:
         """After a wait that saw no value: ``(JOIN, flight, None)`` if a flight of ``key``
         runs here (started meanwhile), else ``(LEAD, new flight, token)``: the image is
         claimed for ``ttl_s`` under the store's token (None if the claim went elsewhere or the
@@ -240,7 +242,7 @@ class SingleFlight:
         finally:
             self._hook("store_call", op=op, seconds=time.perf_counter() - started, error=error)
 
-    def release_later(self, store: Any, releases: Sequence[tuple[str, str]]) -> None:
+    def release_later(self, store: EmbeddingStore, releases: Sequence[tuple[str, str]]) -> None:
         """Release claims ``(key, token)`` off the answer's path (one store call for them)."""
         if not releases:
             return
@@ -264,7 +266,7 @@ class SingleFlight:
 class _Poller:
     """The waits on one store: one ``lookup_states`` call per tick for every awaited key."""
 
-    def __init__(self, flights: SingleFlight, store: Any) -> None:
+    def __init__(self, flights: SingleFlight, store: EmbeddingStore) -> None:
         self.flights = flights
         self.store = store
         self.waiters: dict[str, set[asyncio.Future]] = {}
@@ -304,12 +306,15 @@ class _Poller:
                 if answer is Pending.CLAIMED:
                     continue
                 changed = True
-                self._settle(key, Waited(Outcome.GONE) if answer is Pending.FREE else
-                             Waited(Outcome.PUBLISHED, answer))  # fmt: skip
+                self._settle(
+                    key,
+                    Waited(Outcome.GONE)
+                    if answer is Pending.FREE
+                    else Waited(Outcome.PUBLISHED, answer),
+                )
             if self.waiters:
                 delay = POLL_FIRST_S if changed else min(2 * delay, POLL_MAX_S)
                 await asyncio.sleep(delay)
 
 
-__all__ = ["POLL_MAX_S", "STORE_THREADS", "ClaimState", "Outcome", "Role", "SingleFlight",
-           "Waited"]  # fmt: skip
+__all__ = ["POLL_MAX_S", "STORE_THREADS", "ClaimState", "Outcome", "Role", "SingleFlight", "Waited"]

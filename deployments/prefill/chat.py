@@ -5,16 +5,19 @@ its embedding rows).
 Invariants:
 
 * A request is read strictly: an unknown field, a role or content part vitserve does not
-  serve, ``n`` other than 1, or an image URL other than a ``data:`` URL or
-  ``vitserve://<key>`` is a :class:`~vitserve.errors.MalformedRequestError` naming it, before
-  any work (no remote URL is ever fetched).
+  serve, ``n`` other than 1, ``min_tokens`` above the ``max_tokens`` asked for, or an image URL
+  other than a ``data:`` URL or ``vitserve://<key>`` is a
+  :class:`~vitserve.errors.MalformedRequestError` naming it, before any work (no remote URL is
+  ever fetched).
 * Images are numbered in prompt order (message by message, part by part); image ``k``'s
   placeholders are one contiguous run of exactly its ``num_tokens`` image tokens, and the
   prompt holds no other image token: text that spells a placeholder is refused, never taken
   for an image.
-* Expansion follows the family's own processor: Qwen and LLaVA repeat the image token the
-  template writes once per image; Gemma 3 replaces the template's ``<start_of_image>`` with
-  ``\\n\\n<start_of_image>`` + image tokens + ``<end_of_image>\\n\\n``.
+* Expansion follows the family's own processor, as its spec's ``placeholders`` say
+  (:mod:`vitserve.families`): ``Marker.IMAGE`` (Qwen, LLaVA) repeats the image token the
+  template writes once per image; ``Marker.OPEN`` (Gemma 3) replaces the template's open token
+  (``<start_of_image>``) with ``padding + open + image tokens + close + padding``
+  (``\\n\\n<start_of_image>`` ... ``<end_of_image>\\n\\n``).
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from vitserve.deployments.common.requests import DATA_URL
 from vitserve.errors import MalformedRequestError
+from vitserve.families import family_spec
+from vitserve.families.spec import Marker
 
 KEY_URL = re.compile(r"^vitserve://([0-9a-f]{64})$")
-DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<b64>;base64)?,(?P<data>.*)$", re.S)
 
 
 class _Strict(BaseModel):
@@ -64,6 +69,12 @@ class ChatRequest(_Strict):
 
     ``temperature`` 0 is greedy decoding; above 0 samples (``top_p``, and ``seed`` for a
     reproducible draw). ``logprobs`` are the model's own (before temperature and top-p).
+
+    Three fields are vLLM's extensions, as its OpenAI-compatible server reads them:
+    ``min_tokens`` holds the end-of-sequence tokens back for the answer's first that many tokens
+    (so a model that would stop at once still answers), ``return_token_ids`` adds the prompt's
+    (``prompt_token_ids``) and the answer's (each choice's ``token_ids``) token ids, and
+    ``skip_special_tokens: false`` keeps special tokens in the answer's text.
     """
 
     model: str | None = None
@@ -80,6 +91,9 @@ class ChatRequest(_Strict):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     user: str | None = None
+    min_tokens: int = Field(0, ge=0)
+    return_token_ids: bool = False
+    skip_special_tokens: bool = True
 
     @classmethod
     def parse(cls, body: Any) -> ChatRequest:
@@ -87,21 +101,29 @@ class ChatRequest(_Strict):
         try:
             request = cls.model_validate(body)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
-                                 for e in exc.errors())  # fmt: skip
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
+            )
             raise MalformedRequestError(f"invalid chat request: {problems}") from None
         if request.n != 1:
             raise MalformedRequestError("n must be 1 (one choice per request)")
         if request.top_logprobs and not request.logprobs:
             raise MalformedRequestError("top_logprobs needs logprobs: true")
+        limit = request.completion_limit
+        if limit is not None and request.min_tokens > limit:
+            name = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+            raise MalformedRequestError(
+                f"min_tokens ({request.min_tokens}) must not exceed {name} ({limit})"
+            )
         for i, message in enumerate(request.messages):
             for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
                 where = f"messages[{i}].content[{j}]"
                 if (part.type == "text") != (part.text is not None) or (
                     (part.type == "image_url") != (part.image_url is not None)
                 ):
-                    raise MalformedRequestError(f"{where}: a {part.type!r} part takes "
-                                                f"{part.type!r} alone")  # fmt: skip
+                    raise MalformedRequestError(
+                        f"{where}: a {part.type!r} part takes {part.type!r} alone"
+                    )
                 if part.image_url is not None and message.role != "user":
                     raise MalformedRequestError(f"{where}: images go in user messages")
         return request
@@ -123,7 +145,7 @@ class ImageRef:
 def image_refs(request: ChatRequest) -> list[ImageRef]:
     """The request's images in prompt order (MalformedRequestError for a URL vitserve does not
     take, or undecodable base64)."""
-    refs = []
+    refs: list[ImageRef] = []
     for message in request.messages:
         for part in message.content if isinstance(message.content, list) else ():
             if part.image_url is not None:
@@ -155,8 +177,10 @@ def template_messages(request: ChatRequest) -> list[dict[str, Any]]:
     for message in request.messages:
         content: Any = message.content
         if isinstance(content, list):
-            content = [{"type": "text", "text": p.text} if p.type == "text" else {"type": "image"}
-                       for p in content]  # fmt: skip
+            content = [
+                {"type": "text", "text": p.text} if p.type == "text" else {"type": "image"}
+                for p in content
+            ]
         out.append({"role": message.role, "content": content})
     return out
 
@@ -175,12 +199,19 @@ class PromptBuilder:
     @classmethod
     def for_model(cls, tokenizer: Any, config: Any) -> PromptBuilder:
         family = str(config.model_type)
-        image_id = int(config.image_token_id)
-        image = tokenizer.convert_ids_to_tokens(image_id)
-        if family == "gemma3":
-            boi = tokenizer.convert_ids_to_tokens(int(config.boi_token_id))
-            eoi = tokenizer.convert_ids_to_tokens(int(config.eoi_token_id))
-            return cls(tokenizer, family, image_id, boi, (f"\n\n{boi}", image, f"{eoi}\n\n"))
+        p = family_spec(family).placeholders  # UnsupportedModelError for an unknown family
+
+        def token(attribute: str | None) -> str:  # the token a config attribute's id names
+            if attribute is None:
+                return ""
+            return tokenizer.convert_ids_to_tokens(int(getattr(config, attribute)))
+
+        image_id = int(getattr(config, p.image))
+        image = token(p.image)
+        if p.marker is Marker.OPEN:
+            opener, closer = token(p.open), token(p.close)
+            expansion = (f"{p.padding}{opener}", image, f"{closer}{p.padding}")
+            return cls(tokenizer, family, image_id, opener, expansion)
         return cls(tokenizer, family, image_id, image, ("", image, ""))
 
     def render(self, request: ChatRequest) -> str:

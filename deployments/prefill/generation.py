@@ -18,6 +18,11 @@ Invariants:
 * Decoding: greedy at temperature 0, else a draw from ``softmax(logits / temperature)`` cut to
   ``top_p`` with a generator seeded by ``seed`` (the same seed, the same tokens); generation
   stops at an end-of-sequence token (not returned) or after ``max_tokens``.
+* **End tokens held back.** For the first ``min_tokens`` steps every end-of-sequence token is
+  out of the draw (its logit set to -inf before temperature and top-p, as transformers'
+  ``min_new_tokens`` and vLLM's ``min_tokens`` do), so at least ``min_tokens`` tokens come out
+  when ``max_tokens`` allows; the reported logprobs stay the model's own, the held-back end
+  token among the alternatives.
 """
 
 from __future__ import annotations
@@ -28,12 +33,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from vitserve.client.adapters import (
     PromptLayout,
     chunk_inputs,
     decode_inputs,
     transformers_forward,
 )
+from vitserve.client.handles import ImageHandle
+from vitserve.client.sync import EncoderClient
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +52,7 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     top_logprobs: int = 0  # alternatives reported per token (logprobs of the model itself)
+    min_tokens: int = 0  # steps with the end-of-sequence tokens held back (see the invariants)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +97,9 @@ class Step:
 
 def _nbytes(chunk: Any) -> int:
     arrays = [*chunk.embeddings, *(a for x in chunk.extras for a in x.values())]
-    return sum(int(a.nbytes) if hasattr(a, "nbytes") else a.numel() * a.element_size()
-               for a in arrays)  # fmt: skip
+    return sum(
+        int(a.nbytes) if hasattr(a, "nbytes") else a.numel() * a.element_size() for a in arrays
+    )
 
 
 class Generator:
@@ -100,45 +111,62 @@ class Generator:
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.lock = threading.Lock()
         self.device = model.get_input_embeddings().weight.device
+        self._eos_index = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=self.device)
 
-    def prefill(self, client: Any, layout: PromptLayout, handles: Sequence[Any], *,
-                keep_logits: bool = False) -> Prefilled:  # fmt: skip
+    def prefill(
+        self,
+        client: EncoderClient,
+        layout: PromptLayout,
+        handles: Sequence[ImageHandle],
+        *,
+        keep_logits: bool = False,
+    ) -> Prefilled:
         """Run the prompt chunk by chunk, pulling each chunk's image rows through ``client``
         (an ``EncoderClient``) for ``handles`` (in prompt order)."""
-        import torch
-
         started = time.perf_counter()
         cache, outs, reports = None, [], []
         device = None if self.device.type == "cpu" else self.device
-        chunks = client.iter_chunks(list(handles), layout.offsets, layout.length,
-                                    self.chunk_size, device=device,
-                                    keep_whole=layout.keep_images_whole)  # fmt: skip
+        chunks = client.iter_chunks(
+            list(handles),
+            layout.offsets,
+            layout.length,
+            self.chunk_size,
+            device=device,
+            keep_whole=layout.keep_images_whole,
+        )
         for chunk in chunks:
             reports.append(ChunkReport(chunk.start, chunk.end, chunk.rows, _nbytes(chunk)))
             with self.lock, torch.no_grad():
                 inputs = chunk_inputs(self.model, layout, chunk)
-                out = transformers_forward(self.model, inputs, past_key_values=cache,
-                                           use_cache=True,
-                                           logits_to_keep=0 if keep_logits else 1)  # fmt: skip
+                out = transformers_forward(
+                    self.model,
+                    inputs,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=0 if keep_logits else 1,
+                )
             cache = out.past_key_values
             outs.append(out.logits[0])
         last = outs[-1][-1]
-        return Prefilled(layout, cache, last, reports, time.perf_counter() - started,
-                         torch.cat(outs) if keep_logits else None)  # fmt: skip
+        return Prefilled(
+            layout,
+            cache,
+            last,
+            reports,
+            time.perf_counter() - started,
+            torch.cat(outs) if keep_logits else None,
+        )
 
     def decode(self, prefilled: Prefilled, sampling: Sampling) -> Iterator[Step]:
         """The generated tokens, one at a time (lazily: a consumer that stops asking stops
         the computation)."""
-        import torch
-
         generator = None
         if sampling.temperature > 0:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(sampling.seed if sampling.seed is not None
-                                  else int(torch.seed()))  # fmt: skip
+            generator.manual_seed(sampling.seed if sampling.seed is not None else int(torch.seed()))
         logits, cache = prefilled.last_logits, prefilled.cache
         for k in range(sampling.max_tokens):
-            step = self._pick(logits, sampling, generator)
+            step = self._pick(logits, sampling, generator, hold_eos=k < sampling.min_tokens)
             if step.token in self.eos_ids:
                 return
             yield step
@@ -146,14 +174,13 @@ class Generator:
                 return
             with self.lock, torch.no_grad():
                 inputs = decode_inputs(prefilled.layout, step.token, k, self.device)
-                out = self.model(**inputs, past_key_values=cache, use_cache=True,
-                                 logits_to_keep=1)  # fmt: skip
+                out = self.model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
             logits, cache = out.logits[0, -1], out.past_key_values
 
-    def _pick(self, logits: Any, sampling: Sampling, generator: Any) -> Step:
-        import torch
-
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+    def _pick(self, logits: Any, sampling: Sampling, generator: Any, *, hold_eos: bool) -> Step:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # the model's own, reported
+        if hold_eos and len(self._eos_index):
+            logits = logits.index_fill(0, self._eos_index, float("-inf"))
         probs = None
         if generator is not None:
             probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
-from vitserve.deployments.local import DEFAULT_GRACE_S  # light: Ray loads lazily
-from vitserve.encoder.testmodels import FAMILIES, PRESETS  # light: transformers loads lazily
+from vitserve.deployments.common.config import VitserveConfig, parse_value
+
+# light: these two load Ray, torch and transformers only inside the functions that need them
+from vitserve.deployments.runner import local
+from vitserve.encoder.testmodels import FAMILIES, PRESETS, make_model
 from vitserve.errors import ConfigError, VitserveError
 
 
 def _make_model(args: argparse.Namespace) -> None:
-    from vitserve.encoder.testmodels import make_model
-
     out = make_model(args.family, args.preset, args.out, seed=args.seed, vllm=args.vllm)
     print(f"wrote random {args.family} ({args.preset}) model, tokenizer and chat template to {out}")
 
@@ -28,11 +33,15 @@ def _seconds(text: str) -> float:
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Config overrides (dotted names) from flags (only those given) and ``--set key=value``."""
-    from vitserve.deployments.config import parse_value
-
     out: dict[str, Any] = {}
-    fields = {"model": "model", "store": "store", "port": "http_port", "host": "http_host",
-              "device": "device", "dtype": "dtype"}  # fmt: skip
+    fields = {
+        "model": "model",
+        "store": "store",
+        "port": "http_port",
+        "host": "http_host",
+        "device": "device",
+        "dtype": "dtype",
+    }
     for flag, field in fields.items():
         value = getattr(args, flag, None)
         if value is not None:
@@ -48,28 +57,28 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    import signal
-    import threading
-
-    from vitserve.deployments.local import local_config, start_local, stop_local
-
-    cfg = local_config(_overrides(args))
+    cfg = local.local_config(_overrides(args))
+    local.check_exposure(cfg, insecure=args.insecure)
     print(f"effective config: {cfg.effective_json()}", flush=True)  # secrets masked
-    url = start_local(cfg, prefill=args.prefill, vllm=bool(cfg.vllm.urls))
+    url = local.start_local(cfg, prefill=args.prefill, vllm=bool(cfg.vllm.urls))
     for line in serving_lines(cfg, url, prefill=args.prefill):
         print(line, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    print(f"stopping: new requests get 503, those in flight have {args.grace:g} s to finish",
-          flush=True)  # fmt: skip
-    done = stop_local(grace_s=args.grace)
+    print(
+        f"stopping: new requests get 503, those in flight have {args.grace:g} s to finish",
+        flush=True,
+    )
+    done = local.stop_local(grace_s=args.grace)
     if "error" in done:
         print(f"vitserve: drain failed ({done['error']}); stopped anyway", file=sys.stderr)
-    print(f"stopped in {done['seconds']:.1f} s: {done.get('finished', 0)} requests finished, "
-          f"{done.get('cut', 0)} cut and {done.get('refused', 0)} refused with 503",
-          flush=True)  # fmt: skip
+    print(
+        f"stopped in {done['seconds']:.1f} s: {done.get('finished', 0)} requests finished, "
+        f"{done.get('cut', 0)} cut and {done.get('refused', 0)} refused with 503",
+        flush=True,
+    )
 
 
 def serving_lines(cfg: Any, url: str, *, prefill: bool) -> list[str]:
@@ -80,28 +89,33 @@ def serving_lines(cfg: Any, url: str, *, prefill: bool) -> list[str]:
         lines.append(f"chat completions at {chat}/v1/chat/completions (docs: {chat}/docs)")
     if cfg.vllm.urls:
         front = f"{url}{cfg.vllm.route_prefix}"
-        lines.append(f"vLLM front (OpenAI API) at {front}/v1/chat/completions, forwarding to "
-                     f"{', '.join(cfg.vllm.urls)} (docs: {front}/docs)")  # fmt: skip
+        lines.append(
+            f"vLLM front (OpenAI API) at {front}/v1/chat/completions, forwarding to "
+            f"{', '.join(cfg.vllm.urls)} (docs: {front}/docs)"
+        )
     return lines
 
 
 def _encode(args: argparse.Namespace) -> int:
-    import httpx
+    import httpx  # heavy: only `encode` needs HTTP; `vitserve --help` stays fast
 
     files = []
     for path in args.files:
         with open(path, "rb") as f:
             files.append(("images", (path, f.read(), "application/octet-stream")))
     try:
-        response = httpx.post(f"{args.url.rstrip('/')}/v1/encode", files=files,
-                              timeout=args.timeout)  # fmt: skip
+        response = httpx.post(
+            f"{args.url.rstrip('/')}/v1/encode", files=files, timeout=args.timeout
+        )
     except httpx.HTTPError as exc:
         print(f"vitserve: error: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 2
     body = response.json()
     if response.status_code != 200:
-        print(f"vitserve: error: HTTP {response.status_code}: {body.get('error', body)}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"vitserve: error: HTTP {response.status_code}: {body.get('error', body)}",
+            file=sys.stderr,
+        )
         return 1
     failed = 0
     for path, item in zip(args.files, body["items"], strict=True):
@@ -115,9 +129,116 @@ def _encode(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from vitserve.deployments.demo import run_demo
+    # heavy: the demo imports Ray Serve at its top
+    from vitserve.deployments.runner.demo import run_demo
 
     run_demo(_overrides(args))
+
+
+# -- redis-acl: the Redis ACL file of the k8s manifests (k8s/base/redis.yaml) ---------------------
+
+WRITER_USER = "vitserve-writer"
+READER_USER = "vitserve-reader"  # the server side's reader: the prefill's direct reads
+
+
+def _password_hash(path: str, what: str) -> str:
+    """The ACL rule for the password in the file ``path`` (surrounding whitespace stripped):
+    ``#<sha256 hex>``, so the ACL file never holds the password itself. ConfigError naming
+    ``what`` when the file is missing, unreadable or empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            password = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"no Redis password for {what}: cannot read {path!r}: {exc.strerror}"
+        ) from None
+    if not password:
+        raise ConfigError(f"no Redis password for {what}: {path!r} is empty")
+    return "#" + hashlib.sha256(password.encode()).hexdigest()
+
+
+def redis_acl_lines(
+    cfg: VitserveConfig,
+    *,
+    writer_password_file: str,
+    reader_password_file: str,
+    passwords_dir: str,
+    prefix: str,
+) -> list[str]:
+    """The lines of a Redis ACL file (``--aclfile``) for the deployment ``cfg`` describes:
+    ``default`` off; the writer (the encoder side: read, publish, claim, delete on
+    ``<prefix>:*``); the server side's reader (read commands on every namespace's record
+    values, read-only); and ``vitserve-reader-<tenant>`` for each tenant of ``cfg``'s auth
+    (``auth.redis_readers``: its own namespace only), its password from
+    ``<passwords_dir>/<tenant>``. A tenant without a password is a ConfigError naming it:
+    never a user without one."""
+    # heavy (redis-py, numpy): only this subcommand needs the store's modules
+    from vitserve.cache.redis_store import server_reader_acl, writer_acl
+    from vitserve.cache.urls import keeps_redis_ledger
+    from vitserve.deployments.common.auth import READER_USER_PREFIX, redis_readers
+
+    readers = redis_readers(cfg, prefix)  # ConfigError with auth off: no tenant list
+    ledger = keeps_redis_ledger(cfg.store)  # the writer then runs the ledger's commands too
+    # An aclfile takes `user` lines only (no comments: Redis refuses the file)
+    lines = [
+        "user default off resetpass resetkeys resetchannels -@all",
+        " ".join(
+            [
+                f"user {WRITER_USER} on",
+                _password_hash(writer_password_file, WRITER_USER),
+                *writer_acl(prefix, ledger=ledger),
+            ]
+        ),
+        " ".join(
+            [
+                f"user {READER_USER} on",
+                _password_hash(reader_password_file, READER_USER),
+                *server_reader_acl(prefix),
+            ]
+        ),
+    ]
+    missing = []
+    for user, rules in sorted(readers.items()):
+        tenant = user.removeprefix(READER_USER_PREFIX)
+        path = os.path.join(passwords_dir, tenant)
+        if not os.path.isfile(path):
+            missing.append(tenant)
+            continue
+        lines.append(" ".join([f"user {user} on", _password_hash(path, user), *rules]))
+    if missing:
+        raise ConfigError(
+            f"no Redis reader password for tenant{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(repr(t) for t in missing)}: expected a file per tenant in "
+            f"{passwords_dir!r} (the Secret vitserve-redis-tenant-readers, a key per tenant)"
+        )
+    return lines
+
+
+def _redis_acl(args: argparse.Namespace) -> None:
+    from vitserve.cache.redis_store import DEFAULT_PREFIX  # heavy: see redis_acl_lines
+
+    cfg = VitserveConfig.load(_overrides(args))
+    lines = redis_acl_lines(
+        cfg,
+        writer_password_file=args.writer_password_file,
+        reader_password_file=args.reader_password_file,
+        passwords_dir=args.passwords_dir,
+        prefix=args.prefix or DEFAULT_PREFIX,
+    )
+    text = "".join(f"{line}\n" for line in lines)
+    if args.out is None:
+        sys.stdout.write(text)
+        return
+    # Written beside the target and renamed over it: Redis never reads half a file. 0640:
+    # the owner and the group (Redis' own, in the manifests) only.
+    tmp = f"{args.out}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.chmod(tmp, 0o640)  # whatever the umask
+    os.replace(tmp, args.out)
+    users = sum(line.startswith("user ") for line in lines)
+    print(f"wrote {users} Redis ACL users to {args.out}", file=sys.stderr)
 
 
 def _service_flags(p: argparse.ArgumentParser, default_model: str | None = "demo") -> None:
@@ -131,8 +252,12 @@ def _service_flags(p: argparse.ArgumentParser, default_model: str | None = "demo
     p.add_argument("--host", help="HTTP host (default 127.0.0.1)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     p.add_argument("--dtype", help="fp32, bf16 or fp16 (default: bf16 where native)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="any config field, e.g. limits.max_images_per_request=16")  # fmt: skip
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="any config field, e.g. limits.max_images_per_request=16",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,24 +268,43 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--family", required=True, choices=FAMILIES, help="transformers model_type")
     make.add_argument("--preset", default="tiny", choices=PRESETS)
     make.add_argument("--seed", type=int, default=0)
-    make.add_argument("--vllm", action="store_true",
-                      help="a model vLLM's CPU build serves too (32-wide text heads, published "
-                           "tensor names)")  # fmt: skip
+    make.add_argument(
+        "--vllm",
+        action="store_true",
+        help="a model vLLM's CPU build serves too (32-wide text heads, published tensor names)",
+    )
     make.add_argument("out", help="folder to write the model to")
     make.set_defaults(func=_make_model)
 
     serve = sub.add_parser("serve", help="run the service on a local Ray cluster (embedded)")
     _service_flags(serve)
-    serve.add_argument("--grace", type=_seconds, default=DEFAULT_GRACE_S, metavar="SECONDS",
-                       help="on SIGTERM or Ctrl-C, how long requests in flight may finish "
-                            "before they are answered 503 (default %(default)s)")  # fmt: skip
-    serve.add_argument("--prefill", action="store_true",
-                       help="also run the prefill application (OpenAI chat completions over "
-                            "the model's language model, at /prefill)")  # fmt: skip
-    serve.add_argument("--vllm-url", action="append", metavar="URL",
-                       help="a vLLM OpenAI server (http://host:port; repeat for more): also run "
-                            "the vLLM front at /vllm, which encodes a chat's images here and "
-                            "forwards it to one of them (vllm.urls)")  # fmt: skip
+    serve.add_argument(
+        "--grace",
+        type=_seconds,
+        default=local.DEFAULT_GRACE_S,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, how long requests in flight may finish "
+        "before they are answered 503 (default %(default)s)",
+    )
+    serve.add_argument(
+        "--insecure",
+        action="store_true",
+        help="listen on a --host other than loopback without auth (refused otherwise)",
+    )
+    serve.add_argument(
+        "--prefill",
+        action="store_true",
+        help="also run the prefill application (OpenAI chat completions over "
+        "the model's language model, at /prefill)",
+    )
+    serve.add_argument(
+        "--vllm-url",
+        action="append",
+        metavar="URL",
+        help="a vLLM OpenAI server (http://host:port; repeat for more): also run "
+        "the vLLM front at /vllm, which encodes a chat's images here and "
+        "forwards it to one of them (vllm.urls)",
+    )
     serve.set_defaults(func=_serve)
 
     encode = sub.add_parser("encode", help="encode image files through a running service")
@@ -176,6 +320,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _service_flags(demo, default_model=None)
     demo.set_defaults(func=_demo)
+
+    acl = sub.add_parser(
+        "redis-acl",
+        help="write the Redis ACL file: default off, the writer, the server-side reader "
+        "and one reader per tenant of auth's tokens (config from VITSERVE_* and --set)",
+    )
+    acl.add_argument(
+        "--writer-password-file",
+        required=True,
+        metavar="FILE",
+        help=f"the {WRITER_USER} user's password (the encoder side's store)",
+    )
+    acl.add_argument(
+        "--reader-password-file",
+        required=True,
+        metavar="FILE",
+        help=f"the {READER_USER} user's password (the prefill's direct reads)",
+    )
+    acl.add_argument(
+        "--passwords-dir",
+        required=True,
+        metavar="DIR",
+        help="DIR/<tenant>: the password of that tenant's reader user, one file per tenant "
+        "(a missing one is an error naming the tenant)",
+    )
+    acl.add_argument("--out", metavar="FILE", help="write the ACL file here (default: stdout)")
+    acl.add_argument(
+        "--prefix",
+        help="the stores' key prefix (a store URL's prefix=; default: the stores' own, vsm)",
+    )
+    acl.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="any config field, e.g. auth.tokens_file=/etc/vitserve/auth/tokens",
+    )
+    acl.set_defaults(func=_redis_acl)
     return parser
 
 

@@ -4,9 +4,18 @@ Used by ``vitserve serve`` (``--prefill``: with the prefill application beside t
 and ``vitserve demo``: local Ray, the node-local store, no Redis, no dashboard, access logs off.
 Everything a user needs to run it offline.
 
+Its Ray cluster keeps Ray's token authentication, on by default for a new local cluster since
+Ray 2.60 (Ray writes a token to ``~/.ray/auth_token``), and ``start_ray`` gives the cluster a
+loopback node address, so Ray binds its ports on loopback (its metrics exporters included, which
+answer without the token), except each Serve replica's inter-deployment gRPC server (``[::]``),
+which refuses a connection without the token. vitserve never turns the token off; an
+environment that sets ``RAY_AUTH_MODE=disabled`` itself (the tests) does. (Setting it here
+would come too late: Ray reads the mode once, when this process first loads it.)
+``check_exposure`` refuses an HTTP host other than loopback without vitserve's own auth.
+
 Stopping (:func:`stop_local`) is graceful and bounded: the HTTP ingresses stop taking requests
 (503) and let those in flight finish for up to ``grace_s``, answering the rest 503
-(:mod:`vitserve.deployments.lifecycle`); then the cluster this process started is shut down
+(:mod:`vitserve.deployments.common.lifecycle`); then the cluster this process started is shut down
 as a whole. Serve's own shutdown is skipped for such a cluster: it closes the HTTP proxy under
 the requests in flight and took 5-60 s (its controller's shutdown timing out at 30 s), while
 the cluster's processes, and every store entry held in them, end with ``ray.shutdown``
@@ -15,12 +24,13 @@ anyway. Measured on a 2-vCPU EPYC: ``ray.shutdown`` of the demo's cluster ~1.4 s
 
 from __future__ import annotations
 
-import os
+import ipaddress
 import socket
 import time
 from typing import Any
 
-from vitserve.deployments.config import VitserveConfig
+from vitserve.deployments.common.config import VitserveConfig
+from vitserve.errors import ConfigError
 
 APP_NAME = "vitserve"
 PREFILL_APP_NAME = "vitserve-prefill"
@@ -29,10 +39,50 @@ VLLM_APP_NAME = "vitserve-vllm"
 # driver only waits), and at nice 15 every bit of background activity preempted the encoder's
 # compute threads: 448px forwards measured ~10% slower in a replica than in-process.
 LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0}
+# The embedded cluster is one node of this process that nothing else joins, so its node address is
+# loopback, and with it every port Ray opens but a Serve replica's inter-deployment gRPC server
+# (bound to [::] in ray/serve/_private/replica.py; it refuses without Ray's token, which stays
+# on). That includes Ray's three Prometheus exporters, which answer anyone without the token:
+# for a loopback node they bind loopback (``is_localhost`` in ray/dashboard/modules/reporter/
+# reporter_agent.py: the agent's metrics export port; ray/dashboard/head.py: port 44227;
+# ray/autoscaler/_private/monitor.py and v2/monitor.py: port 44217). They stay on rather than
+# off (``enable_metrics_collection``): vitserve serves its own metrics on its HTTP port's
+# /metrics, which reads the agent's exporter (common.metrics.node_metrics_url); the embedded
+# default needs none of them beyond loopback. Ray turns a loopback ``_node_ip_address`` into the
+# machine's address unless ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` is off (its
+# local-only mode, the default on macOS and Windows: ray/_private/services.py
+# get_node_ip_address). Its env var (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER) is read when Ray is first
+# imported, before start_ray (build_application imports Serve), so start_ray turns the constant
+# off while ray.init starts the node; the node's processes get its address on their command line.
+LOCAL_NODE_ONLY = "ENABLE_RAY_CLUSTER"
 #: how long a stop lets the requests in flight finish before answering them 503
 DEFAULT_GRACE_S = 5.0
 # What this process started: its own cluster (True) or joined one, and the stop signal.
 _started: dict[str, Any] = {"own_cluster": False, "stop_signal": None}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback only (``localhost``, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def check_exposure(cfg: VitserveConfig, insecure: bool = False) -> None:
+    """ConfigError when ``cfg`` listens beyond loopback with vitserve's auth off, unless told
+    ``insecure``: anyone who reaches the port could then encode, probe for and read every
+    embedding."""
+    if is_loopback(cfg.http_host) or cfg.auth.enabled or insecure:
+        return
+    raise ConfigError(
+        f"refusing to listen on {cfg.http_host} without auth: anyone who reaches this port "
+        "could encode, probe for and read every embedding. Configure tokens "
+        "(--set auth.tokens_file=PATH, one tenant:token a line), listen on 127.0.0.1, or "
+        "pass --insecure to accept it"
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -47,72 +97,103 @@ def _logging(access_log: bool) -> dict[str, Any]:
 
 def start_ray(num_cpus: int | None = None) -> None:
     """A new local Ray cluster for this process (unless one is up already)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
+    import ray  # heavy: the CLI imports this module; Ray loads when a command starts it
+    from ray._private import ray_constants
 
     if not ray.is_initialized():
         _started["own_cluster"] = True
-        # address="local": always a new cluster of this process, never someone else's.
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-                 logging_level="warning", log_to_driver=False,
-                 _system_config=LOCAL_SYSTEM_CONFIG)  # fmt: skip
+        # Local-only while the node starts: its address, and so every port, is loopback
+        # (LOCAL_NODE_ONLY). getattr first: a Ray without the constant fails here, not silently.
+        cluster = getattr(ray_constants, LOCAL_NODE_ONLY)
+        setattr(ray_constants, LOCAL_NODE_ONLY, False)
+        try:
+            # address="local": always a new cluster of this process, never someone else's.
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                logging_level="warning",
+                log_to_driver=False,
+                _system_config=LOCAL_SYSTEM_CONFIG,
+            )
+        finally:
+            setattr(ray_constants, LOCAL_NODE_ONLY, cluster)
 
 
 def start_serve(host: str, port: int, *, access_log: bool = False) -> str:
     """Serve's HTTP proxy on ``host:port`` in the running cluster; its base URL."""
-    from ray import serve
+    from ray import serve  # heavy: the CLI imports this module; Ray loads when a command starts it
 
     serve.start(http_options={"host": host, "port": port}, logging_config=_logging(access_log))
     return f"http://{host}:{port}"
 
 
-def serve_app(app: Any, *, name: str = APP_NAME, route_prefix: str = "/",
-              access_log: bool = False) -> None:  # fmt: skip
+def serve_app(
+    app: Any, *, name: str = APP_NAME, route_prefix: str = "/", access_log: bool = False
+) -> None:
     """Deploy a built application and wait until it is ready."""
-    from ray import serve
+    from ray import serve  # heavy: the CLI imports this module; Ray loads when a command starts it
 
     serve.run(app, name=name, route_prefix=route_prefix, logging_config=_logging(access_log))
 
 
-def start_local(cfg: VitserveConfig, *, num_cpus: int | None = None, prefill: bool = False,
-                vllm: bool = False) -> str:  # fmt: skip
+def start_local(
+    cfg: VitserveConfig, *, num_cpus: int | None = None, prefill: bool = False, vllm: bool = False
+) -> str:
     """Start local Ray (unless already up), Serve on ``cfg.http_host:cfg.http_port``, and the
     encoder application (``vitserve``, at ``/``); with ``prefill``, the prefill application
     too (``vitserve-prefill``, at ``cfg.prefill.route_prefix``, reaching the encoder
     application by its handle); with ``vllm``, the vLLM front (``vitserve-vllm``, at
     ``cfg.vllm.route_prefix``, forwarding to ``cfg.vllm.urls``, reaching the encoder
     application by its handle). Returns the base URL once they answer."""
-    from vitserve.deployments.app import build_application
+    # heavy (Ray Serve, FastAPI): the CLI imports this module
+    from vitserve.deployments.encoder.app import build_application
 
     app = build_application(cfg)  # a model that cannot load fails here, before Ray starts
     chat = None
     if prefill:
-        from vitserve.deployments.prefill import build_prefill_application
+        # heavy (Ray Serve, FastAPI): the CLI imports this module
+        from vitserve.deployments.prefill.app import build_prefill_application
 
-        cfg = cfg.model_copy(update={"prefill": cfg.prefill.model_copy(
-            update={"encoder_app": APP_NAME, "encoder_url": None})})  # fmt: skip
+        cfg = cfg.model_copy(
+            update={
+                "prefill": cfg.prefill.model_copy(
+                    update={"encoder_app": APP_NAME, "encoder_url": None}
+                )
+            }
+        )
         chat = build_prefill_application(cfg)
     front = None
     if vllm:
-        from vitserve.deployments.vllm_front import build_vllm_application
+        # heavy (Ray Serve, FastAPI): the CLI imports this module
+        from vitserve.deployments.vllm.app import build_vllm_application
 
-        cfg = cfg.model_copy(update={"vllm": cfg.vllm.model_copy(
-            update={"encoder_app": APP_NAME, "encoder_url": None})})  # fmt: skip
+        cfg = cfg.model_copy(
+            update={
+                "vllm": cfg.vllm.model_copy(update={"encoder_app": APP_NAME, "encoder_url": None})
+            }
+        )
         front = build_vllm_application(cfg)  # no vllm.urls: an error before Ray starts
     start_ray(num_cpus)
     if _started["own_cluster"] and _started["stop_signal"] is None:
         # before the applications, so that their replicas find it (one per cluster)
-        from vitserve.deployments.lifecycle import open_stop_signal
+        # heavy (the store, Starlette): the CLI imports this module
+        from vitserve.deployments.common.lifecycle import open_stop_signal
 
         _started["stop_signal"] = open_stop_signal()
     url = start_serve(cfg.http_host, cfg.http_port, access_log=cfg.access_log)
     serve_app(app, access_log=cfg.access_log)
     if chat is not None:
-        serve_app(chat, name=PREFILL_APP_NAME, route_prefix=cfg.prefill.route_prefix,
-                  access_log=cfg.access_log)  # fmt: skip
+        serve_app(
+            chat,
+            name=PREFILL_APP_NAME,
+            route_prefix=cfg.prefill.route_prefix,
+            access_log=cfg.access_log,
+        )
     if front is not None:
-        serve_app(front, name=VLLM_APP_NAME, route_prefix=cfg.vllm.route_prefix,
-                  access_log=cfg.access_log)  # fmt: skip
+        serve_app(
+            front, name=VLLM_APP_NAME, route_prefix=cfg.vllm.route_prefix, access_log=cfg.access_log
+        )
     return url
 
 
@@ -121,14 +202,15 @@ def stop_local(grace_s: float = DEFAULT_GRACE_S) -> dict[str, Any]:
     HTTP ingresses for up to ``grace_s`` (0: no drain), then shut the cluster down. Returns
     the drain's counts (``finished``, ``cut``, ``refused`` requests, ``replicas`` drained,
     ``missing`` replicas that did not report) and ``seconds`` the whole stop took."""
-    import ray
+    import ray  # heavy: the CLI imports this module; Ray loads when a command starts it
     from ray import serve
 
     started = time.monotonic()
     counts: dict[str, Any] = {}
     signal, _started["stop_signal"] = _started["stop_signal"], None
     if signal is not None and grace_s > 0 and ray.is_initialized():
-        from vitserve.deployments.lifecycle import drain_all
+        # heavy (the store, Starlette): the CLI imports this module
+        from vitserve.deployments.common.lifecycle import drain_all
 
         try:
             counts = drain_all(signal, grace_s)

@@ -10,13 +10,15 @@ vision tower. Everything else of the request and of vLLM's answer passes through
 
 Invariants:
 
-* An image is a content part of type ``image_url`` (or vLLM's short form, an ``image_url``
-  part without a type) whose URL is a ``data:`` URL (base64). All the request's images are
-  encoded in one ``client.encode`` call; each one's part gets ``"uuid": <its vitserve key>``
-  (replacing any the caller set) beside its ``image_url``, which keeps the data URL (vLLM
-  still sizes the prompt from the pixels, and they are its fallback). Other URLs (``http...``)
-  are forwarded unchanged, without a uuid; so is a request without images (its bytes as they
-  came).
+* An image is a content part of type ``image_url`` or ``input_image`` (or vLLM's short form,
+  an ``image_url`` part without a type) whose URL is a ``data:`` URL (base64; the scheme in any
+  case). All the request's images are encoded in one ``client.encode`` call; each one's part
+  gets ``"uuid": <its vitserve key>`` (replacing any the caller set) beside its ``image_url``,
+  which keeps the data URL (vLLM still sizes the prompt from the pixels, and they are its
+  fallback). Other URLs (``http...``) are forwarded unchanged, without a uuid; so is a request
+  without images (its bytes as they came). Any other content part naming a ``uuid`` is refused
+  (422): vLLM would take it as the image's identity, so a caller could name another tenant's
+  entry.
 * A request whose images fail is refused before anything is forwarded, with vitserve's errors
   (``{"error": {"type", "message", ...}}``): more image parts than
   ``limits.max_images_per_request`` 413 (counted before any image is decoded), a malformed data
@@ -33,7 +35,8 @@ Invariants:
   Every forwarded answer carries ``x-vitserve-images`` (image parts), ``x-vitserve-uploaded``
   and ``x-vitserve-cached`` (distinct images the SDK uploaded / found in the store: together,
   the request's distinct images), counted in ``vitserve_vllm_front_images_total{kind}`` too,
-  and ``x-vitserve-vllm``, the URL of the vLLM server that answered.
+  and ``x-vitserve-vllm``, the index in ``vllm.urls`` of the vLLM server that answered (not
+  its address: no internal address in an answer).
 * The caller's ``Authorization`` never reaches vLLM: with ``vllm.api_key`` set the front sends
   ``Authorization: Bearer <api_key>``, else none.
 
@@ -41,14 +44,15 @@ Routes (under ``vllm.route_prefix``, default ``/vllm``):
 
 * ``POST /v1/chat/completions``: as above.
 * ``GET /v1/models``: a vLLM server's model list, passed through (503 if none answers).
-* ``GET /healthz``: status, the vLLM servers' URLs and where the encoder is reached.
+* ``GET /healthz``: status, how many vLLM servers and how the encoder is reached (no
+  internal address).
 * ``GET /metrics``: this node's ``vitserve_*`` metrics.
 
 With the config's ``auth`` on, the ``/v1`` routes need ``Authorization: Bearer <token>`` (401
 otherwise) and images are encoded with the caller's token, through one client per tenant (as
 the prefill application does), so their keys are in the tenant's namespace.
 
-``serve run vitserve.deployments.vllm_front:build_app vllm.urls=http://vllm:8000`` starts it
+``serve run vitserve.deployments.vllm.app:build_app vllm.urls=http://vllm:8000`` starts it
 alone (against a running encoder application named by ``vllm.encoder_app``, or
 ``vllm.encoder_url``); ``vitserve serve --vllm-url http://vllm:8000`` runs both.
 """
@@ -69,19 +73,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.concurrency import run_in_threadpool
 
-from vitserve.deployments import metrics
-from vitserve.deployments import requests as parse
-from vitserve.deployments.auth import Authenticator, Tenant, bearer_token
-from vitserve.deployments.chat import DATA_URL
-from vitserve.deployments.config import VitserveConfig
-from vitserve.deployments.lifecycle import Draining
-from vitserve.deployments.prefill import TenantClients
-from vitserve.deployments.responses import (
+from vitserve.deployments.common import metrics
+from vitserve.deployments.common import requests as parse
+from vitserve.deployments.common.auth import Gate, Tenant, bearer_token
+from vitserve.deployments.common.clients import TenantClients
+from vitserve.deployments.common.config import VitserveConfig
+from vitserve.deployments.common.lifecycle import Draining
+from vitserve.deployments.common.requests import DATA_URL
+from vitserve.deployments.common.responses import (
     error_response,
     error_responses,
     install_error_handlers,
     metrics_response,
 )
+from vitserve.deployments.common.serving import as_deployment, deployment_options
 from vitserve.errors import (
     ConfigError,
     ImageError,
@@ -122,10 +127,35 @@ class Image:
     data: bytes
 
 
+#: content part types whose ``image_url`` the front keys (vLLM reads both)
+IMAGE_PART_TYPES = ("image_url", "input_image")
+
+
 def _is_image_part(part: Any) -> bool:
     return isinstance(part, dict) and (
-        part.get("type") == "image_url" or ("type" not in part and "image_url" in part)
+        part.get("type") in IMAGE_PART_TYPES or ("type" not in part and "image_url" in part)
     )
+
+
+def _is_data_url(url: Any) -> bool:
+    return isinstance(url, str) and url[:5].lower() == "data:"  # a scheme is case-insensitive
+
+
+def _no_caller_uuids(messages: Any) -> None:
+    """MalformedRequestError for a content part that names a ``uuid`` the front does not set
+    itself: vLLM takes a part's ``uuid`` as the image's identity (its caches, and the
+    connector's key into vitserve's store), so a caller's would name another's entry."""
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and "uuid" in part:
+                if _is_image_part(part) and _is_data_url(_url(part)):
+                    continue  # the front replaces it with the image's own key
+                raise MalformedRequestError(
+                    "a content part names a 'uuid': the vitserve front sets an image's uuid "
+                    "(its key) from the image's bytes; remove it (remote image URLs and other "
+                    "parts go to vLLM without one)"
+                )
 
 
 def _url(part: dict[str, Any]) -> Any:
@@ -137,8 +167,7 @@ def data_url_bytes(url: str, index: int) -> bytes:
     """The bytes of a base64 ``data:`` URL (MalformedRequestError naming image ``index``)."""
     m = DATA_URL.match(url)
     if m is None or not m["b64"]:
-        raise MalformedRequestError(f"image {index}: a data: URL must be "
-                                    "data:<type>;base64,<data>")  # fmt: skip
+        raise MalformedRequestError(f"image {index}: a data: URL must be data:<type>;base64,<data>")
     try:
         return base64.b64decode(m["data"], validate=True)
     except (binascii.Error, ValueError):
@@ -151,15 +180,20 @@ def request_images(body: Any, max_images: int) -> tuple[int, list[Image]]:
     if not isinstance(body, dict):
         raise MalformedRequestError("a chat completions request is a JSON object")
     messages = body.get("messages")
-    parts = [part for message in (messages if isinstance(messages, list) else ())
-             if isinstance(message, dict) and isinstance(message.get("content"), list)
-             for part in message["content"] if _is_image_part(part)]  # fmt: skip
+    parts = [
+        part
+        for message in (messages if isinstance(messages, list) else ())
+        if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for part in message["content"]
+        if _is_image_part(part)
+    ]
     if len(parts) > max_images:
         raise LimitExceededError("max_images_per_request", len(parts), max_images)
+    _no_caller_uuids(messages)
     images = []
     for index, part in enumerate(parts):
         url = _url(part)
-        if isinstance(url, str) and url.startswith("data:"):
+        if _is_data_url(url):
             images.append(Image(part, index, data_url_bytes(url, index)))
     return len(parts), images
 
@@ -174,8 +208,9 @@ class Prepared:
     cached: int = 0  # distinct images the store held already
 
     def headers(self) -> dict[str, str]:
-        return dict(zip(COUNT_HEADERS, map(str, (self.images, self.uploaded, self.cached)),
-                        strict=True))  # fmt: skip
+        return dict(
+            zip(COUNT_HEADERS, map(str, (self.images, self.uploaded, self.cached)), strict=True)
+        )
 
 
 def upstream_headers(incoming: Mapping[str, str], api_key: str | None) -> dict[str, str]:
@@ -189,66 +224,88 @@ def upstream_headers(incoming: Mapping[str, str], api_key: str | None) -> dict[s
 
 
 # -- the vLLM servers -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Server:
+    """One of ``vllm.urls``: answers name it by its index (``name``, ``x-vitserve-vllm``), the
+    log by its URL too: no internal address in an answer."""
+
+    index: int
+    url: str
+
+    @property
+    def name(self) -> str:
+        return f"vLLM server {self.index}"
+
+
 class Upstreams:
     """The vLLM servers: one pooled ``httpx.AsyncClient`` each, taken round robin."""
 
-    def __init__(self, urls: list[str], connect_s: float, read_s: float,
-                 max_connections: int) -> None:  # fmt: skip
+    def __init__(
+        self, urls: list[str], connect_s: float, read_s: float, max_connections: int
+    ) -> None:
         if not urls:
             raise ConfigError("the vLLM front needs at least one vLLM server URL (vllm.urls)")
         self.urls = list(urls)
         timeout = httpx.Timeout(read_s, connect=connect_s, pool=connect_s)
         limits = httpx.Limits(max_connections=max_connections)
-        self.clients = [httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits)
-                        for url in urls]  # fmt: skip
+        self.clients = [
+            httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) for url in urls
+        ]
         self._turn = itertools.count()
 
-    async def send(self, method: str, path: str, headers: dict[str, str],
-                   content: bytes | None = None) -> tuple[str, httpx.Response]:  # fmt: skip
-        """(the server's URL, its answer, its body still to read) from the next server in turn
-        that can be reached; ServiceUnavailableError (503) when none can be, or when the one
-        that took the request gave no answer in time."""
+    async def send(
+        self, method: str, path: str, headers: dict[str, str], content: bytes | None = None
+    ) -> tuple[Server, httpx.Response]:
+        """(the server, its answer, its body still to read) from the next server in turn that
+        can be reached; ServiceUnavailableError (503) when none can be, or when the one that
+        took the request gave no answer in time."""
         first = next(self._turn) % len(self.urls)
         failed = []
         for i in range(first, first + len(self.urls)):
-            url, client = self.urls[i % len(self.urls)], self.clients[i % len(self.urls)]
+            server = Server(i % len(self.urls), self.urls[i % len(self.urls)])
+            client = self.clients[server.index]
             request = client.build_request(method, path, headers=headers, content=content)
             try:
-                return url, await client.send(request, stream=True)
+                return server, await client.send(request, stream=True)
             except NOT_RECEIVED as exc:
-                failed.append(f"{url}: {type(exc).__name__}")
-                log.warning("vLLM server %s cannot be reached: %r", url, exc)
+                failed.append(f"{server.name}: {type(exc).__name__}")
+                log.warning("%s (%s) cannot be reached: %r", server.name, server.url, exc)
             except httpx.TransportError as exc:  # it took the request: not sent elsewhere
-                raise ServiceUnavailableError(f"vLLM server {url}", f"no answer: "
-                                              f"{type(exc).__name__}: {exc}") from None  # fmt: skip
-        raise ServiceUnavailableError("vLLM", "no server could be reached (" + "; ".join(failed)
-                                      + ")")  # fmt: skip
+                log.warning("%s (%s) gave no answer: %r", server.name, server.url, exc)
+                raise ServiceUnavailableError(
+                    server.name, f"no answer: {type(exc).__name__}"
+                ) from None
+        raise ServiceUnavailableError("vLLM", f"no server could be reached ({'; '.join(failed)})")
 
     async def aclose(self) -> None:
         for client in self.clients:
             await client.aclose()
 
 
-async def passed_through(url: str, response: httpx.Response,
-                         headers: dict[str, str]) -> Response:  # fmt: skip
+async def passed_through(
+    server: Server, response: httpx.Response, headers: dict[str, str]
+) -> Response:
     """vLLM's answer as the front's: its status, content type and body bytes (an SSE stream
     relayed chunk by chunk), with ``headers`` added."""
     ctype = response.headers.get("content-type")
     headers = {**headers, **({"content-type": ctype} if ctype else {})}  # kept as it is
     if ctype and ctype.startswith("text/event-stream"):
-        return StreamingResponse(_relay(url, response), status_code=response.status_code,
-                                 headers=headers)  # fmt: skip
+        return StreamingResponse(
+            _relay(server, response), status_code=response.status_code, headers=headers
+        )
     try:
         body = await response.aread()
     except httpx.TransportError as exc:
-        raise ServiceUnavailableError(f"vLLM server {url}", f"answer cut short: "
-                                      f"{type(exc).__name__}: {exc}") from None  # fmt: skip
+        log.warning("%s (%s): answer cut short: %r", server.name, server.url, exc)
+        raise ServiceUnavailableError(
+            server.name, f"answer cut short: {type(exc).__name__}"
+        ) from None
     finally:
         await response.aclose()
     return Response(body, status_code=response.status_code, headers=headers)
 
 
-async def _relay(url: str, response: httpx.Response) -> AsyncIterator[bytes]:
+async def _relay(server: Server, response: httpx.Response) -> AsyncIterator[bytes]:
     """The stream's bytes as they come; a stream cut short ends with an error event (no
     ``[DONE]``), as vLLM ends a stream that fails. The caller gone: vLLM's connection closes
     (vLLM aborts the request)."""
@@ -256,9 +313,8 @@ async def _relay(url: str, response: httpx.Response) -> AsyncIterator[bytes]:
         async for chunk in response.aiter_raw():
             yield chunk
     except httpx.TransportError as exc:
-        log.warning("vLLM stream from %s cut short: %r", url, exc)
-        error = ServiceUnavailableError(f"vLLM server {url}", f"stream cut short: "
-                                        f"{type(exc).__name__}")  # fmt: skip
+        log.warning("%s (%s): stream cut short: %r", server.name, server.url, exc)
+        error = ServiceUnavailableError(server.name, f"stream cut short: {type(exc).__name__}")
         yield f"data: {json.dumps({'error': error.to_dict()})}\n\n".encode()
     finally:
         await response.aclose()
@@ -271,11 +327,12 @@ class VllmFront:
     def __init__(self, config: dict[str, Any]) -> None:
         self.cfg = VitserveConfig.model_validate(config)
         v = self.cfg.vllm
-        self.upstreams = Upstreams(v.urls, v.connect_timeout_s, v.read_timeout_s,
-                                   v.max_ongoing_requests)  # fmt: skip
+        self.upstreams = Upstreams(
+            v.urls, v.connect_timeout_s, v.read_timeout_s, v.max_ongoing_requests
+        )
         self.api_key = v.api_key.get_secret_value() if v.api_key is not None else None
         self.clients = TenantClients(self.cfg, self.cfg.vllm)  # made at a first request
-        self.auth = Authenticator.from_config(self.cfg)  # None: auth off
+        self.gate = Gate(self.cfg)  # who calls (None: auth off), within the tenant's rate
 
     def _prepare(self, raw: bytearray, tenant: Tenant | None, token: str | None) -> Prepared:
         """The body to forward: the request's images encoded, each named by its key (blocking:
@@ -300,16 +357,18 @@ class VllmFront:
 
     def _authenticate(self, request: Request) -> tuple[Tenant | None, str | None]:
         token = bearer_token(request.headers.get("authorization"))
-        return (None if self.auth is None else self.auth.tenant(token)), token
+        return self.gate.caller(token), token
 
     def _error(self, exc: VitserveError, route: str) -> Response:
         metrics.inc("requests_total", route=route, status=str(exc.http_status))
         retry = self.cfg.vllm.retry_after_s
         return error_response(exc, {"Retry-After": str(retry)} if exc.http_status == 503 else None)
 
-    @api.post("/v1/chat/completions",
-              summary="OpenAI chat completions, forwarded to vLLM with the images encoded",
-              responses=error_responses(401, 408, 413, 415, 422, 503))  # fmt: skip
+    @api.post(
+        "/v1/chat/completions",
+        summary="OpenAI chat completions, forwarded to vLLM with the images encoded",
+        responses=error_responses(401, 408, 413, 415, 422, 429, 503),
+    )
     async def completions(self, request: Request) -> Response:
         try:
             tenant, token = self._authenticate(request)  # before the body
@@ -317,29 +376,39 @@ class VllmFront:
             limits = self.cfg.limits
             raw = await parse.read_body(request, limits.max_request_bytes, limits.body_timeout_s)
             prepared = await run_in_threadpool(self._prepare, raw, tenant, token)
-            counts = {"sent": prepared.images, "uploaded": prepared.uploaded,
-                      "cached": prepared.cached}  # fmt: skip
+            counts = {
+                "sent": prepared.images,
+                "uploaded": prepared.uploaded,
+                "cached": prepared.cached,
+            }
             for kind, count in counts.items():
                 metrics.inc("vllm_front_images_total", count, kind=kind)
-            url, response = await self.upstreams.send(
-                "POST", "/v1/chat/completions", upstream_headers(request.headers, self.api_key),
-                prepared.content)  # fmt: skip
-            answer = await passed_through(url, response,
-                                          {**prepared.headers(), REPLICA_HEADER: url})  # fmt: skip
+            server, response = await self.upstreams.send(
+                "POST",
+                "/v1/chat/completions",
+                upstream_headers(request.headers, self.api_key),
+                prepared.content,
+            )
+            answer = await passed_through(
+                server, response, {**prepared.headers(), REPLICA_HEADER: str(server.index)}
+            )
         except VitserveError as exc:
             return self._error(exc, "vllm_chat")
         metrics.inc("requests_total", route="vllm_chat", status=str(answer.status_code))
         return answer
 
-    @api.get("/v1/models", summary="A vLLM server's model list, passed through",
-             responses=error_responses(401, 503))  # fmt: skip
+    @api.get(
+        "/v1/models",
+        summary="A vLLM server's model list, passed through",
+        responses=error_responses(401, 429, 503),
+    )
     async def models(self, request: Request) -> Response:
         try:
             self._authenticate(request)
-            url, response = await self.upstreams.send(
+            server, response = await self.upstreams.send(
                 "GET", "/v1/models", upstream_headers(request.headers, self.api_key)
             )
-            answer = await passed_through(url, response, {})
+            answer = await passed_through(server, response, {})
         except VitserveError as exc:
             return self._error(exc, "vllm_models")
         metrics.inc("requests_total", route="vllm_models", status=str(answer.status_code))
@@ -348,23 +417,28 @@ class VllmFront:
     @api.get("/healthz", summary="Liveness, the vLLM servers and where the encoder is reached")
     async def healthz(self) -> Response:
         v = self.cfg.vllm
-        return JSONResponse({"status": "ok", "urls": v.urls,
-                             "encoder": v.encoder_url or f"app {v.encoder_app}"})  # fmt: skip
+        return JSONResponse(
+            {  # how many and how, not where: no internal address in an answer
+                "status": "ok",
+                "servers": len(v.urls),
+                "encoder": "by URL" if v.encoder_url else f"app {v.encoder_app}",
+            }
+        )
 
     @api.get("/metrics", summary="This node's vitserve metrics (Prometheus text format)")
-    async def metrics_page(self) -> Response:
-        return await metrics_response()
+    async def metrics_page(self, request: Request) -> Response:
+        return await metrics_response(self.gate.scrape, request.headers.get("authorization"))
 
 
 def build_vllm_application(cfg: VitserveConfig) -> Any:
     """The bound vLLM front for ``cfg`` (no model is loaded: vLLM has it, the encoder its
     vision tower); ConfigError without ``vllm.urls``."""
-    from vitserve.deployments.app import deployment_options
-
     if not cfg.vllm.urls:
-        raise ConfigError("the vLLM front needs at least one vLLM server URL (vllm.urls, or "
-                          "vitserve serve --vllm-url)")  # fmt: skip
-    return VllmFront.options(**deployment_options(cfg.vllm)).bind(cfg.model_dump())
+        raise ConfigError(
+            "the vLLM front needs at least one vLLM server URL (vllm.urls, or "
+            "vitserve serve --vllm-url)"
+        )
+    return as_deployment(VllmFront).options(**deployment_options(cfg.vllm)).bind(cfg.model_dump())
 
 
 def build_app(args: Mapping[str, Any]) -> Any:

@@ -1,28 +1,31 @@
-"""Model-family adapters: one per family, all behind :class:`FamilyAdapter`."""
+"""The torch side of the model families: one adapter per kind of tower, behind
+:class:`FamilyAdapter`.
+
+What a family is (its tower kind, classes, checkpoint prefixes, dimensions' names) is its spec
+in :mod:`vitserve.families`; the adapters here are the torch code of each
+:class:`~vitserve.families.spec.Tower` kind and read the rest from the spec. A new family whose
+tower is one of these kinds needs no code here.
+"""
 
 from __future__ import annotations
 
 from vitserve.encoder.families.base import FamilyAdapter, ImageFeatures, PreparedImage
 from vitserve.encoder.families.fixed_size import Gemma3Adapter, LlavaAdapter
 from vitserve.encoder.families.qwen import QwenAdapter
-from vitserve.errors import UnsupportedModelError
+from vitserve.families import family_spec
+from vitserve.families.spec import Tower
 
-ADAPTERS: dict[str, type[FamilyAdapter]] = {
-    family: adapter
-    for adapter in (QwenAdapter, LlavaAdapter, Gemma3Adapter)
-    for family in adapter.families
+ADAPTERS: dict[Tower, type[FamilyAdapter]] = {
+    Tower.PACKED: QwenAdapter,
+    Tower.FIXED_SIZE: LlavaAdapter,
+    Tower.FIXED_SIZE_POOLED: Gemma3Adapter,
 }
 
 
 def adapter_class(model_type: str, *, model: str = "") -> type[FamilyAdapter]:
-    """The adapter for a transformers ``model_type``; UnsupportedModelError if there is none."""
-    try:
-        return ADAPTERS[model_type]
-    except KeyError:
-        raise UnsupportedModelError(
-            model or model_type,
-            f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(ADAPTERS))}",
-        ) from None
+    """The adapter for a transformers ``model_type`` (its spec's tower kind);
+    UnsupportedModelError if vitserve has no spec for it."""
+    return ADAPTERS[family_spec(model_type, model=model).vision.tower]
 
 
 __all__ = ["ADAPTERS", "FamilyAdapter", "ImageFeatures", "PreparedImage", "adapter_class"]

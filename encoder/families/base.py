@@ -27,6 +27,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from vitserve.encoder.work import ResizeRule
+from vitserve.errors import ModelLoadError
+from vitserve.families import family_spec
+from vitserve.families.spec import FamilySpec
 
 if TYPE_CHECKING:
     import torch
@@ -34,8 +37,9 @@ if TYPE_CHECKING:
 
 # Pixel arrays that arrive through Ray's object store are read-only; the tower only reads them
 # (pack_rows copies them into its input buffer), so torch's warning about it is noise.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
-                        category=UserWarning)  # fmt: skip
+warnings.filterwarnings(
+    "ignore", message="The given NumPy array is not writable", category=UserWarning
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +84,12 @@ class TowerShape:
 class FamilyAdapter(ABC):
     """One model family's vision side: preprocessing, buckets, costs and the batched forward.
 
-    Subclasses declare ``families`` (transformers ``model_type`` values) and
-    ``weight_prefixes``: for each module the loader builds, the checkpoint tensor-name prefixes
-    (regular expressions, one per checkpoint layout, most specific first) whose tensors it holds.
+    A subclass is the torch code of one kind of tower (:class:`~vitserve.families.spec.Tower`);
+    what differs between the families of a kind is read from ``self.spec``, the family's
+    :class:`~vitserve.families.spec.FamilySpec` (the modules the loader builds, and their
+    checkpoint prefixes, are the spec's ``checkpoint.vision_prefixes``).
     """
 
-    families: ClassVar[tuple[str, ...]]
-    weight_prefixes: ClassVar[Mapping[str, tuple[str, ...]]]
     # True when a forward packs its images into one sequence (never pads); False when it stacks
     # them, padding each to the batch's longest sequence (zero for a uniform bucket).
     packs_sequences: ClassVar[bool] = False
@@ -101,6 +104,7 @@ class FamilyAdapter(ABC):
         dtype: torch.dtype,
     ) -> None:
         self.config = config
+        self.spec: FamilySpec = family_spec(str(config.model_type))
         self.processor = processor
         self.modules = dict(modules)
         self.device = device
@@ -112,17 +116,23 @@ class FamilyAdapter(ABC):
     # -- construction ------------------------------------------------------------------------
     @classmethod
     @abstractmethod
-    def build_modules(cls, config: Any) -> dict[str, torch.nn.Module]:
-        """Instantiate the vision modules (tower, projector) from the full VLM config.
+    def build_modules(cls, spec: FamilySpec, config: Any) -> dict[str, torch.nn.Module]:
+        """Instantiate the vision modules (tower, projector) of ``spec``'s family from the full
+        VLM config.
 
         Called by the loader with weight initialisation disabled; the language model is never
         built.
         """
 
     @classmethod
-    def check_processor(cls, processor: Any) -> None:
-        """Raise ModelLoadError for processor settings this adapter cannot serve."""
-        del processor  # every setting is servable unless a family says otherwise
+    def check_processor(cls, spec: FamilySpec, processor: Any) -> None:
+        """Raise ModelLoadError for processor settings the family cannot serve (its spec's
+        ``vision.refused_processor_settings`` that are on)."""
+        for setting in spec.vision.refused_processor_settings:
+            if getattr(processor, setting, False):
+                raise ModelLoadError(
+                    spec.model_type, f"image processing with {setting} is not supported"
+                )
 
     # -- per image (CPU) ---------------------------------------------------------------------
     @abstractmethod
@@ -195,7 +205,7 @@ def pack_rows(
     straight into its slice of the batch buffer, converted to ``dtype`` on the way (the tower
     needs one contiguous input; there is no intermediate concatenated float32 array).
     """
-    import torch
+    import torch  # heavy: the loaders import the adapters and stay torch-free
 
     total = sum(a.shape[0] for a in arrays)
     out = torch.empty((total, *arrays[0].shape[1:]), dtype=dtype, device=device)

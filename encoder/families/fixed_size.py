@@ -1,22 +1,30 @@
-"""LLaVA (CLIP tower + MLP projector) and Gemma 3 (SigLIP tower + pooling projector).
+"""Fixed-size towers: LLaVA-style (``Tower.FIXED_SIZE``: CLIP tower, feature layers, MLP
+projector; LLaVA, VipLLaVA) and Gemma 3 (``Tower.FIXED_SIZE_POOLED``: SigLIP tower + pooling
+projector).
 
 Both processors resize every image to one fixed square, so every image of a model lands in one
 bucket and a batch is a plain ``[B, C, H, W]`` stack: no padding, no packing. The projector runs
 once over the whole batch's ``[B, seq, width]`` features.
 
-* LLaVA: features are the hidden states after ``config.vision_feature_layer`` (an index, or a
-  list whose layers are concatenated), with the CLS row dropped for the ``default`` select
-  strategy (kept for ``full``), then ``multi_modal_projector``.
+* LLaVA-style: features are the hidden states after ``config.vision_feature_layer`` (an index,
+  or a list whose layers are concatenated), with the CLS row dropped for the ``default`` select
+  strategy (kept for ``full``; a config without ``vision_feature_select_strategy`` is
+  ``default``), then the spec's projector.
 * Gemma 3: the SigLIP tower's last hidden state, average-pooled to ``mm_tokens_per_image``
   tokens, normalised and projected by ``multi_modal_projector``. Pan-and-scan crops are not
-  supported (refused at load).
+  supported (refused at load: the spec's ``refused_processor_settings``).
+
+The projector class, the CLS row and the token count are read from the family's spec.
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
+
+from PIL import Image
 
 from vitserve.encoder.families.base import (
     FamilyAdapter,
@@ -27,29 +35,19 @@ from vitserve.encoder.families.base import (
 )
 from vitserve.encoder.work import ResizeRule
 from vitserve.errors import ModelLoadError
-
-# Hub checkpoints put the tower and projector at the top level (and the tower's weights under
-# ``vision_model.``); the in-memory model has them under ``model.`` without ``vision_model.``.
-_PREFIXES = {
-    "tower": (r"model\.vision_tower\.", r"vision_tower\.vision_model\.", r"vision_tower\."),
-    "projector": (r"model\.multi_modal_projector\.", r"multi_modal_projector\."),
-}
+from vitserve.families.spec import FamilySpec, config_value
 
 
 class FixedSizeAdapter(FamilyAdapter):
     """Shared by towers that see one fixed input size (CLIP, SigLIP)."""
 
-    weight_prefixes: ClassVar = _PREFIXES
-    has_cls: ClassVar[bool]
-    projector_class: ClassVar[tuple[str, str]]  # (module, class name) in transformers
-
     @classmethod
-    def build_modules(cls, config: Any) -> dict[str, Any]:
-        import importlib
-
+    def build_modules(cls, spec: FamilySpec, config: Any) -> dict[str, Any]:
+        # heavy: the loaders import the adapters and stay torch-free
         from transformers import AutoModel
 
-        module, name = cls.projector_class
+        assert spec.vision.projector_class is not None  # a fixed-size tower has a projector
+        module, name = spec.vision.projector_class
         projector = getattr(importlib.import_module(module), name)(config)
         tower = AutoModel.from_config(config.vision_config, attn_implementation="sdpa")
         return {"tower": tower, "projector": projector}
@@ -80,16 +78,18 @@ class FixedSizeAdapter(FamilyAdapter):
     def resize_rule(self) -> ResizeRule:
         """Every image becomes one array of the processor's output size: read off a blank
         image once (no weights needed)."""
-        from PIL import Image
-
         prepared = self.preprocess(Image.new("RGB", (8, 8)), "")
         channels, height, width = prepared.pixels.shape
-        return ResizeRule(patch_size=int(self.config.vision_config.patch_size),
-                          channels=int(channels), fixed=(int(height), int(width)),
-                          fixed_tokens=prepared.num_tokens)  # fmt: skip
+        return ResizeRule(
+            patch_size=int(self.config.vision_config.patch_size),
+            channels=int(channels),
+            fixed=(int(height), int(width)),
+            fixed_tokens=prepared.num_tokens,
+        )
 
     def output_widths(self) -> dict[str, int]:
-        return {"embedding": int(self.config.text_config.hidden_size)}  # the projector's out
+        # The projector's output: the language model's width.
+        return {"embedding": int(config_value(self.config, self.spec.vision.output_width))}
 
     def preprocess(self, image: Any, key: str) -> PreparedImage:
         out = self.processor(images=[image], return_tensors="np")
@@ -108,12 +108,12 @@ class FixedSizeAdapter(FamilyAdapter):
             grid=None,
             num_tokens=self.num_tokens(patches),
             patches=patches,
-            seq_len=patches + int(self.has_cls),
+            seq_len=patches + int(self.spec.vision.cls_row),
             bucket=(self.config.model_type, height, width),
         )
 
     def forward(self, batch: Sequence[PreparedImage]) -> list[ImageFeatures]:
-        import torch
+        import torch  # heavy: the loaders import the adapters and stay torch-free
 
         pixels = pack_rows([p.pixels[None] for p in batch], device=self.device, dtype=self.dtype)
         with torch.inference_mode():
@@ -127,26 +127,22 @@ class FixedSizeAdapter(FamilyAdapter):
 
 
 class LlavaAdapter(FixedSizeAdapter):
-    families = ("llava",)
-    has_cls = True
-    projector_class = ("transformers.models.llava.modeling_llava", "LlavaMultiModalProjector")
-
     @property
     def strategy(self) -> str:
-        return self.config.vision_feature_select_strategy
+        return getattr(self.config, "vision_feature_select_strategy", "default")
 
     def num_tokens(self, patches: int) -> int:
         return patches + (1 if self.strategy == "full" else 0)
 
     def settings(self) -> dict[str, Any]:
         return {
-            "family": "llava",
+            "family": self.spec.model_type,
             "feature_layer": self.config.vision_feature_layer,
             "select_strategy": self.strategy,
         }
 
     def _features(self, pixels: Any) -> Any:
-        import torch
+        import torch  # heavy: the loaders import the adapters and stay torch-free
 
         out = self.tower(pixels, output_hidden_states=True, return_dict=True)
         layers = self.config.vision_feature_layer
@@ -158,20 +154,15 @@ class LlavaAdapter(FixedSizeAdapter):
 
 
 class Gemma3Adapter(FixedSizeAdapter):
-    families = ("gemma3",)
-    has_cls = False
-    projector_class = ("transformers.models.gemma3.modeling_gemma3", "Gemma3MultiModalProjector")
-
-    @classmethod
-    def check_processor(cls, processor: Any) -> None:
-        if getattr(processor, "do_pan_and_scan", False):
-            raise ModelLoadError("gemma3", "pan-and-scan image processing is not supported")
+    @property
+    def tokens_per_image(self) -> int:
+        return int(getattr(self.config, str(self.spec.placeholders.count)))
 
     def num_tokens(self, patches: int) -> int:
-        return int(self.config.mm_tokens_per_image)
+        return self.tokens_per_image
 
     def settings(self) -> dict[str, Any]:
-        return {"family": "gemma3", "mm_tokens_per_image": self.config.mm_tokens_per_image}
+        return {"family": self.spec.model_type, "mm_tokens_per_image": self.tokens_per_image}
 
     def _features(self, pixels: Any) -> Any:
         hidden = self.tower(pixel_values=pixels, return_dict=True).last_hidden_state

@@ -1,4 +1,4 @@
-"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: packed variable-resolution towers.
+"""Packed variable-resolution towers (``Tower.PACKED``): Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
 
 The processor turns an image into ``t*h*w`` flattened patches and a ``(t, h, w)`` grid; the
 tower takes the patches of any number of images concatenated along the sequence, with one grid
@@ -11,10 +11,15 @@ as ``extras["deepstack_<i>"]``.
 Buckets: images whose patch counts fall in the same power-of-two class share a bucket. Packing
 never pads, so the bucket only keeps a forward's images of similar cost, which keeps a small
 image from waiting on a huge one's forward.
+
+What differs between the families is read from their specs (``spec.vision``): the tower class,
+the config names of its dimensions, a gated MLP, window attention, the output width's config
+path and deepstack features.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -26,32 +31,16 @@ from vitserve.encoder.families.base import (
     pack_rows,
 )
 from vitserve.encoder.work import ResizeRule
-
-_TOWER_CLASSES = {
-    "qwen2_vl": (
-        "transformers.models.qwen2_vl.modeling_qwen2_vl",
-        "Qwen2VisionTransformerPretrainedModel",
-    ),
-    "qwen2_5_vl": (
-        "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
-        "Qwen2_5_VisionTransformerPretrainedModel",
-    ),
-    "qwen3_vl": ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionModel"),
-}
+from vitserve.families.spec import FamilySpec, config_value
 
 
 class QwenAdapter(FamilyAdapter):
-    families = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-    # Hub checkpoints of Qwen2/2.5-VL name the tower ``visual.*``; the in-memory model (and
-    # Qwen3-VL checkpoints) use ``model.visual.*``.
-    weight_prefixes: ClassVar = {"tower": (r"model\.visual\.", r"visual\.")}
     packs_sequences: ClassVar = True
 
     @classmethod
-    def build_modules(cls, config: Any) -> dict[str, Any]:
-        import importlib
-
-        module_name, class_name = _TOWER_CLASSES[config.model_type]
+    def build_modules(cls, spec: FamilySpec, config: Any) -> dict[str, Any]:
+        assert spec.vision.tower_class is not None  # a packed tower names its class
+        module_name, class_name = spec.vision.tower_class
         tower_cls = getattr(importlib.import_module(module_name), class_name)
         return {"tower": tower_cls._from_config(config.vision_config, attn_implementation="sdpa")}
 
@@ -66,15 +55,15 @@ class QwenAdapter(FamilyAdapter):
     @property
     def tower_shape(self) -> TowerShape:
         v = self.config.vision_config
-        family = self.config.model_type
-        width = v.embed_dim if family == "qwen2_vl" else v.hidden_size
-        mlp = int(v.embed_dim * v.mlp_ratio) if family == "qwen2_vl" else v.intermediate_size
+        names = self.spec.vision
+        width = int(getattr(v, names.width))
+        mlp = getattr(v, names.mlp)
         return TowerShape(
             width=width,
-            depth=v.depth,
-            heads=v.num_heads,
-            mlp=mlp,
-            mlp_matrices=3 if family == "qwen2_5_vl" else 2,
+            depth=int(getattr(v, names.depth)),
+            heads=int(getattr(v, names.heads)),
+            mlp=int(width * mlp) if names.mlp_is_ratio else int(mlp),
+            mlp_matrices=3 if names.gated_mlp else 2,
             patch_dim=v.in_channels * v.temporal_patch_size * v.patch_size**2,
         )
 
@@ -87,19 +76,26 @@ class QwenAdapter(FamilyAdapter):
 
     def resize_rule(self) -> ResizeRule:
         p = self.processor
-        return ResizeRule(patch_size=int(p.patch_size), channels=3,
-                          merge_size=int(p.merge_size),
-                          temporal_patch_size=int(p.temporal_patch_size),
-                          min_pixels=int(p.size.shortest_edge),
-                          max_pixels=int(p.size.longest_edge))  # fmt: skip
+        return ResizeRule(
+            patch_size=int(p.patch_size),
+            channels=3,
+            merge_size=int(p.merge_size),
+            temporal_patch_size=int(p.temporal_patch_size),
+            min_pixels=int(p.size.shortest_edge),
+            max_pixels=int(p.size.longest_edge),
+        )
 
     def output_widths(self) -> dict[str, int]:
-        v = self.config.vision_config
-        # Qwen2-VL's merger projects to the vision config's hidden_size (the LLM's); 2.5 and 3
-        # name it out_hidden_size. Qwen3-VL's deepstack features have the same width.
-        width = int(v.hidden_size if self.config.model_type == "qwen2_vl" else v.out_hidden_size)
-        deepstack = getattr(v, "deepstack_visual_indexes", None) or []
-        return {"embedding": width} | {f"deepstack_{j}": width for j in range(len(deepstack))}
+        # The merger's width (Qwen2-VL: vision_config.hidden_size; 2.5 and 3: out_hidden_size);
+        # Qwen3-VL's deepstack features have the same width.
+        width = int(config_value(self.config, self.spec.vision.output_width))
+        levels = self._deepstack_levels()
+        return {"embedding": width} | {f"deepstack_{j}": width for j in range(levels)}
+
+    def _deepstack_levels(self) -> int:
+        if not self.spec.vision.deepstack:
+            return 0
+        return len(self.config.vision_config.deepstack_visual_indexes or [])
 
     def preprocess(self, image: Any, key: str) -> PreparedImage:
         out = self.processor(images=[image], return_tensors="np")
@@ -116,7 +112,7 @@ class QwenAdapter(FamilyAdapter):
         )
 
     def attention_span(self, p: PreparedImage) -> float:
-        if self.config.model_type != "qwen2_5_vl":
+        if not self.spec.vision.window_attention:
             return float(p.seq_len)
         # Qwen2.5-VL attends within windows of window_size pixels in all but its full-attention
         # blocks.
@@ -126,7 +122,7 @@ class QwenAdapter(FamilyAdapter):
         return (full * p.seq_len + (v.depth - full) * window) / v.depth
 
     def forward(self, batch: Sequence[PreparedImage]) -> list[ImageFeatures]:
-        import torch
+        import torch  # heavy: the loaders import the adapters and stay torch-free
 
         pixels = pack_rows([p.pixels for p in batch], device=self.device, dtype=self.dtype)
         grid = torch.tensor([p.grid for p in batch], dtype=torch.long, device=self.device)

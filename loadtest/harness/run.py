@@ -35,7 +35,7 @@ AGENT_NOTE = (
     "re-sent images never reach the ingress's store lookup: the service's hit rate stays ~0; "
     "the reuse shows as images sent (images/s) vs images encoded."
 )
-# Autoscaling on work (vitserve.deployments.autoscaling) on the embedded default (2 CPUs:
+# Autoscaling on work (vitserve.deployments.encoder.autoscaling) on the embedded default (2 CPUs:
 # ingress + encoders of 0.5 CPU each), short delays so the step shows both directions, unless
 # --set overrides.
 STEP_SET = [
@@ -85,7 +85,7 @@ def run_scenario(name: str, args: argparse.Namespace, progress: Any) -> Path:
     if name == "step" and not args.set:
         extra = [f for s in STEP_SET for f in ("--set", s)]
     if not url:
-        from vitserve.deployments.local import free_port
+        from vitserve.deployments.runner.local import free_port
 
         srv = server.Server(free_port(), extra, out)
         progress.log(f"{name}: starting vitserve serve {' '.join(extra)}")

@@ -49,7 +49,7 @@ def _poll_replicas(path: str, stop: threading.Event) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from vitserve.deployments.cli import main as cli_main
+    from vitserve.deployments.runner.cli import main as cli_main
 
     path = os.environ.get("LOADTEST_REPLICAS_LOG")
     stop = threading.Event()

@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.conftest import STORE_KIND_NEEDS
+
 STORE_KINDS = ("memory", "node", "redis", "tiered")
 
 
@@ -22,16 +24,21 @@ class StoreMaker:
         self.opened: list = []
         self.node_actors: list[str] = []
 
-    def __call__(self, *, namespace: str | None = None, max_bytes: int | None = None,
-                 ttl_s: float | None = None):  # fmt: skip
+    def __call__(
+        self,
+        *,
+        namespace: str | None = None,
+        max_bytes: int | None = None,
+        ttl_s: float | None = None,
+    ):
         ns = namespace if namespace is not None else uuid.uuid4().hex[:12]
         store = self._open(ns, max_bytes, ttl_s, shared_with=None)
         self.opened.append(store)
         return store
 
     def peer(self, store):
-        other = self._open(store.namespace, getattr(store, "max_bytes", None), store.ttl_s,
-                           shared_with=store)  # fmt: skip
+        max_bytes = getattr(store.connection, "max_bytes", None)
+        other = self._open(store.namespace, max_bytes, store.ttl_s, shared_with=store)
         self.opened.append(other)
         return other
 
@@ -47,14 +54,15 @@ class StoreMaker:
 
             self.request.getfixturevalue("ray_cluster")
             if shared_with is not None:
-                name = shared_with.actor_name
+                name = shared_with.connection.actor_name
             elif max_bytes is None:
                 name = "vitserve-test-node-shared"  # one actor for the session; namespaces isolate
             else:  # a budget of its own needs an actor of its own
                 name = f"vitserve-test-node-{uuid.uuid4().hex[:8]}"
                 self.node_actors.append(name)
-            return NodeStore(namespace=ns, ttl_s=ttl_s, max_bytes=max_bytes or 1 << 30,
-                             actor_name=name)  # fmt: skip
+            return NodeStore(
+                namespace=ns, ttl_s=ttl_s, max_bytes=max_bytes or 1 << 30, actor_name=name
+            )
         from vitserve.cache.redis_store import RedisStore
         from vitserve.cache.tiered import TieredStore
 
@@ -84,7 +92,10 @@ class StoreMaker:
 
 
 @pytest.fixture(params=STORE_KINDS)
-def make_store(request: pytest.FixtureRequest, redis_url: str) -> Iterator[Callable]:
+def make_store(request: pytest.FixtureRequest) -> Iterator[Callable]:
+    # only the kinds that need Redis ask for it: the memory kind's tests are in the fast tier
+    needs_redis = "redis" in STORE_KIND_NEEDS[request.param]
+    redis_url = request.getfixturevalue("redis_url") if needs_redis else ""
     maker = StoreMaker(request.param, request, redis_url)
     yield maker
     maker.close()

@@ -46,8 +46,14 @@ def test_bf16_words_become_torch_bfloat16_without_a_copy() -> None:
 
     original = torch.randn(40, 24, dtype=torch.bfloat16)
     words = original.view(torch.int16).numpy().view(np.uint16)
-    record = EmbeddingRecord(key="a" * 64, fingerprint="f", dtype="bf16", num_tokens=40,
-                             grid=None, tensors={"embedding": words})  # fmt: skip
+    record = EmbeddingRecord(
+        key="a" * 64,
+        fingerprint="f",
+        dtype="bf16",
+        num_tokens=40,
+        grid=None,
+        tensors={"embedding": words},
+    )
     decoded = decode_record(encode_record(record)).embedding
     with warnings.catch_warnings():  # torch warns that the view is read-only; it is meant to be
         warnings.simplefilter("ignore", UserWarning)
@@ -111,21 +117,34 @@ def test_encode_validates_its_input() -> None:
 
 
 def test_zero_token_record() -> None:
-    empty = EmbeddingRecord(key="c" * 64, fingerprint="f", dtype="fp32", num_tokens=0, grid=None,
-                            tensors={"embedding": np.zeros((0, 16), np.float32)})  # fmt: skip
+    empty = EmbeddingRecord(
+        key="c" * 64,
+        fingerprint="f",
+        dtype="fp32",
+        num_tokens=0,
+        grid=None,
+        tensors={"embedding": np.zeros((0, 16), np.float32)},
+    )
     assert decode_record(encode_record(empty)).embedding.shape == (0, 16)
 
 
 def _fields(r: EmbeddingRecord) -> dict:
-    return {f: getattr(r, f) for f in ("key", "fingerprint", "dtype", "num_tokens", "grid",
-                                       "tensors")}  # fmt: skip
+    return {
+        f: getattr(r, f) for f in ("key", "fingerprint", "dtype", "num_tokens", "grid", "tensors")
+    }
 
 
 @pytest.mark.parametrize(
     "n, step",
-    [(8192 * 16, 8192), (8192 * 16 + 100, 8192), (1000, 96), (7 * 16384 * 5 + 13, 7 * 16384),
-     (4096, 8192), (0, 4096)],
-)  # fmt: skip
+    [
+        (8192 * 16, 8192),
+        (8192 * 16 + 100, 8192),
+        (1000, 96),
+        (7 * 16384 * 5 + 13, 7 * 16384),
+        (4096, 8192),
+        (0, 4096),
+    ],
+)
 def test_block_digests_are_each_blocks_digest(n: int, step: int) -> None:
     """The vectorised pass gives, block for block, what _digest gives (the sums stored by
     older writers still check)."""

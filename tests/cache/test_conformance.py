@@ -29,8 +29,10 @@ def _assert_same(got, want, rows: slice = slice(None)) -> None:
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 def test_round_trip_every_dtype(make_store, dtype: str) -> None:
     store = make_store()
-    records = [make_record(rows=r, width=48, dtype=dtype, extras=e, seed=r)
-               for r, e in [(1, 0), (77, 0), (300, 3)]]  # fmt: skip
+    records = [
+        make_record(rows=r, width=48, dtype=dtype, extras=e, seed=r)
+        for r, e in [(1, 0), (77, 0), (300, 3)]
+    ]
     store.put_many(records)
     got = store.get_many([r.key for r in records])
     for g, r in zip(got, records, strict=True):
@@ -139,7 +141,7 @@ def test_lru_eviction_holds_the_byte_budget(make_store) -> None:
     def held(recs: list) -> list[bool]:
         # A tiered store's budget is its local tier's (the shared tier still serves evictees).
         if store.kind == "tiered":
-            return store.local.exists_many([store.full_key(r.key) for r in recs])
+            return store.connection.local.exists([store.full_key(r.key) for r in recs])
         return store.exists_many([r.key for r in recs])
 
     if exact:
@@ -287,9 +289,16 @@ def _corruptions(record, other) -> dict[str, bytes]:
 
 @pytest.mark.parametrize(
     "case",
-    ["flipped payload byte", "truncated", "wrong key", "garbage header", "newer format version",
-     "not a record", "short prefix"],
-)  # fmt: skip
+    [
+        "flipped payload byte",
+        "truncated",
+        "wrong key",
+        "garbage header",
+        "newer format version",
+        "not a record",
+        "short prefix",
+    ],
+)
 def test_corrupt_values_are_misses_never_data(make_store, case: str) -> None:
     store = make_store()
     record = make_record(rows=300, width=64, seed=11)
@@ -312,8 +321,10 @@ def test_corrupt_values_are_misses_never_data(make_store, case: str) -> None:
 
 def test_headers_and_raw_values(make_store) -> None:
     store = make_store()
-    records = [make_record(rows=40, width=16, dtype="bf16", seed=21),
-               make_record(rows=7, width=8, seed=22)]  # fmt: skip
+    records = [
+        make_record(rows=40, width=16, dtype="bf16", seed=21),
+        make_record(rows=7, width=8, seed=22),
+    ]
     store.put_many(records)
     missing = new_key()
     headers = store.headers_many([records[0].key, missing, records[1].key])

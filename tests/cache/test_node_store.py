@@ -113,7 +113,8 @@ def test_entries_survive_the_death_of_their_publisher(ray_cluster, actor_name) -
     print(f"the publisher's own object was lost {time.monotonic() - died:.2f} s after its death")
     # ... what it published through the store actor did not: the actor owns those objects.
     reader = NodeStore(actor_name=name)
-    assert reader.actor_pid != pid and reader.actor_node_id == reader.node_id
+    conn = reader.connection
+    assert conn.actor_pid != pid and conn.actor_node_id == conn.node_id
     for got, want in zip(reader.get_many([r.key for r in records]), records, strict=True):
         _assert_same(got, want)
     assert reader.stats()["entries"] == 3
@@ -150,8 +151,10 @@ def test_reads_are_zero_copy_views_of_the_object_store(ray_cluster, actor_name) 
 
     allocated, got = _peak_allocation(lambda: store.get(record.key))
     fixed, _ = _peak_allocation(lambda: store.get(tiny.key))
-    print(f"\nget of a {payload >> 20} MiB record: peak allocation {allocated} bytes "
-          f"(of a {tiny.nbytes}-byte record: {fixed})")  # fmt: skip
+    print(
+        f"\nget of a {payload >> 20} MiB record: peak allocation {allocated} bytes "
+        f"(of a {tiny.nbytes}-byte record: {fixed})"
+    )
     # Ray's ray.get has a fixed transient (~1 MiB here, whatever the size); what grows with the
     # payload would be a copy: there is none.
     assert allocated - fixed < payload // 1000
@@ -259,9 +262,10 @@ def test_processes_share_entries_and_one_node_wide_budget(actor_name, remote_ope
 
 def test_default_actor_is_per_node_and_found_by_every_opener(ray_cluster) -> None:
     first, second = NodeStore(namespace="ns-a"), NodeStore(namespace="ns-b")
-    assert first.actor_name == default_actor_name(first.node_id) == second.actor_name
-    assert first.actor_pid == second.actor_pid
-    assert first.actor_node_id == first.node_id
+    a, b = first.connection, second.connection
+    assert a.actor_name == default_actor_name(a.node_id) == b.actor_name
+    assert a.actor_pid == b.actor_pid
+    assert a.actor_node_id == a.node_id
 
 
 def test_unreachable_actor_fails_fast_then_heals(ray_cluster, actor_name) -> None:
@@ -272,11 +276,15 @@ def test_unreachable_actor_fails_fast_then_heals(ray_cluster, actor_name) -> Non
     store = NodeStore(actor_name=name, timeout_s=0.5)
 
     # A hung actor (its process stopped): every call gives up after timeout_s.
-    os.kill(store.actor_pid, signal.SIGSTOP)
+    os.kill(store.connection.actor_pid, signal.SIGSTOP)
     waited = []
     try:
-        for call in (lambda: store.get(record.key), lambda: store.exists_many([record.key]),
-                     lambda: store.claim(record.key, ttl_s=5), store.stats):  # fmt: skip
+        for call in (
+            lambda: store.get(record.key),
+            lambda: store.exists_many([record.key]),
+            lambda: store.claim(record.key, ttl_s=5),
+            store.stats,
+        ):
             start = time.monotonic()
             with pytest.raises(StoreUnavailableError) as err:
                 call()
@@ -284,10 +292,12 @@ def test_unreachable_actor_fails_fast_then_heals(ray_cluster, actor_name) -> Non
             assert 0.45 <= waited[-1] < 3 * 0.5, waited  # at its timeout, not a multiple
             assert err.value.retryable and "timed out" in err.value.reason
     finally:
-        os.kill(store.actor_pid, signal.SIGCONT)
+        os.kill(store.connection.actor_pid, signal.SIGCONT)
     assert store.stats()["errors"] == 4
     _assert_same(store.get(record.key), record)  # the actor is back, entries intact
-    assert not store._claimed(store.full_key(record.key))  # the timed-out claim was undone
+    assert not store.connection.claimed(
+        store.full_key(record.key)
+    )  # the timed-out claim was undone
 
     # A dead actor: the next call fails at once; the one after re-creates it (empty).
     _kill_and_wait(ray, ray.get_actor(name, namespace=RAY_NAMESPACE), "stats")
@@ -298,9 +308,11 @@ def test_unreachable_actor_fails_fast_then_heals(ray_cluster, actor_name) -> Non
     # at once: sooner than any of the calls above, which each waited out the timeout
     assert failed_in < min(waited), (failed_in, waited)
     assert err.value.retryable and "Actor" in err.value.reason, err.value.reason
-    print(f"\ncall to a dead store actor failed in {failed_in * 1e3:.0f} ms "
-          f"(hung: {min(waited):.2f} s): {err.value.reason}")  # fmt: skip
-    store.timeout_s = 10.0  # re-creating the actor starts a process: more than 0.5 s
+    print(
+        f"\ncall to a dead store actor failed in {failed_in * 1e3:.0f} ms "
+        f"(hung: {min(waited):.2f} s): {err.value.reason}"
+    )
+    store.connection.timeout_s = 10.0  # re-creating the actor starts a process: more than 0.5 s
     assert store.exists_many([record.key]) == [False]
     assert store.stats()["entries"] == 0
     assert store.stats()["errors"] == 5
@@ -328,8 +340,13 @@ def test_a_process_without_ray_joins_the_cluster_or_fails_fast(ray_cluster, acto
 
     def run(address: str) -> list[str]:
         env = {**os.environ, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled"}
-        out = subprocess.run([sys.executable, "-c", _OPEN_WITHOUT_INIT, name, record.key],
-                             env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", _OPEN_WITHOUT_INIT, name, record.key],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout.split()
 

@@ -49,10 +49,10 @@ def _refused(store: RedisStore, *secrets: str) -> StoreError:
     started = time.monotonic()
     with pytest.raises(StoreError) as info:
         store.get_many([new_key()])
-    assert time.monotonic() - started < 2 * store.timeout_s + 1  # no hang, no retry loop
+    assert time.monotonic() - started < 2 * store.connection.timeout_s + 1  # no hang, no retry loop
     exc = info.value
-    text = f"{exc} {exc.to_dict()} {store!r} {store.name}"
-    assert store.name in str(exc)
+    text = f"{exc} {exc.to_dict()} {store!r} {store.connection.name}"
+    assert store.connection.name in str(exc)
     for secret in secrets:
         assert secret not in text
     return exc
@@ -77,9 +77,14 @@ def _try_bad(counts: list[int], store: RedisStore, *secrets: str) -> StoreError:
 def test_password_and_acl_user_in_the_url(spawn_redis, bad_logins, reliability) -> None:
     _requirepass(spawn_redis, bad_logins)
     _acl_user(spawn_redis, bad_logins)
-    reliability.record("Redis AUTH / ACL user: wrong or missing credentials",
-                       tried=bad_logins[0], failed=bad_logins[1], wrong=0, lost=0,
-                       note="requirepass and ACL servers; failed = logins that got in")  # fmt: skip
+    reliability.record(
+        "Redis AUTH / ACL user: wrong or missing credentials",
+        tried=bad_logins[0],
+        failed=bad_logins[1],
+        wrong=0,
+        lost=0,
+        note="requirepass and ACL servers; failed = logins that got in",
+    )
 
 
 def _requirepass(spawn_redis, bad_logins: list[int]) -> None:
@@ -87,7 +92,7 @@ def _requirepass(spawn_redis, bad_logins: list[int]) -> None:
     server = spawn_redis("--requirepass", PASSWORD)
     base = f"127.0.0.1:{server.port}/0"
     store = open_store(f"redis://:{PASSWORD}@{base}?timeout_s={TIMEOUT_S}", namespace="auth")
-    assert store.name == f"redis {base}" and PASSWORD not in repr(store)
+    assert store.connection.name == f"redis {base}" and PASSWORD not in repr(store)
     _round_trip(store)
     # a tiered URL carries the nested URL's password through to its shared tier
     tiered = open_store(tiered_url("memory://", f"redis://:{PASSWORD}@{base}"), namespace="t")
@@ -104,14 +109,18 @@ def _acl_user(spawn_redis, bad_logins: list[int]) -> None:
     """An ACL user (name and password, ``default`` off), with characters that need
     percent-encoding in its password."""
     password = PASSWORD + "@:/%"
-    server = spawn_redis("--user", "default", "off",
-                         "--user", USER, "on", f">{password}", "~vsm:*", "+@all")  # fmt: skip
+    server = spawn_redis(
+        "--user", "default", "off", "--user", USER, "on", f">{password}", "~vsm:*", "+@all"
+    )
     base = f"127.0.0.1:{server.port}/0"
     store = open_store(f"redis://{USER}:{quote(password, safe='')}@{base}", namespace="acl")
-    assert store.name == f"redis {USER}@{base}"
+    assert store.connection.name == f"redis {USER}@{base}"
     _round_trip(store)
-    for url in (f"redis://{USER}:{WRONG}@{base}", f"redis://:{quote(password, safe='')}@{base}",
-                f"redis://{base}"):  # fmt: skip
+    for url in (
+        f"redis://{USER}:{WRONG}@{base}",
+        f"redis://:{quote(password, safe='')}@{base}",
+        f"redis://{base}",
+    ):
         exc = _try_bad(bad_logins, open_store(url + f"?timeout_s={TIMEOUT_S}"), password, WRONG)
         assert not exc.retryable
     # the user may touch only its prefix: another prefix is refused by the server, clearly
@@ -142,19 +151,29 @@ def _certificates(folder: Path) -> dict[str, Path]:
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
         signer_key, signer_name = issuer or (key, subject)
-        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(signer_name)
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(hours=1)))  # fmt: skip
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(signer_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+        )
         for extension, critical in extensions:
             builder = builder.add_extension(extension, critical=critical)
         return key, builder.sign(signer_key, hashes.SHA256())
 
     def save(name: str, key, cert) -> None:
         write(name, cert.public_bytes(serialization.Encoding.PEM))
-        write(f"{name}-key", key.private_bytes(serialization.Encoding.PEM,
-                                               serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))  # fmt: skip
+        write(
+            f"{name}-key",
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            ),
+        )
 
     ca_ext = (x509.BasicConstraints(ca=True, path_length=None), True)
     ca_key, ca = issue("vitserve test CA", None, ca_ext)
@@ -190,10 +209,24 @@ class TlsRedisServer(RedisServer):
 def tls_server(tmp_path: Path) -> Iterator[tuple[TlsRedisServer, dict[str, Path]]]:
     certs = _certificates(tmp_path)
     server = TlsRedisServer(
-        "--tls-cert-file", str(certs["server"]), "--tls-key-file", str(certs["server-key"]),
-        "--tls-ca-cert-file", str(certs["ca"]), "--tls-auth-clients", "yes",
-        "--user", "default", "off", "--user", USER, "on", f">{PASSWORD}", "~vsm:*", "+@all",
-    )  # fmt: skip
+        "--tls-cert-file",
+        str(certs["server"]),
+        "--tls-key-file",
+        str(certs["server-key"]),
+        "--tls-ca-cert-file",
+        str(certs["ca"]),
+        "--tls-auth-clients",
+        "yes",
+        "--user",
+        "default",
+        "off",
+        "--user",
+        USER,
+        "on",
+        f">{PASSWORD}",
+        "~vsm:*",
+        "+@all",
+    )
     yield server, certs
     server.kill()
 
@@ -204,29 +237,37 @@ def test_tls_with_client_certificate_and_acl_user(tls_server, bad_logins, reliab
     client = f"ssl_certfile={certs['client']}&ssl_keyfile={certs['client-key']}"
     url = f"rediss://{USER}:{PASSWORD}@{base}?ssl_ca_certs={certs['ca']}&{client}"
     store = open_store(f"{url}&timeout_s={TIMEOUT_S}", namespace="tls")
-    assert store.name == f"rediss {USER}@{base}"
+    assert store.connection.name == f"rediss {USER}@{base}"
     _round_trip(store)
     tiered = open_store(tiered_url("memory://", url), namespace="tls-tiered")  # TLS nested
     _round_trip(tiered)
     # an untrusted server certificate: refused for good (not retryable), naming the store
-    untrusted = open_store(f"rediss://{USER}:{PASSWORD}@{base}?ssl_ca_certs={certs['other-ca']}"
-                           f"&{client}&timeout_s={TIMEOUT_S}")  # fmt: skip
+    untrusted = open_store(
+        f"rediss://{USER}:{PASSWORD}@{base}?ssl_ca_certs={certs['other-ca']}"
+        f"&{client}&timeout_s={TIMEOUT_S}"
+    )
     exc = _try_bad(bad_logins, untrusted, PASSWORD)
     assert "not trusted" in str(exc) and not exc.retryable
     # the right CA but a wrong password
     exc = _try_bad(bad_logins, open_store(url.replace(PASSWORD, WRONG)), PASSWORD, WRONG)
     assert "credentials" in str(exc)
     # no client certificate: the server ends the handshake; an error naming the store
-    no_cert = open_store(f"rediss://{USER}:{PASSWORD}@{base}?ssl_ca_certs={certs['ca']}"
-                         f"&timeout_s={TIMEOUT_S}")  # fmt: skip
+    no_cert = open_store(
+        f"rediss://{USER}:{PASSWORD}@{base}?ssl_ca_certs={certs['ca']}&timeout_s={TIMEOUT_S}"
+    )
     _try_bad(bad_logins, no_cert, PASSWORD)
     # plain TCP to the TLS port gets no answer it can use
     _try_bad(bad_logins, open_store(f"redis://{USER}:{PASSWORD}@{base}?timeout_s=1"), PASSWORD)
     for s in (store, tiered):
         s.close()
-    reliability.record("Redis TLS + ACL: untrusted CA, no client certificate, wrong password, "
-                       "plain TCP", tried=bad_logins[0], failed=bad_logins[1], wrong=0, lost=0,
-                       note="TLS-only server; failed = connections that got in")  # fmt: skip
+    reliability.record(
+        "Redis TLS + ACL: untrusted CA, no client certificate, wrong password, plain TCP",
+        tried=bad_logins[0],
+        failed=bad_logins[1],
+        wrong=0,
+        lost=0,
+        note="TLS-only server; failed = connections that got in",
+    )
 
 
 @pytest.mark.parametrize(
@@ -260,15 +301,19 @@ def test_redact_url() -> None:
 
 
 def test_no_secret_in_config_log_cli_line_or_errors(monkeypatch, capsys) -> None:
-    from vitserve.deployments import cli, local
-    from vitserve.deployments.config import VitserveConfig
+    from vitserve.deployments.common.config import VitserveConfig
+    from vitserve.deployments.runner import cli, local
 
     token = "tok-" + PASSWORD + "-0123456789"
     reader = f"redis://reader:{PASSWORD}r@vitserve-redis:6379/0"
-    store = tiered_url("node://", f"rediss://{USER}:{PASSWORD}@vitserve-redis:6380/0"
-                                  "?ssl_ca_certs=/etc/ca.pem")  # fmt: skip
-    overrides = {"store": store, "prefill.store": reader,
-                 "auth": {"tokens": [{"tenant": "a", "token": token}]}}  # fmt: skip
+    store = tiered_url(
+        "node://", f"rediss://{USER}:{PASSWORD}@vitserve-redis:6380/0?ssl_ca_certs=/etc/ca.pem"
+    )
+    overrides = {
+        "store": store,
+        "prefill.store": reader,
+        "auth": {"tokens": [{"tenant": "a", "token": token}]},
+    }
     cfg = VitserveConfig.load(overrides, environ={})
     secrets = (PASSWORD, token)
 

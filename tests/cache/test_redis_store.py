@@ -64,18 +64,20 @@ def open_redis(redis_url: str) -> Iterator[Callable[..., RedisStore]]:
 
 
 def _vkey(store: RedisStore, key: str) -> str:
-    return f"{store.prefix}:v:{store.full_key(key)}"
+    return f"{store.connection.prefix}:v:{store.full_key(key)}"
 
 
 def _ckey(store: RedisStore, key: str) -> str:
-    return f"{store.prefix}:c:{store.full_key(key)}"
+    return f"{store.connection.prefix}:c:{store.full_key(key)}"
 
 
 # -- layout, buffers, TTL ----------------------------------------------------------------------
 def test_smoke_layout_buffers_and_ttl(open_redis, raw: redis.Redis) -> None:
     store = open_redis()
-    records = [make_record(rows=50, width=64, dtype=d, extras=e, seed=i)
-               for i, (d, e) in enumerate([("fp32", 0), ("fp16", 2), ("bf16", 1)])]  # fmt: skip
+    records = [
+        make_record(rows=50, width=64, dtype=d, extras=e, seed=i)
+        for i, (d, e) in enumerate([("fp32", 0), ("fp16", 2), ("bf16", 1)])
+    ]
     store.put_many(records[:1])
     # already-encoded values in every buffer kind the publish path hands over
     encoded = encode_record(records[1])
@@ -180,7 +182,7 @@ def _assert_unavailable(store: RedisStore, call: Callable[[], object], limit_s: 
         call()
     elapsed = time.monotonic() - start
     assert elapsed < limit_s
-    assert info.value.retryable and info.value.store == store.name
+    assert info.value.retryable and info.value.store == store.connection.name
     return elapsed
 
 
@@ -190,16 +192,19 @@ def test_nothing_listening_fails_fast_on_every_operation(
     server = spawn_redis()
     server.kill()  # a free port where nothing listens
     store = open_redis(server.url, timeout_s=0.5)
-    assert store.name == f"redis 127.0.0.1:{server.port}/0"
+    assert store.connection.name == f"redis 127.0.0.1:{server.port}/0"
     ops = _every_operation(store)
     for call in ops.values():
-        _assert_unavailable(store, call, limit_s=store.timeout_s + 1)
+        _assert_unavailable(store, call, limit_s=store.connection.timeout_s + 1)
     assert store.stats()["errors"] == len(ops)
     # stats() never fails for want of INFO, and does not ask again right after a failure
     pipelines = []
-    real_pipeline = store._client.pipeline
-    monkeypatch.setattr(store._client, "pipeline",
-                        lambda *a, **k: pipelines.append(1) or real_pipeline(*a, **k))  # fmt: skip
+    real_pipeline = store.connection._client.pipeline
+    monkeypatch.setattr(
+        store.connection._client,
+        "pipeline",
+        lambda *a, **k: pipelines.append(1) or real_pipeline(*a, **k),
+    )
     stats = store.stats()
     assert "used_memory" not in stats and "errors" in stats
     assert pipelines == []  # INFO failed just above (in the errors check): not asked again
@@ -217,7 +222,7 @@ def test_killed_server_fails_within_the_timeout_and_the_pool_recovers(
 
     server.kill()  # SIGKILL: the pooled connections are dead
     for call in _every_operation(store).values():
-        _assert_unavailable(store, call, limit_s=store.timeout_s + 1)
+        _assert_unavailable(store, call, limit_s=store.connection.timeout_s + 1)
 
     server.start()  # same port, empty (no persistence)
     assert store.get(record.key) is None
@@ -238,7 +243,7 @@ def test_stopped_server_times_out_instead_of_hanging(spawn_redis, open_redis) ->
     server.proc.send_signal(signal.SIGSTOP)  # accepts TCP (kernel backlog) but never answers
     try:
         elapsed = [
-            _assert_unavailable(store, call, limit_s=store.timeout_s + 1)
+            _assert_unavailable(store, call, limit_s=store.connection.timeout_s + 1)
             for store in (pooled, fresh)
             for name, call in _every_operation(store).items()
             if name in ("get_many", "put_many", "get_rows", "claim")

@@ -7,23 +7,25 @@ import time
 import pytest
 
 from vitserve.cache import open_store, tiered_url
-from vitserve.cache.memory import MemoryStore
-from vitserve.cache.redis_store import RedisStore
+from vitserve.cache.memory import MemoryConnection, MemoryStore
+from vitserve.cache.redis_store import RedisConnection, RedisStore
 from vitserve.cache.testing import make_record
-from vitserve.cache.tiered import TieredStore
+from vitserve.cache.tiered import TieredConnection, TieredStore
 from vitserve.cache.urls import parse_size
 from vitserve.errors import ConfigError, StoreUnavailableError
 
 
 def test_urls_build_every_store(redis_url) -> None:
     memory = open_store("memory://?max_bytes=64MiB&ttl_s=30&namespace=t1")
-    assert isinstance(memory, MemoryStore)
-    assert (memory.max_bytes, memory.ttl_s, memory.namespace) == (64 * 2**20, 30.0, "t1")
+    assert isinstance(memory.connection, MemoryConnection)
+    assert (memory.connection.max_bytes, memory.ttl_s, memory.namespace) == (64 * 2**20, 30.0, "t1")
     redis_store = open_store(redis_url + "?timeout_s=0.5&prefix=x")
-    assert isinstance(redis_store, RedisStore)
+    assert isinstance(redis_store.connection, RedisConnection)
+    assert (redis_store.connection.timeout_s, redis_store.connection.prefix) == (0.5, "x")
     tiered = open_store(tiered_url("memory://?max_bytes=1GiB", redis_url, namespace="t2"))
-    assert isinstance(tiered, TieredStore) and tiered.namespace == "t2"
-    assert isinstance(tiered.local, MemoryStore) and isinstance(tiered.shared, RedisStore)
+    assert isinstance(tiered.connection, TieredConnection) and tiered.namespace == "t2"
+    tiers = tiered.connection
+    assert isinstance(tiers.local, MemoryConnection) and isinstance(tiers.shared, RedisConnection)
     record = make_record(seed=1)
     tiered.put_many([record])
     assert redis_store.exists_many([record.key]) == [False]  # other namespace and prefix
@@ -40,6 +42,7 @@ def test_urls_build_every_store(redis_url) -> None:
         ("tiered://?l1=memory://", "needs l1= and l2="),
         ("memory://?ttl_s=-1", "ttl_s must be positive"),
         ("memory://?namespace=a:b", "may not contain"),
+        (tiered_url("memory://?namespace=x", "memory://"), "tiers of a tiered store take no"),
     ],
 )
 def test_bad_urls_are_refused(url: str, message: str) -> None:
@@ -57,8 +60,11 @@ def test_redis_down_raises_unavailable_within_the_timeout(spawn_redis) -> None:
     server = spawn_redis()
     server.kill()  # a free port where nothing listens
     store = RedisStore(server.url, timeout_s=0.5)
-    for call in (lambda: store.get_many(["a" * 64]), lambda: store.put_many([make_record()]),
-                 lambda: store.exists_many(["a" * 64])):  # fmt: skip
+    for call in (
+        lambda: store.get_many(["a" * 64]),
+        lambda: store.put_many([make_record()]),
+        lambda: store.exists_many(["a" * 64]),
+    ):
         start = time.monotonic()
         with pytest.raises(StoreUnavailableError) as info:
             call()

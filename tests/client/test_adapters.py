@@ -36,7 +36,6 @@ from vitserve.cache.codec import EmbeddingRecord
 from vitserve.cache.testing import make_record
 from vitserve.client.adapters import (
     FAMILIES,
-    QWEN_FAMILIES,
     mrope_positions,
     transformers_forward,
     transformers_inputs,
@@ -52,12 +51,15 @@ from vitserve.encoder.testmodels import (
     pixel_inputs,
 )
 from vitserve.errors import ConfigError
+from vitserve.families import SPECS
+from vitserve.families.spec import Positions, VllmEmbeds
 
 SIZES = ((140, 84), (56, 112))  # (width, height): two images whose Qwen grids differ
 NEW_TOKENS = 8
 LOGIT_ATOL = 1e-4
+MROPE_FAMILIES = [f for f, s in SPECS.items() if s.positions is Positions.MROPE]
 # Families whose generate() takes the adapter's inputs (see the module docstring).
-GENERATE_TAKES_ADAPTER_INPUTS = ("qwen2_vl", "qwen2_5_vl", "llava")
+GENERATE_TAKES_ADAPTER_INPUTS = ("qwen2_vl", "qwen2_5_vl", "llava", "vipllava")
 
 
 def _images() -> list[bytes]:
@@ -99,13 +101,12 @@ def _pixel_side(path: Path, family: str, config: Any) -> tuple[dict[str, Any], l
     processor = AutoImageProcessor.from_pretrained(path)
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in _images()]
     pixels = dict(processor(images=pil, return_tensors="pt"))
-    if family in QWEN_FAMILIES:
+    count = SPECS[family].placeholders.count
+    if count is None:  # per image, from its grid
         merge = config.vision_config.spatial_merge_size
         counts = [int(g.prod()) // merge**2 for g in pixels["image_grid_thw"]]
-    elif family == "llava":
-        counts = [config.image_seq_length] * len(pil)
     else:
-        counts = [config.mm_tokens_per_image] * len(pil)
+        counts = [getattr(config, count)] * len(pil)
     return pixels, counts
 
 
@@ -118,8 +119,9 @@ def _greedy(model: Any, inputs: dict[str, Any], steps: int) -> list[int]:
     """Greedy decoding by hand: prefill through transformers_forward, then one token a step
     through the full model (``greedy_after_prefill``), stopping at the model's eos."""
     out = transformers_forward(model, inputs, use_cache=True)
-    return greedy_after_prefill(model, out, inputs["attention_mask"],
-                                inputs.get("position_ids"), steps, _eos(model))  # fmt: skip
+    return greedy_after_prefill(
+        model, out, inputs["attention_mask"], inputs.get("position_ids"), steps, _eos(model)
+    )
 
 
 # -- the adapters against the monolithic model ---------------------------------------------------
@@ -133,7 +135,7 @@ def test_served_embeddings_give_the_pixel_logits_and_tokens(
     pixels, counts = _pixel_side(tiny_models[family], family, model.config)
     records = served[family]
     assert [r.num_tokens for r in records] == counts
-    if family in QWEN_FAMILIES:
+    if SPECS[family].positions is Positions.MROPE:
         assert [r.grid for r in records] == [tuple(g) for g in pixels["image_grid_thw"].tolist()]
     ids = image_prompt(model.config, counts)
     on_pixels = pixel_inputs(model.config, ids, pixels)
@@ -169,16 +171,35 @@ def _qwen_ids(layout: list[Any], merge: int) -> tuple[list[int], list[tuple[int,
 
 
 LAYOUTS = {
-    "text-images-text": [1, 5, 6, VISION_START_ID, (1, 4, 6), VISION_END_ID, 7, 8,
-                         VISION_START_ID, (1, 8, 2), VISION_END_ID, 9],
-    "image-first-adjacent-image-last": [VISION_START_ID, (1, 2, 4), VISION_END_ID,
-                                        VISION_START_ID, (1, 6, 6), VISION_END_ID,
-                                        VISION_START_ID, (2, 4, 4)],
+    "text-images-text": [
+        1,
+        5,
+        6,
+        VISION_START_ID,
+        (1, 4, 6),
+        VISION_END_ID,
+        7,
+        8,
+        VISION_START_ID,
+        (1, 8, 2),
+        VISION_END_ID,
+        9,
+    ],
+    "image-first-adjacent-image-last": [
+        VISION_START_ID,
+        (1, 2, 4),
+        VISION_END_ID,
+        VISION_START_ID,
+        (1, 6, 6),
+        VISION_END_ID,
+        VISION_START_ID,
+        (2, 4, 4),
+    ],
     "text-only": [1, 5, 6, 7],
-}  # fmt: skip
+}
 
 
-@pytest.mark.parametrize("family", QWEN_FAMILIES)
+@pytest.mark.parametrize("family", MROPE_FAMILIES)
 def test_mrope_positions_equal_the_models_get_rope_index(family, tiny_models) -> None:
     import torch
 
@@ -199,14 +220,16 @@ def test_mrope_positions_equal_the_models_get_rope_index(family, tiny_models) ->
         assert delta == int(want_delta), name
 
 
-def _record(grid: tuple[int, int, int], hidden: int, *, levels: int = 0,
-            dtype: str = "fp32", seed: int = 0) -> EmbeddingRecord:  # fmt: skip
-    record = make_record(grid[0] * grid[1] * grid[2] // 4, hidden, dtype=dtype, extras=levels,
-                         seed=seed)  # fmt: skip
+def _record(
+    grid: tuple[int, int, int], hidden: int, *, levels: int = 0, dtype: str = "fp32", seed: int = 0
+) -> EmbeddingRecord:
+    record = make_record(
+        grid[0] * grid[1] * grid[2] // 4, hidden, dtype=dtype, extras=levels, seed=seed
+    )
     return dataclasses.replace(record, grid=grid)
 
 
-@pytest.mark.parametrize("family", QWEN_FAMILIES)
+@pytest.mark.parametrize("family", MROPE_FAMILIES)
 def test_positions_of_a_left_padded_prompt_equal_transformers(family, tiny_models) -> None:
     """With an attention mask, positions count only the kept tokens (padding gets 0)."""
     import torch
@@ -277,8 +300,12 @@ def test_bad_inputs_raise_config_errors(tiny_models) -> None:
     with pytest.raises(ConfigError, match="unknown family 'bert'"):
         transformers_inputs(SimpleNamespace(config=SimpleNamespace(model_type="bert")), ids, [])
     with pytest.raises(ConfigError, match="not contiguous"):
-        mrope_positions([*ids[:3], 9, *ids[3:]], [(1, 4, 6)], image_token_id=IMAGE_TOKEN_ID,
-                        spatial_merge_size=2)  # fmt: skip
+        mrope_positions(
+            [*ids[:3], 9, *ids[3:]],
+            [(1, 4, 6)],
+            image_token_id=IMAGE_TOKEN_ID,
+            spatial_merge_size=2,
+        )
 
 
 # -- vLLM ----------------------------------------------------------------------------------------
@@ -318,7 +345,7 @@ def test_vllm_inputs_of_bf16_records_stay_bf16() -> None:
     assert torch.equal(embeds.view(torch.uint16), torch.from_numpy(record.embedding.copy()))
 
 
-@pytest.mark.parametrize("family", [*QWEN_FAMILIES, "llava"])
+@pytest.mark.parametrize("family", [f for f, s in SPECS.items() if s.vllm is not VllmEmbeds.NONE])
 def test_vllm_inputs_of_served_records(family: str, served, tiny_models) -> None:
     from transformers import AutoConfig
 
@@ -326,14 +353,15 @@ def test_vllm_inputs_of_served_records(family: str, served, tiny_models) -> None
     hidden = config.get_text_config().hidden_size
     records = served[family]
     data = vllm_inputs(records, family=family)["image"]
-    if family == "llava":
+    if SPECS[family].vllm is VllmEmbeds.STACKED:
         assert tuple(data.shape) == (2, records[0].num_tokens, hidden)
         return
     levels = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or [])
     embeds = data["image_embeds"]
     assert tuple(embeds.shape) == (sum(r.num_tokens for r in records), hidden * (1 + levels))
-    np.testing.assert_array_equal(embeds[:, :hidden].numpy(),
-                                  np.concatenate([r.embedding for r in records]))  # fmt: skip
+    np.testing.assert_array_equal(
+        embeds[:, :hidden].numpy(), np.concatenate([r.embedding for r in records])
+    )
     assert data["image_grid_thw"].tolist() == [list(r.grid) for r in records]
 
 
@@ -350,7 +378,9 @@ def test_vllm_inputs_of_the_fixed_size_families() -> None:
 
 # -- layering ------------------------------------------------------------------------------------
 def test_importing_the_adapters_loads_no_torch() -> None:
-    code = ("import sys, vitserve.client.adapters\n"
-            "heavy = {'torch', 'transformers', 'ray', 'redis'} & set(sys.modules)\n"
-            "assert not heavy, heavy")  # fmt: skip
+    code = (
+        "import sys, vitserve.client.adapters\n"
+        "heavy = {'torch', 'transformers', 'ray', 'redis'} & set(sys.modules)\n"
+        "assert not heavy, heavy"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -22,9 +22,12 @@ from vitserve.client.transports import (
 from vitserve.errors import AuthenticationError
 
 TOKEN = "tenant-token-0123456789abcdef"
-CALLS = [ApiCall("healthz"), ApiCall("probe", {"keys": ["0" * 64]}),
-         ApiCall("encode", {"images": [b"\x89PNG"]}),
-         ApiCall("rows", [("0" * 64, 0, 1)])]  # fmt: skip
+CALLS = [
+    ApiCall("healthz"),
+    ApiCall("probe", {"keys": ["0" * 64]}),
+    ApiCall("encode", {"images": [b"\x89PNG"]}),
+    ApiCall("rows", [("0" * 64, 0, 1)]),
+]
 
 
 def _recording(seen: list[str | None]) -> httpx.MockTransport:
@@ -110,8 +113,13 @@ def test_a_service_that_wants_a_token_is_an_authentication_error() -> None:
         _describe(Reply(200, {"status": "ok", "auth": "bearer"}))
     assert missing.value.reason == "missing" and not missing.value.retryable
     # a wrong token: the service's 401 as the same class, fields kept
-    body = {"error": {"type": "AuthenticationError", "message": "the bearer token is not valid "
-                      "here", "reason": "invalid"}}  # fmt: skip
+    body = {
+        "error": {
+            "type": "AuthenticationError",
+            "message": "the bearer token is not valid here",
+            "reason": "invalid",
+        }
+    }
     with pytest.raises(AuthenticationError) as wrong:
         _describe(Reply(401, body))
     assert wrong.value.reason == "invalid" and wrong.value.http_status == 401

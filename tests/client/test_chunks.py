@@ -36,9 +36,14 @@ def test_text_only_chunks_need_nothing() -> None:
 
 @pytest.mark.parametrize(
     "spans, start, end",
-    [(SPANS, 5, 5), (SPANS, -1, 3), ([ImageSpan(0, 0)], 0, 1),
-     ([ImageSpan(5, 10), ImageSpan(10, 2)], 0, 20), ([ImageSpan(9, 1), ImageSpan(2, 1)], 0, 20)],
-)  # fmt: skip
+    [
+        (SPANS, 5, 5),
+        (SPANS, -1, 3),
+        ([ImageSpan(0, 0)], 0, 1),
+        ([ImageSpan(5, 10), ImageSpan(10, 2)], 0, 20),
+        ([ImageSpan(9, 1), ImageSpan(2, 1)], 0, 20),
+    ],
+)
 def test_bad_arguments_are_refused(spans, start: int, end: int) -> None:
     with pytest.raises(ConfigError):
         plan_chunk(spans, start, end)
@@ -117,16 +122,30 @@ def test_service_row_reads_are_split_by_the_byte_cap_and_joined_back() -> None:
 
     reads = [("a", 0, 10), ("b", 5, 7), ("c", 0, 3)]
     pieces = row_pieces(reads, max_rows=4)
-    assert pieces == [(0, ("a", 0, 4)), (0, ("a", 4, 8)), (0, ("a", 8, 10)), (1, ("b", 5, 7)),
-                      (2, ("c", 0, 3))]  # fmt: skip
+    assert pieces == [
+        (0, ("a", 0, 4)),
+        (0, ("a", 4, 8)),
+        (0, ("a", 8, 10)),
+        (1, ("b", 5, 7)),
+        (2, ("c", 0, 3)),
+    ]
     assert row_pieces(reads, max_rows=0) == list(enumerate(reads))  # no cap: whole reads
     batches = piece_batches(pieces, max_reads=3, max_bytes=4 * 100, row_bytes=100)
     assert all(sum(e - s for _, s, e in b) * 100 <= 400 and len(b) <= 3 for b in batches)
     assert [r for b in batches for r in b] == [r for _, r in pieces]
     rows = np.arange(40, dtype=np.float32).reshape(10, 4)
-    parts = [EmbeddingRecord(key="a", fingerprint="f", dtype="fp32", num_tokens=10, grid=None,
-                             tensors={"embedding": rows[s:e]}, row_start=s)
-             for s, e in ((0, 4), (4, 8), (8, 10))]  # fmt: skip
+    parts = [
+        EmbeddingRecord(
+            key="a",
+            fingerprint="f",
+            dtype="fp32",
+            num_tokens=10,
+            grid=None,
+            tensors={"embedding": rows[s:e]},
+            row_start=s,
+        )
+        for s, e in ((0, 4), (4, 8), (8, 10))
+    ]
     joined = join_rows(parts)
     assert joined is not None and joined.row_start == 0
     assert np.array_equal(joined.embedding, rows)

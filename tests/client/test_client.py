@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.blocking import Blocking
 from vitserve.cache.testing import expected_read_bytes
 from vitserve.client import AsyncEncoderClient, EncoderClient, ImageHandle, RetryPolicy
 from vitserve.encoder.testimages import make_image
@@ -24,43 +25,17 @@ from vitserve.keys import content_key
 pytestmark = pytest.mark.slow
 
 
-class Blocking:
-    """An AsyncEncoderClient whose coroutines run to completion on one private event loop, so
-    one test body drives both clients."""
-
-    def __init__(self, client: AsyncEncoderClient) -> None:
-        self.client = client
-        self.core = client.core
-        self.loop = asyncio.new_event_loop()
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.client, name)
-        if name == "iter_chunks":
-            return lambda *a, **k: self._drain(attr(*a, **k))
-        if asyncio.iscoroutinefunction(attr):
-            return lambda *a, **k: self.loop.run_until_complete(attr(*a, **k))
-        return attr
-
-    def _drain(self, chunks: Any) -> Iterator[Any]:
-        while True:
-            try:
-                yield self.loop.run_until_complete(chunks.__anext__())
-            except StopAsyncIteration:
-                return
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self.client.close())
-        self.loop.close()
-
-
 @pytest.fixture(params=["sync", "async"])
 def make_client(request) -> Iterator[Callable[..., Any]]:
     """``make_client(url, **kw)``: an EncoderClient, or a Blocking AsyncEncoderClient."""
     made: list[Any] = []
 
     def make(*args: Any, **kw: Any) -> Any:
-        client = (EncoderClient(*args, **kw) if request.param == "sync"
-                  else Blocking(AsyncEncoderClient(*args, **kw)))  # fmt: skip
+        client = (
+            EncoderClient(*args, **kw)
+            if request.param == "sync"
+            else Blocking(AsyncEncoderClient(*args, **kw))
+        )
         made.append(client)
         return client
 
@@ -97,8 +72,9 @@ def encoded_images(app) -> int:
 
 # -- hash first --------------------------------------------------------------------------------
 @pytest.mark.parametrize("direct", [True, False], ids=["store-probe", "http-probe"])
-def test_encode_uploads_only_what_the_store_lacks(make_client, redis_app, redis_url,
-                                                  direct: bool) -> None:  # fmt: skip
+def test_encode_uploads_only_what_the_store_lacks(
+    make_client, redis_app, redis_url, direct: bool
+) -> None:
     client = make_client(redis_app.url, store=redis_url if direct else None)
     images = fresh_images(3)
     before = encoded_images(redis_app)
@@ -106,8 +82,9 @@ def test_encode_uploads_only_what_the_store_lacks(make_client, redis_app, redis_
     assert [h.cached for h in handles] == [False] * 3
     assert encoded_images(redis_app) == before + 3
     model = client.describe()
-    assert [h.key for h in handles] == [content_key(b, model["fingerprint"], model["namespace"])
-                                        for b in images]  # fmt: skip
+    assert [h.key for h in handles] == [
+        content_key(b, model["fingerprint"], model["namespace"]) for b in images
+    ]
     # the service's own answer for the same images agrees, field by field
     served = redis_app.encode(images).json()["items"]
     assert [ImageHandle.from_item(item) for item in served] == [
@@ -168,8 +145,9 @@ def test_images_as_paths_bytes_and_pil_images_key_alike(make_client, redis_app, 
 
 # -- fetch per chunk -----------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["redis", "node"])
-def test_fetch_chunk_reads_only_the_rows_it_covers(make_client, redis_app, node_app, redis_url,
-                                                   kind: str) -> None:  # fmt: skip
+def test_fetch_chunk_reads_only_the_rows_it_covers(
+    make_client, redis_app, node_app, redis_url, kind: str
+) -> None:
     from vitserve.cache import open_store
 
     app = redis_app if kind == "redis" else node_app
@@ -278,8 +256,9 @@ def test_an_evicted_entry_is_encoded_again_when_the_client_has_the_image(
     chunk = client.fetch_chunk(handles, offsets, 0, offsets[1] + handles[1].num_tokens)
     assert encoded_images(redis_app) == before + 2
     for piece, rows in zip(chunk.pieces, chunk.embeddings, strict=True):
-        assert np.allclose(rows, want[piece.image].embedding[piece.row_start : piece.row_end],
-                           rtol=0, atol=1e-5)  # fmt: skip
+        assert np.allclose(
+            rows, want[piece.image].embedding[piece.row_start : piece.row_end], rtol=0, atol=1e-5
+        )
 
     # handles without their images (say, built from a probe): every missing key is named
     bare = [h for h in client.probe([h.key for h in handles]) if h is not None]
@@ -294,8 +273,9 @@ def test_an_evicted_entry_is_encoded_again_when_the_client_has_the_image(
 
 
 # -- the multi-turn agent scenario ----------------------------------------------------------------
-def test_multi_turn_uploads_and_encodes_one_image_per_turn(make_client, redis_app,
-                                                           redis_url) -> None:  # fmt: skip
+def test_multi_turn_uploads_and_encodes_one_image_per_turn(
+    make_client, redis_app, redis_url
+) -> None:
     """Each turn re-sends the whole conversation's images plus one new one (32 turns)."""
     from prometheus_client import CollectorRegistry
 
@@ -353,8 +333,11 @@ def test_the_serve_handle_transport_answers_as_http_does(node_app, flavor: str) 
     with EncoderClient(node_app.url) as http:
         want = http.encode(images)
         want_chunk = http.fetch_chunk(want, [0, 50], 10, 60)
-    client = (EncoderClient(handle=handle) if flavor == "sync"
-              else Blocking(AsyncEncoderClient(handle=handle)))  # fmt: skip
+    client = (
+        EncoderClient(handle=handle)
+        if flavor == "sync"
+        else Blocking(AsyncEncoderClient(handle=handle))
+    )
     try:
         got = client.encode(images)
         assert got == [ImageHandle(**{**vars_of(h), "cached": True}) for h in want]
@@ -401,8 +384,11 @@ def _outage(make_client, app, server) -> None:
 def _encoder_replicas(app_name: str) -> list[Any]:
     import ray
 
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
-             if "EncoderDeployment" in a["name"] and f"{app_name}#" in a["name"]]  # fmt: skip
+    names = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if "EncoderDeployment" in a["name"] and f"{app_name}#" in a["name"]
+    ]
     return [ray.get_actor(a["name"], namespace=a["namespace"]) for a in names]
 
 
@@ -424,13 +410,25 @@ def test_an_encoder_restart_between_calls_is_retried(make_client, deploy) -> Non
 
 # -- packaging ---------------------------------------------------------------------------------
 def test_importing_the_client_loads_no_heavy_dependency() -> None:
-    code = ("import sys, vitserve.client, vitserve.client.adapters, vitserve.client.ec_plan\n"
-            "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")  # fmt: skip
-    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                check=True).stdout.split())  # fmt: skip
+    code = (
+        "import sys, vitserve.client, vitserve.client.adapters, vitserve.client.ec_plan\n"
+        "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    )
+    loaded = set(
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.split()
+    )
     assert {"httpx", "numpy", "msgpack", "blake3"} <= loaded
-    assert not loaded & {"torch", "transformers", "ray", "redis", "PIL", "prometheus_client",
-                         "vllm"}  # fmt: skip
+    assert not loaded & {
+        "torch",
+        "transformers",
+        "ray",
+        "redis",
+        "PIL",
+        "prometheus_client",
+        "vllm",
+    }
 
 
 def test_the_client_installs_without_the_servers_dependencies() -> None:
@@ -455,11 +453,15 @@ def test_the_rows_route_answers_several_reads_in_one_body(redis_app, redis_url) 
     with EncoderClient(redis_app.url) as client:
         [handle] = client.encode(fresh_images(1))
     absent = "0" * 64
-    answer = httpx.post(f"{redis_app.url}/v1/rows",
-                        json={"reads": [[handle.key, 1, 3], [absent, 0, 1]]})  # fmt: skip
+    answer = httpx.post(
+        f"{redis_app.url}/v1/rows", json={"reads": [[handle.key, 1, 3], [absent, 0, 1]]}
+    )
     assert answer.status_code == 200, answer.text
     present, missing = unpack_records(answer.content)
     assert missing is None and decode_record(present, key=handle.key).num_tokens == 2
-    for bad, status in [({"reads": [["nothex", 0, 1]]}, 422), ({"reads": [[handle.key, 5, 2]]},
-                        422), ({"reads": [[handle.key, 0, 1]] * 1025}, 413)]:  # fmt: skip
+    for bad, status in [
+        ({"reads": [["nothex", 0, 1]]}, 422),
+        ({"reads": [[handle.key, 5, 2]]}, 422),
+        ({"reads": [[handle.key, 0, 1]] * 1025}, 413),
+    ]:
         assert httpx.post(f"{redis_app.url}/v1/rows", json=bad).status_code == status

@@ -18,8 +18,9 @@ def key(n: int) -> str:
 
 
 def handle(k: str, rows: int = 16, width: int = WIDTH) -> ImageHandle:
-    return ImageHandle(key=k, num_tokens=rows, grid=(1, 8, 8), dtype="fp32", shape=(rows, width),
-                       cached=True)  # fmt: skip
+    return ImageHandle(
+        key=k, num_tokens=rows, grid=(1, 8, 8), dtype="fp32", shape=(rows, width), cached=True
+    )
 
 
 def test_only_vitserve_keys_are_keys() -> None:
@@ -70,8 +71,14 @@ def test_a_failed_probe_is_a_miss_while_the_request_lives() -> None:
 
 def test_failed_loads_go_back_to_vllms_encoder_once_per_key() -> None:
     a, b, c = key(1), key(2), key(3)
-    plan = LoadPlan([ItemLoad("r1", 0, handle(a)), ItemLoad("r1", 1, handle(b)),
-                     ItemLoad("r2", 2, handle(a)), ItemLoad("r2", 0, handle(c))])  # fmt: skip
+    plan = LoadPlan(
+        [
+            ItemLoad("r1", 0, handle(a)),
+            ItemLoad("r1", 1, handle(b)),
+            ItemLoad("r2", 2, handle(a)),
+            ItemLoad("r2", 0, handle(c)),
+        ]
+    )
     # c is in vLLM's encoder cache already: not read; a is read once for both requests
     assert [h.key for h in plan.distinct({c: object()})] == [a, b]
     plan.loaded.add(b)

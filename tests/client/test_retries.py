@@ -71,8 +71,9 @@ FLAVORS = pytest.mark.parametrize("flavor", ["sync", "async"])
 @FLAVORS
 def test_429_is_retried_after_its_retry_after(flavor: str) -> None:
     ok = httpx.Response(200, json={"exists": [False], "items": [None]})
-    handler, times = service(_error(429, "BackpressureError", {"Retry-After": "0.2"},
-                                    queued=9, limit=8), ok)  # fmt: skip
+    handler, times = service(
+        _error(429, "BackpressureError", {"Retry-After": "0.2"}, queued=9, limit=8), ok
+    )
     assert run(flavor, handler) == [None]
     assert len(times) == 2 and times[1] - times[0] >= 0.19
 
@@ -90,13 +91,17 @@ def test_a_dropped_connection_is_retried_then_reported(flavor: str) -> None:
 
 @FLAVORS
 def test_what_a_retry_cannot_help_is_raised_at_once_as_its_own_class(flavor: str) -> None:
-    handler, times = service(_error(413, "LimitExceededError", limit="max_keys_per_probe",
-                                    value=9, allowed=8))  # fmt: skip
+    handler, times = service(
+        _error(413, "LimitExceededError", limit="max_keys_per_probe", value=9, allowed=8)
+    )
     with pytest.raises(LimitExceededError) as caught:
         run(flavor, handler)
     assert len(times) == 1
     assert (caught.value.limit, caught.value.value, caught.value.allowed) == (
-        "max_keys_per_probe", 9, 8)  # fmt: skip
+        "max_keys_per_probe",
+        9,
+        8,
+    )
 
 
 @FLAVORS

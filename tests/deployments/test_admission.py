@@ -1,5 +1,5 @@
-"""The encoder replica's work budget (``vitserve.deployments.admission``) alone, and the device
-queue's futures that outlive their caller."""
+"""The encoder replica's work budget (``vitserve.deployments.encoder.admission``) alone, and
+the device queue's futures that outlive their caller."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vitserve.deployments.admission import WorkBudget
-from vitserve.deployments.device_queue import DeviceQueue
+from vitserve.deployments.encoder.admission import WorkBudget
+from vitserve.deployments.encoder.device_queue import DeviceQueue
 from vitserve.encoder.work import Capacity, ImageWork
 from vitserve.errors import BackpressureError, LimitExceededError
 
@@ -57,9 +57,18 @@ def test_a_late_decoding_is_admitted_or_refused_alone() -> None:
 
 
 @settings(max_examples=200, deadline=None, database=None)
-@given(st.lists(st.tuples(st.sampled_from(["take", "decode", "release", "close"]),
-                          st.integers(0, 5), st.integers(0, 600), st.integers(0, 6000),
-                          st.integers(0, 6000)), max_size=60))  # fmt: skip
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["take", "decode", "release", "close"]),
+            st.integers(0, 5),
+            st.integers(0, 600),
+            st.integers(0, 6000),
+            st.integers(0, 6000),
+        ),
+        max_size=60,
+    )
+)
 def test_the_budget_never_passes_its_capacity_and_gives_back_what_it_took(ops) -> None:
     budget = WorkBudget(CAP)
     tickets = []

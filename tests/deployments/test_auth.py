@@ -1,4 +1,4 @@
-"""Bearer-token auth and tenant isolation (vitserve.deployments.auth).
+"""Bearer-token auth and tenant isolation (vitserve.deployments.common.auth).
 
 First the token check alone (fast, no Ray). Then a real vitserve application with two tenants,
 alice and bob (real Serve, real HTTP, the suite's Redis), with a prefill application beside it,
@@ -9,21 +9,24 @@ default, is what every other test of the suite runs.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import json
 import re
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.blocking import Blocking
+from tests.reliability_table import Tally
 from vitserve.client import AsyncEncoderClient, EncoderClient
-from vitserve.deployments import auth
-from vitserve.deployments.auth import Authenticator, Tenant, bearer_token, read_tokens_file
-from vitserve.deployments.config import VitserveConfig
+from vitserve.deployments.common import auth
+from vitserve.deployments.common.auth import Authenticator, Tenant, bearer_token, read_tokens_file
+from vitserve.deployments.common.config import VitserveConfig
 from vitserve.encoder.testimages import make_image
 from vitserve.errors import AuthenticationError, CacheMissError, ConfigError
 from vitserve.keys import content_key
@@ -31,13 +34,23 @@ from vitserve.keys import content_key
 ALICE = "alice-token-0123456789abcdef"
 ALICE_2 = "alice-rotated-token-9876543210"  # a second token of the same tenant
 BOB = "bob-token-fedcba9876543210xyz"
-TOKENS = [{"tenant": "alice", "token": ALICE}, {"tenant": "alice", "token": ALICE_2},
-          {"tenant": "bob", "token": BOB}]  # fmt: skip
+TOKENS = [
+    {"tenant": "alice", "token": ALICE},
+    {"tenant": "alice", "token": ALICE_2},
+    {"tenant": "bob", "token": BOB},
+]
 # Authorization headers that must not pass: none, other schemes, empty, near misses
 BAD_HEADERS: list[str | None] = [
-    None, "", "Basic YWxpY2U6eA==", "Bearer", f"Bearer {ALICE[:-1]}",
-    f"Bearer {ALICE}x", f"Token {ALICE}", f"Bearer {ALICE.upper()}", "Bearer unknown-0123456789xyz",
-]  # fmt: skip
+    None,
+    "",
+    "Basic YWxpY2U6eA==",
+    "Bearer",
+    f"Bearer {ALICE[:-1]}",
+    f"Bearer {ALICE}x",
+    f"Token {ALICE}",
+    f"Bearer {ALICE.upper()}",
+    "Bearer unknown-0123456789xyz",
+]
 BAD_TOKENS: list[str | None] = [None, "", ALICE[:-1], ALICE + "x", "unknown-token-0123456789"]
 
 
@@ -122,11 +135,33 @@ def fresh_image() -> bytes:
     return make_image(64, 48, seed=next(_seed))
 
 
+RELOAD_S = 1.0  # how often the replicas look at the tokens file here (5 s by default)
+SCRAPE = "scrape-token-0123456789abcdef"
+
+
 @pytest.fixture(scope="module")
-def services(deploy, deploy_prefill, redis_url) -> Iterator[tuple[Any, Any]]:
+def secret_files(tmp_path_factory) -> dict[str, Path]:
+    """A tokens file (no tenant yet: alice and bob are the config's own) and a scrape-token
+    file, as a mounted Secret holds them."""
+    folder = tmp_path_factory.mktemp("secret")
+    files = {"tokens": folder / "tokens", "scrape": folder / "scrape-token"}
+    files["tokens"].write_text("# tenants added while the service runs\n")
+    files["scrape"].write_text(SCRAPE)
+    return files
+
+
+@pytest.fixture(scope="module")
+def services(deploy, deploy_prefill, redis_url, secret_files) -> Iterator[tuple[Any, Any]]:
     """The encoder application with auth on (tenant namespaces ``t-auth.alice`` and
-    ``t-auth.bob``, Redis store) and a prefill application over it."""
-    encoder = deploy("auth", store=redis_url, auth={"tokens": TOKENS})
+    ``t-auth.bob``, Redis store; more tenants from a tokens file it follows, and a scrape
+    token) and a prefill application over it."""
+    auth = {
+        "tokens": TOKENS,
+        "tokens_file": str(secret_files["tokens"]),
+        "scrape_token_file": str(secret_files["scrape"]),
+        "reload_s": RELOAD_S,
+    }
+    encoder = deploy("auth", store=redis_url, auth=auth)
     chat = deploy_prefill("auth-llm", encoder)
     yield encoder, chat
     deploy_prefill.remove(chat.name)
@@ -151,8 +186,11 @@ def _call(app: Any, route: str, payload: Any, token: str | None) -> tuple[int, A
 
 
 def _encode(app: Any, image: bytes, token: str) -> dict[str, Any]:
-    r = app.client.post(f"{app.url}/v1/encode", headers=_headers(token),
-                        files=[("images", ("0.png", image, "image/png"))])  # fmt: skip
+    r = app.client.post(
+        f"{app.url}/v1/encode",
+        headers=_headers(token),
+        files=[("images", ("0.png", image, "image/png"))],
+    )
     assert r.status_code == 200, r.text
     return r.json()["items"][0]
 
@@ -174,55 +212,37 @@ def _http_requests(app: Any, key: str, image: bytes) -> list[tuple[str, str, dic
 
 
 def _handle_calls(key: str, image: bytes) -> list[tuple[str, Any]]:
-    return [("encode", {"images": [image]}), ("encode", {"images": [key]}),
-            ("probe", {"keys": [key], "headers": True}),
-            ("rows", {"reads": [[key, 0, 1]]})]  # fmt: skip
+    return [
+        ("encode", {"images": [image]}),
+        ("encode", {"images": [key]}),
+        ("probe", {"keys": [key], "headers": True}),
+        ("rows", {"reads": [[key, 0, 1]]}),
+    ]
 
 
 def _chat_body(key: str) -> dict[str, Any]:
-    parts = [{"type": "text", "text": "what is this?"},
-             {"type": "image_url", "image_url": {"url": f"vitserve://{key}"}}]  # fmt: skip
+    parts = [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": f"vitserve://{key}"}},
+    ]
     return {"messages": [{"role": "user", "content": parts}], "temperature": 0, "max_tokens": 1}
 
 
-class Tally:
-    """Requests sent and how they were answered, for a reliability row."""
-
-    def __init__(self) -> None:
-        self.tried = self.failed = self.wrong = 0
-
-    def add(self, status: int, leaked: bool) -> None:
-        self.tried += 1
-        self.failed += status >= 500
-        self.wrong += leaked
-
-
-class Blocking:
-    """An AsyncEncoderClient driven call by call on one private event loop."""
-
-    def __init__(self, client: AsyncEncoderClient) -> None:
-        self.client = client
-        self.loop = asyncio.new_event_loop()
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.client, name)
-        return lambda *args: self.loop.run_until_complete(method(*args))
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self.client.close())
-        self.loop.close()
-
-
 def _client(flavor: str, target: dict[str, Any], **kw: Any) -> Any:
-    return EncoderClient(**target, **kw) if flavor == "sync" else Blocking(
-        AsyncEncoderClient(**target, **kw))  # fmt: skip
+    return (
+        EncoderClient(**target, **kw)
+        if flavor == "sync"
+        else Blocking(AsyncEncoderClient(**target, **kw))
+    )
 
 
 def _clients(app: Any, **kw: Any) -> list[tuple[str, Any]]:
     """An EncoderClient and an AsyncEncoderClient per transport."""
-    return [(f"{flavor}-{name}", _client(flavor, target, **kw)) for flavor in ("sync", "async")
-            for name, target in (("http", {"url": app.url}),
-                                 ("handle", {"handle": _ingress(app)}))]  # fmt: skip
+    return [
+        (f"{flavor}-{name}", _client(flavor, target, **kw))
+        for flavor in ("sync", "async")
+        for name, target in (("http", {"url": app.url}), ("handle", {"handle": _ingress(app)}))
+    ]
 
 
 def _run(client: Any, method: str, *args: Any) -> Any:
@@ -233,7 +253,7 @@ def _run(client: Any, method: str, *args: Any) -> Any:
         client.close()
 
 
-def test_requests_without_a_valid_token_are_refused(services, reliability) -> None:
+def test_requests_without_a_valid_token_are_refused(services, secret_files, reliability) -> None:
     """No token, another scheme or an unknown token: 401 in the error shape with
     ``WWW-Authenticate: Bearer`` on every route that needs a token (HTTP, the ingress's handle,
     the SDK over both transports, the chat route), and nothing is encoded or read."""
@@ -249,8 +269,11 @@ def test_requests_without_a_valid_token_are_refused(services, reliability) -> No
             assert r.status_code == 401, (method, url, header, r.text)
             assert r.json()["error"]["type"] == "AuthenticationError"
             assert r.headers["www-authenticate"].startswith("Bearer realm=")
-        r = chat.client.post(f"{chat.url}/v1/chat/completions", json=_chat_body(held),
-                             headers=_headers(header, raw=True))  # fmt: skip
+        r = chat.client.post(
+            f"{chat.url}/v1/chat/completions",
+            json=_chat_body(held),
+            headers=_headers(header, raw=True),
+        )
         tally.add(r.status_code, r.status_code != 401)
         assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer"), r.text
     for token in BAD_TOKENS:
@@ -263,7 +286,7 @@ def test_requests_without_a_valid_token_are_refused(services, reliability) -> No
                 _run(client, "encode", [fresh_image()])
             tally.tried += 1
     # healthz: liveness without a token, nothing about the model or a namespace; 401 with a
-    # wrong one. /metrics stays open for Prometheus.
+    # wrong one. /metrics answers the scrape token alone, no tenant's (see the rotation tests).
     r = app.client.get(f"{app.url}/healthz")
     assert r.status_code == 200 and r.json() == {"status": "ok", "auth": "bearer"}
     r = app.client.get(f"{app.url}/healthz", headers=_headers(BOB[:-1]))
@@ -273,14 +296,27 @@ def test_requests_without_a_valid_token_are_refused(services, reliability) -> No
     status, _ = _call(app, "healthz", None, "wrong-token-0123456789")
     tally.add(status, status != 401)
     assert status == 401
-    assert app.client.get(f"{app.url}/metrics").status_code == 200
+    for header in ({}, _headers(ALICE), _headers(BOB)):
+        r = app.client.get(f"{app.url}/metrics", headers=header)
+        tally.add(r.status_code, r.status_code != 401)
+        assert r.status_code == 401, r.text
+    # /v1/stats: every tenant's counters, so the operator's (the scrape token), no tenant's
+    for header in ({}, _headers(ALICE), _headers(BOB)):
+        r = app.client.get(f"{app.url}/v1/stats", headers=header)
+        tally.add(r.status_code, r.status_code != 401)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    r = app.client.get(f"{app.url}/v1/stats", headers=_headers(_scrape_token(secret_files)))
+    assert r.status_code == 200 and r.json()["encoder"]["images"] == before, r.text
     assert app.counters()["images"] == before  # nothing reached the encoder
     # alice's entry is intact
     lost = int(_call(app, "probe", {"keys": [held]}, ALICE)[1]["exists"] != [True])
     assert lost == 0
-    reliability.record("Auth: requests with no or a wrong token", tried=tally.tried,
-                       failed=tally.failed, wrong=tally.wrong, lost=lost,
-                       note="HTTP, handle, SDK and chat routes")  # fmt: skip
+    reliability.record(
+        "Auth: requests with no or a wrong token",
+        **tally.counts(),
+        lost=lost,
+        note="HTTP, handle, SDK and chat routes",
+    )
 
 
 def _same_answer(a: str, b: str, key_a: str, key_b: str) -> bool:
@@ -292,8 +328,9 @@ def _same_answer(a: str, b: str, key_a: str, key_b: str) -> bool:
     return norm(a, key_a) == norm(b, key_b)
 
 
-def test_a_tenant_cannot_probe_or_read_another_tenants_keys(services, redis_url,
-                                                            reliability) -> None:  # fmt: skip
+def test_a_tenant_cannot_probe_or_read_another_tenants_keys(
+    services, redis_url, reliability
+) -> None:
     """bob knows alice's key: every probe and read answers a miss, the same answer as for a key
     never stored (HTTP, handle, SDK on both transports with and without a direct store, chat)."""
     from vitserve.cache.codec import unpack_records
@@ -308,11 +345,16 @@ def test_a_tenant_cannot_probe_or_read_another_tenants_keys(services, redis_url,
     # HTTP: bob with alice's key, then with a key never stored: the same answers
     for method, url, kwargs in _http_requests(app, key, image)[2:]:  # the key-only routes
         got = app.client.request(method, url, headers=_headers(BOB), **kwargs)
-        ref = app.client.request(method, url.replace(key, never), headers=_headers(BOB),
-                                 **json.loads(json.dumps(kwargs).replace(key, never)))  # fmt: skip
+        ref = app.client.request(
+            method,
+            url.replace(key, never),
+            headers=_headers(BOB),
+            **json.loads(json.dumps(kwargs).replace(key, never)),
+        )
         leaked = got.status_code == 200 and (
-            b"true" in got.content or (url.endswith("/rows") and unpack_records(got.content)[0]
-                                       is not None))  # fmt: skip
+            b"true" in got.content
+            or (url.endswith("/rows") and unpack_records(got.content)[0] is not None)
+        )
         if "/v1/embeddings/" in url:
             leaked = got.status_code != 404
         tally.add(got.status_code, leaked or got.status_code != ref.status_code)
@@ -321,8 +363,9 @@ def test_a_tenant_cannot_probe_or_read_another_tenants_keys(services, redis_url,
             assert _same_answer(got.text, ref.text, key, never), (got.text, ref.text)
         else:
             assert got.content == ref.content
-    r = app.client.post(f"{app.url}/v1/encode", headers=_headers(BOB),
-                        json={"images": [{"key": key}]})  # fmt: skip
+    r = app.client.post(
+        f"{app.url}/v1/encode", headers=_headers(BOB), json={"images": [{"key": key}]}
+    )
     assert r.json()["items"][0]["error"]["type"] == "CacheMissError"
 
     # the ingress's handle
@@ -350,19 +393,24 @@ def test_a_tenant_cannot_probe_or_read_another_tenants_keys(services, redis_url,
             tally.tried += 1
 
     # a chat of bob's naming alice's image is refused as a miss; alice's own is answered
-    r = chat.client.post(f"{chat.url}/v1/chat/completions", json=_chat_body(key),
-                         headers=_headers(BOB))  # fmt: skip
+    r = chat.client.post(
+        f"{chat.url}/v1/chat/completions", json=_chat_body(key), headers=_headers(BOB)
+    )
     tally.add(r.status_code, r.status_code != 404)
     assert r.status_code == 404 and r.json()["error"]["type"] == "CacheMissError", r.text
-    r = chat.client.post(f"{chat.url}/v1/chat/completions", json=_chat_body(key),
-                         headers=_headers(ALICE_2))  # fmt: skip
+    r = chat.client.post(
+        f"{chat.url}/v1/chat/completions", json=_chat_body(key), headers=_headers(ALICE_2)
+    )
     assert r.status_code == 200, r.text
 
     lost = int(_call(app, "probe", {"keys": [key]}, ALICE)[1]["exists"] != [True])
     assert lost == 0
-    reliability.record("Tenant isolation: B probing and reading A's keys", tried=tally.tried,
-                       failed=tally.failed, wrong=tally.wrong, lost=lost,
-                       note="HTTP, handle, SDK with and without a direct store, chat")  # fmt: skip
+    reliability.record(
+        "Tenant isolation: B probing and reading A's keys",
+        **tally.counts(),
+        lost=lost,
+        note="HTTP, handle, SDK with and without a direct store, chat",
+    )
 
 
 def test_the_same_image_is_each_tenants_own_entry(services) -> None:
@@ -379,22 +427,25 @@ def test_the_same_image_is_each_tenants_own_entry(services) -> None:
     assert not b["cached"] and app.counters()["images"] == before + 1  # bob's own entry
     assert _encode(app, image, ALICE_2)["cached"]  # alice's other token: her namespace
     for token, mine, theirs in ((ALICE, a, b), (BOB, b, a)):
-        r = app.client.post(f"{app.url}/v1/probe", headers=_headers(token),
-                            json={"keys": [mine["key"], theirs["key"]]})  # fmt: skip
+        r = app.client.post(
+            f"{app.url}/v1/probe",
+            headers=_headers(token),
+            json={"keys": [mine["key"], theirs["key"]]},
+        )
         assert r.json()["exists"] == [True, False]
 
 
 @pytest.mark.parametrize("transport", ["http", "handle"])
 @pytest.mark.parametrize("flavor", ["sync", "async"])
-def test_the_sdk_keys_and_reads_in_its_tenants_namespace(services, redis_url, flavor,
-                                                         transport) -> None:  # fmt: skip
+def test_the_sdk_keys_and_reads_in_its_tenants_namespace(
+    services, redis_url, flavor, transport
+) -> None:
     """The SDK learns its namespace from /healthz, so the keys it computes are the service's;
     its direct store is opened under that namespace and reads the tenant's own rows."""
     import numpy as np
 
     app, _ = services
-    target: dict[str, Any] = {"url": app.url} if transport == "http" else {
-        "handle": _ingress(app)}  # fmt: skip
+    target: dict[str, Any] = {"url": app.url} if transport == "http" else {"handle": _ingress(app)}
     image = fresh_image()
     client = _client(flavor, target, token=BOB, store=redis_url)
     try:
@@ -412,3 +463,75 @@ def test_the_sdk_keys_and_reads_in_its_tenants_namespace(services, redis_url, fl
     from vitserve.cache.codec import decode_record
 
     assert np.array_equal(decode_record(r.content).embedding, records[0].embedding)
+
+
+# -- the tokens file and the scrape token, changing under the running service --------------------
+DAVE = "dave-token-0123456789abcdefgh"  # a tenant only the tokens file names
+SCRAPE_2 = "scrape-token-rotated-987654321"
+
+
+def _scrape_token(files: dict[str, Path]) -> str:
+    """The scrape token in force (the file's: a test may have rotated it)."""
+    return files["scrape"].read_text().strip()
+
+
+def _swap(path: Path, text: str) -> None:
+    """Replace ``path``'s content as the kubelet updates a mounted Secret: a new file renamed
+    over it (a reader never sees half a file)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _status(app: Any, path: str, token: str | None) -> int:
+    return app.client.get(f"{app.url}{path}", headers=_headers(token)).status_code
+
+
+def _until(app: Any, path: str, token: str, status: int, limit_s: float) -> float:
+    """Seconds until ``path`` with ``token`` answers ``status`` (polled), at most ``limit_s``."""
+    started = time.monotonic()
+    while (got := _status(app, path, token)) != status:
+        assert time.monotonic() - started < limit_s, (path, got)
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def test_tokens_rotate_over_http_without_a_restart(services, secret_files, reliability) -> None:
+    """A tenant added to the followed file is answered, and removed is refused, within
+    reload_s (plus the polling), by the same ingress replica; the config's tenants are
+    untouched throughout."""
+    app, _ = services
+
+    def replica() -> str:
+        scrape = _headers(_scrape_token(secret_files))
+        return app.client.get(f"{app.url}/v1/stats", headers=scrape).json()["ingress"]["replica"]
+
+    assert _status(app, "/healthz", DAVE) == 401  # /healthz with a token: the tenant's details
+    before = replica()
+    _swap(secret_files["tokens"], f"dave:{DAVE}\n")
+    added = _until(app, "/healthz", DAVE, 200, RELOAD_S + 5)
+    _swap(secret_files["tokens"], "# dave left\n")
+    removed = _until(app, "/healthz", DAVE, 401, RELOAD_S + 5)
+    assert _status(app, "/healthz", ALICE) == _status(app, "/healthz", BOB) == 200
+    assert replica() == before  # no restart
+    assert added <= RELOAD_S + 1 and removed <= RELOAD_S + 1, (added, removed)
+    reliability.record(
+        f"token rotation without a restart (reload_s {RELOAD_S:g} s: a token added answered in "
+        f"{added:.2f} s, one removed refused in {removed:.2f} s; same ingress replica)",
+        tried=2,
+        failed=0,
+        wrong=0,
+        lost=0,
+    )
+
+
+def test_metrics_answer_the_scrape_token_which_rotates_too(services, secret_files) -> None:
+    app, chat = services
+    for target in (app, chat):  # both applications' /metrics
+        for token in (None, ALICE, BOB):  # none, and tenants' tokens: not scrape tokens
+            assert _status(target, "/metrics", token) == 401
+    assert _status(app, "/metrics", SCRAPE) == 200
+    _swap(secret_files["scrape"], SCRAPE_2)
+    _until(app, "/metrics", SCRAPE_2, 200, RELOAD_S + 5)
+    assert _status(app, "/metrics", SCRAPE) == 401
+    _until(chat, "/metrics", SCRAPE_2, 200, RELOAD_S + 5)

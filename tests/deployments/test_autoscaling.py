@@ -8,21 +8,25 @@ from types import SimpleNamespace
 
 import pytest
 
-from vitserve.deployments.app import deployment_options
-from vitserve.deployments.autoscaling import (
-    POLICY_IMPORT_PATH,
+from vitserve.deployments.common.config import VitserveConfig
+from vitserve.deployments.common.serving import WORK_POLICY, deployment_options
+from vitserve.deployments.encoder.autoscaling import (
     WorkParams,
     WorkStats,
     decide,
     stats_from_metrics,
     work_policy,
 )
-from vitserve.deployments.config import VitserveConfig
 from vitserve.errors import ConfigError
 
 P = 1000.0  # patches/s of one replica
-PARAMS = WorkParams(target_queue_delay_s=2.0, upscale_delay_s=5.0, downscale_delay_s=60.0,
-                    min_replicas=1, max_replicas=4)  # fmt: skip
+PARAMS = WorkParams(
+    target_queue_delay_s=2.0,
+    upscale_delay_s=5.0,
+    downscale_delay_s=60.0,
+    min_replicas=1,
+    max_replicas=4,
+)
 
 
 def run(ticks: list[tuple[float, WorkStats]], state=None, params=PARAMS) -> list[int]:
@@ -65,8 +69,10 @@ def test_downscale_wait_resets_when_work_returns():
 
 
 def test_clamped_to_min_and_max():
-    assert decide(WorkStats(1, 10**9, P), {}, WorkParams(upscale_delay_s=0, max_replicas=4),
-                  0.0)[0] == 4  # fmt: skip
+    assert (
+        decide(WorkStats(1, 10**9, P), {}, WorkParams(upscale_delay_s=0, max_replicas=4), 0.0)[0]
+        == 4
+    )
     params = WorkParams(downscale_delay_s=0, min_replicas=2, max_replicas=4)
     assert decide(WorkStats(4, 0, P), {}, params, 0.0)[0] == 2
     assert decide(WorkStats(9, 0, P, busy=9), {}, params, 0.0)[0] == 4  # target above max
@@ -99,11 +105,22 @@ def test_work_policy_adapts_serve_context():
     stats = stats_from_metrics(2, metrics)
     assert stats == WorkStats(2, 6000.0, P, 1.0)
     ctx = SimpleNamespace(
-        config=SimpleNamespace(policy=SimpleNamespace(policy_kwargs={
-            "target_queue_delay_s": 1.0, "upscale_delay_s": 0.0, "downscale_delay_s": 0.0})),
-        capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=10,
-        target_num_replicas=2, aggregated_metrics=metrics,
-        policy_state={"__decision_counters": 0}, current_time=100.0)  # fmt: skip
+        config=SimpleNamespace(
+            policy=SimpleNamespace(
+                policy_kwargs={
+                    "target_queue_delay_s": 1.0,
+                    "upscale_delay_s": 0.0,
+                    "downscale_delay_s": 0.0,
+                }
+            )
+        ),
+        capacity_adjusted_min_replicas=1,
+        capacity_adjusted_max_replicas=10,
+        target_num_replicas=2,
+        aggregated_metrics=metrics,
+        policy_state={"__decision_counters": 0},
+        current_time=100.0,
+    )
     replicas, _ = work_policy(ctx)
     assert replicas == 6
 
@@ -112,18 +129,25 @@ def test_work_policy_adapts_serve_context():
 def test_work_policy_config_builds_serve_options():
     from ray.serve.config import AutoscalingConfig as ServeAutoscaling
 
-    cfg = VitserveConfig.load({"encoder.autoscaling.policy": "work",
-                               "encoder.autoscaling.max_replicas": 2,
-                               "encoder.autoscaling.upscale_delay_s": 1,
-                               "encoder.autoscaling.downscale_delay_s": 8})  # fmt: skip
+    cfg = VitserveConfig.load(
+        {
+            "encoder.autoscaling.policy": "work",
+            "encoder.autoscaling.max_replicas": 2,
+            "encoder.autoscaling.upscale_delay_s": 1,
+            "encoder.autoscaling.downscale_delay_s": 8,
+        }
+    )
     a = deployment_options(cfg.encoder)["autoscaling_config"]
     policy = a["policy"]
-    assert policy["policy_function"] == POLICY_IMPORT_PATH
-    assert policy["policy_kwargs"] == {"target_queue_delay_s": 2.0, "upscale_delay_s": 1.0,
-                                       "downscale_delay_s": 8.0}  # fmt: skip
+    assert policy["policy_function"] == WORK_POLICY
+    assert policy["policy_kwargs"] == {
+        "target_queue_delay_s": 2.0,
+        "upscale_delay_s": 1.0,
+        "downscale_delay_s": 8.0,
+    }
     assert a["upscale_delay_s"] == a["downscale_delay_s"] == 0.0  # ours apply, not Serve's
-    module, name = POLICY_IMPORT_PATH.split(":")
-    assert callable(getattr(importlib.import_module(module), name))
+    module, name = WORK_POLICY.split(":")
+    assert getattr(importlib.import_module(module), name) is work_policy
     with pytest.warns(DeprecationWarning):  # metrics_interval_s: still Serve 2.60's knob
         serve_cfg = ServeAutoscaling(**a)  # Serve accepts and imports it
     assert serve_cfg.policy.get_policy() is not None
@@ -137,10 +161,15 @@ def test_requests_policy_is_serves_request_count_policy_with_vitserves_delays():
     assert (a["upscale_delay_s"], a["downscale_delay_s"]) == (5.0, 60.0)
 
 
-@pytest.mark.parametrize("bad", [{"encoder.autoscaling.policy": "patches"},
-                                 {"encoder.autoscaling.target_queue_delay": 1.0},
-                                 {"encoder.autoscaling.target_queue_delay_s": 0},
-                                 {"encoder.autoscaling.upscale_delay_s": -1}])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"encoder.autoscaling.policy": "patches"},
+        {"encoder.autoscaling.target_queue_delay": 1.0},
+        {"encoder.autoscaling.target_queue_delay_s": 0},
+        {"encoder.autoscaling.upscale_delay_s": -1},
+    ],
+)
 def test_bad_autoscaling_fields_fail(bad):
     with pytest.raises(ConfigError):
         VitserveConfig.load(bad)

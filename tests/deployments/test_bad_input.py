@@ -61,9 +61,11 @@ def _declared(path: str, length: int) -> Callable[..., httpx.Response]:
 
     def send(client: httpx.Client, app: str, llm: str) -> httpx.Response:
         url = httpx.URL(f"{app}{path}")
-        head = (f"POST {url.raw_path.decode()} HTTP/1.1\r\nHost: {url.host}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {length}\r\n"
-                "Connection: close\r\n\r\n{}")  # fmt: skip
+        head = (
+            f"POST {url.raw_path.decode()} HTTP/1.1\r\nHost: {url.host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {length}\r\n"
+            "Connection: close\r\n\r\n{}"
+        )
         with socket.create_connection((url.host, url.port), timeout=30) as sock:
             sock.sendall(head.encode())
             raw = b""
@@ -104,86 +106,206 @@ chat_text = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
 CASES = [
     # deeply nested or huge JSON, 0-byte bodies, wrong content types: every JSON route
-    *[Case("json", f"{DEEP}-deep JSON {path}", _post(path, chat=chat, content=_deep(field),
-                                                     headers=JSON), 422, "nested too deeply")
-      for path, field, chat in [("/v1/encode", "images", False), ("/v1/probe", "keys", False),
-                                ("/v1/rows", "reads", False),
-                                ("/v1/chat/completions", "messages", True)]],
-    *[Case("json", f"0-byte body {path} {ctype}", _post(path, chat=chat, content=b"",
-                                                        headers=headers), 422, "empty")
-      for path, chat, ctype, headers in [
-          ("/v1/encode", False, "none", {}), ("/v1/encode", False, "json", JSON),
-          ("/v1/encode", False, "multipart",
-           {"content-type": "multipart/form-data; boundary=xyz"}),
-          ("/v1/probe", False, "json", JSON), ("/v1/rows", False, "none", {}),
-          ("/v1/chat/completions", True, "json", JSON)]],
-    *[Case("json", f"text/plain {path}", _post(path, chat=chat, content=body, headers=TEXT),
-           415, "content type")
-      for path, chat, body in [("/v1/encode", False, b"hello"),
-                               ("/v1/probe", False, b'{"keys": []}'),
-                               ("/v1/rows", False, b'{"reads": []}'),
-                               ("/v1/chat/completions", True, json.dumps(chat_text).encode())]],
-    Case("json", "image/png body /v1/encode", _post("/v1/encode", content=tiny,
-                                                    headers={"content-type": "image/png"}),
-         415, "content type"),
-    Case("json", "invalid JSON /v1/probe", _post("/v1/probe", content=b'{"keys": [', headers=JSON),
-         422, "invalid JSON"),
-    *[Case("json", f"chunked {OVER_BYTES >> 20} MiB {path}",
-           _post(path, chat=chat, content=_chunks(OVER_BYTES), headers=JSON),
-           413, "limit=max_request_bytes", "LimitExceededError")
-      for path, chat in [("/v1/encode", False), ("/v1/probe", False),
-                         ("/v1/chat/completions", True)]],
-    Case("json", "declared 1 GiB /v1/rows",
-         _declared("/v1/rows", 2**30),
-         413, "limit=max_request_bytes", "LimitExceededError"),
+    *[
+        Case(
+            "json",
+            f"{DEEP}-deep JSON {path}",
+            _post(path, chat=chat, content=_deep(field), headers=JSON),
+            422,
+            "nested too deeply",
+        )
+        for path, field, chat in [
+            ("/v1/encode", "images", False),
+            ("/v1/probe", "keys", False),
+            ("/v1/rows", "reads", False),
+            ("/v1/chat/completions", "messages", True),
+        ]
+    ],
+    *[
+        Case(
+            "json",
+            f"0-byte body {path} {ctype}",
+            _post(path, chat=chat, content=b"", headers=headers),
+            422,
+            "empty",
+        )
+        for path, chat, ctype, headers in [
+            ("/v1/encode", False, "none", {}),
+            ("/v1/encode", False, "json", JSON),
+            (
+                "/v1/encode",
+                False,
+                "multipart",
+                {"content-type": "multipart/form-data; boundary=xyz"},
+            ),
+            ("/v1/probe", False, "json", JSON),
+            ("/v1/rows", False, "none", {}),
+            ("/v1/chat/completions", True, "json", JSON),
+        ]
+    ],
+    *[
+        Case(
+            "json",
+            f"text/plain {path}",
+            _post(path, chat=chat, content=body, headers=TEXT),
+            415,
+            "content type",
+        )
+        for path, chat, body in [
+            ("/v1/encode", False, b"hello"),
+            ("/v1/probe", False, b'{"keys": []}'),
+            ("/v1/rows", False, b'{"reads": []}'),
+            ("/v1/chat/completions", True, json.dumps(chat_text).encode()),
+        ]
+    ],
+    Case(
+        "json",
+        "image/png body /v1/encode",
+        _post("/v1/encode", content=tiny, headers={"content-type": "image/png"}),
+        415,
+        "content type",
+    ),
+    Case(
+        "json",
+        "invalid JSON /v1/probe",
+        _post("/v1/probe", content=b'{"keys": [', headers=JSON),
+        422,
+        "invalid JSON",
+    ),
+    *[
+        Case(
+            "json",
+            f"chunked {OVER_BYTES >> 20} MiB {path}",
+            _post(path, chat=chat, content=_chunks(OVER_BYTES), headers=JSON),
+            413,
+            "limit=max_request_bytes",
+            "LimitExceededError",
+        )
+        for path, chat in [
+            ("/v1/encode", False),
+            ("/v1/probe", False),
+            ("/v1/chat/completions", True),
+        ]
+    ],
+    Case(
+        "json",
+        "declared 1 GiB /v1/rows",
+        _declared("/v1/rows", 2**30),
+        413,
+        "limit=max_request_bytes",
+        "LimitExceededError",
+    ),
     # 10k-image requests, decompression bombs
-    Case("images", "10k images JSON", _post("/v1/encode",
-                                            json={"images": [{"data": "iVBORw0KGgo="}] * 10_000}),
-         413, "value=10000", "LimitExceededError"),
-    Case("images", "10k images multipart", _post("/v1/encode", files=_multipart(10_000)),
-         413, "limit=max_images_per_request", "LimitExceededError"),
-    Case("images", "10k keys /v1/probe", _post("/v1/probe", json={"keys": [KEY] * 10_000}),
-         413, "limit=max_keys_per_probe", "LimitExceededError"),
-    Case("images", "10k reads /v1/rows", _post("/v1/rows", json={"reads": [[KEY, 0, 1]] * 10_000}),
-         413, "limit=max_keys_per_probe", "LimitExceededError"),
-    Case("images", "declared 5000x5000 PNG (multipart)",
-         _post("/v1/encode", files=[("images", ("b.png", crafted_png(5000, 5000, 8,
-                                                                     zlib.compress(b"\0" * 64)),
-                                                "image/png"))]),
-         413, "limit=max_image_pixels", "ImageTooLargeError"),
-    Case("images", "PIL DecompressionBombError PNG (JSON)",
-         _post("/v1/encode", json={"images": [{"data": base64.b64encode(
-             bad_images()["bomb"]).decode()}]}),
-         413, "limit=max_image_pixels", "ImageTooLargeError"),
-    Case("images", "multipart text field", _post("/v1/encode", data={"images": "x"}, files=[
-        ("other", ("a", b"x"))]), 422, "images"),
+    Case(
+        "images",
+        "10k images JSON",
+        _post("/v1/encode", json={"images": [{"data": "iVBORw0KGgo="}] * 10_000}),
+        413,
+        "value=10000",
+        "LimitExceededError",
+    ),
+    Case(
+        "images",
+        "10k images multipart",
+        _post("/v1/encode", files=_multipart(10_000)),
+        413,
+        "limit=max_images_per_request",
+        "LimitExceededError",
+    ),
+    Case(
+        "images",
+        "10k keys /v1/probe",
+        _post("/v1/probe", json={"keys": [KEY] * 10_000}),
+        413,
+        "limit=max_keys_per_probe",
+        "LimitExceededError",
+    ),
+    Case(
+        "images",
+        "10k reads /v1/rows",
+        _post("/v1/rows", json={"reads": [[KEY, 0, 1]] * 10_000}),
+        413,
+        "limit=max_keys_per_probe",
+        "LimitExceededError",
+    ),
+    Case(
+        "images",
+        "declared 5000x5000 PNG (multipart)",
+        _post(
+            "/v1/encode",
+            files=[
+                (
+                    "images",
+                    ("b.png", crafted_png(5000, 5000, 8, zlib.compress(b"\0" * 64)), "image/png"),
+                )
+            ],
+        ),
+        413,
+        "limit=max_image_pixels",
+        "ImageTooLargeError",
+    ),
+    Case(
+        "images",
+        "PIL DecompressionBombError PNG (JSON)",
+        _post(
+            "/v1/encode",
+            json={"images": [{"data": base64.b64encode(bad_images()["bomb"]).decode()}]},
+        ),
+        413,
+        "limit=max_image_pixels",
+        "ImageTooLargeError",
+    ),
+    Case(
+        "images",
+        "multipart text field",
+        _post("/v1/encode", data={"images": "x"}, files=[("other", ("a", b"x"))]),
+        422,
+        "images",
+    ),
     # keys and ranges
-    *[Case("keys", name, send, 422, needle) for name, send, needle in [
-        ("encode key 63 hex", _post("/v1/encode", json={"images": [{"key": KEY[:63]}]}),
-         "images[0].key"),
-        ("encode key uppercase", _post("/v1/encode", json={"images": [{"key": KEY.upper()}]}),
-         "images[0].key"),
-        ("probe key non-hex", _post("/v1/probe", json={"keys": [KEY, "zz" * 32]}), "keys[1]"),
-        ("probe key not a string", _post("/v1/probe", json={"keys": [7]}), "keys[0]"),
-        ("rows key 65 hex", _post("/v1/rows", json={"reads": [[KEY + "a", 0, 1]]}),
-         "reads[0][0]"),
-        ("fetch key non-hex", _get(f"/v1/embeddings/{'g' * 64}"), "64-hex"),
-        ("fetch key 66 hex", _get(f"/v1/embeddings/{KEY}ab"), "64-hex"),
-        ("fetch start negative", _get(f"/v1/embeddings/{KEY}?start=-1"), "negative"),
-        ("fetch start > end", _get(f"/v1/embeddings/{KEY}?start=5&end=3"), "reversed"),
-        ("fetch end=abc", _get(f"/v1/embeddings/{KEY}?end=abc"), "parameter=end"),
-        ("fetch start=1.5", _get(f"/v1/embeddings/{KEY}?start=1.5"), "parameter=start"),
-        ("rows start negative", _post("/v1/rows", json={"reads": [[KEY, -1, 2]]}), "negative"),
-        ("rows start > end", _post("/v1/rows", json={"reads": [[KEY, 4, 2]]}), "reversed"),
-        ("rows non-integer", _post("/v1/rows", json={"reads": [[KEY, "0", 2]]}), "integers"),
-        ("rows boolean", _post("/v1/rows", json={"reads": [[KEY, False, True]]}), "integers"),
-    ]],
+    *[
+        Case("keys", name, send, 422, needle)
+        for name, send, needle in [
+            (
+                "encode key 63 hex",
+                _post("/v1/encode", json={"images": [{"key": KEY[:63]}]}),
+                "images[0].key",
+            ),
+            (
+                "encode key uppercase",
+                _post("/v1/encode", json={"images": [{"key": KEY.upper()}]}),
+                "images[0].key",
+            ),
+            ("probe key non-hex", _post("/v1/probe", json={"keys": [KEY, "zz" * 32]}), "keys[1]"),
+            ("probe key not a string", _post("/v1/probe", json={"keys": [7]}), "keys[0]"),
+            (
+                "rows key 65 hex",
+                _post("/v1/rows", json={"reads": [[KEY + "a", 0, 1]]}),
+                "reads[0][0]",
+            ),
+            ("fetch key non-hex", _get(f"/v1/embeddings/{'g' * 64}"), "64-hex"),
+            ("fetch key 66 hex", _get(f"/v1/embeddings/{KEY}ab"), "64-hex"),
+            ("fetch start negative", _get(f"/v1/embeddings/{KEY}?start=-1"), "negative"),
+            ("fetch start > end", _get(f"/v1/embeddings/{KEY}?start=5&end=3"), "reversed"),
+            ("fetch end=abc", _get(f"/v1/embeddings/{KEY}?end=abc"), "parameter=end"),
+            ("fetch start=1.5", _get(f"/v1/embeddings/{KEY}?start=1.5"), "parameter=start"),
+            ("rows start negative", _post("/v1/rows", json={"reads": [[KEY, -1, 2]]}), "negative"),
+            ("rows start > end", _post("/v1/rows", json={"reads": [[KEY, 4, 2]]}), "reversed"),
+            ("rows non-integer", _post("/v1/rows", json={"reads": [[KEY, "0", 2]]}), "integers"),
+            ("rows boolean", _post("/v1/rows", json={"reads": [[KEY, False, True]]}), "integers"),
+        ]
+    ],
     # routes and methods
     Case("routes", "unknown route", _get("/v1/nothing"), 404, "no such route"),
     Case("routes", "GET on a POST route", _get("/v1/encode"), 405, "method not allowed"),
-    Case("routes", "DELETE on a GET route", _get(f"/v1/embeddings/{KEY}", method="DELETE"),
-         405, "method not allowed"),
-]  # fmt: skip
+    Case(
+        "routes",
+        "DELETE on a GET route",
+        _get(f"/v1/embeddings/{KEY}", method="DELETE"),
+        405,
+        "method not allowed",
+    ),
+]
 GROUPS = {
     "json": "Bad input: deeply nested, huge, 0-byte or mistyped bodies",
     "images": "Bad input: 10k-image requests and decompression bombs",
@@ -239,15 +361,24 @@ def test_every_bad_input_class_answers_a_4xx_naming_it(main_app, chat, reliabili
     assert answer.status_code == 200, answer.text
     # sampling values at the edge of their ranges (found by the API fuzz): a temperature whose
     # division overflows, a top_p below float32's range
-    for extreme in ({"temperature": 1e-40}, {"top_p": 5e-324}, {"temperature": 5e-324,
-                                                                 "top_p": 5e-324}):  # fmt: skip
+    for extreme in (
+        {"temperature": 1e-40},
+        {"top_p": 5e-324},
+        {"temperature": 5e-324, "top_p": 5e-324},
+    ):
         answer = client.post(f"{chat.url}/v1/chat/completions", json={**chat_text, **extreme})
         assert answer.status_code == 200, (extreme, answer.text)
     client.close()
     for group, case in GROUPS.items():
         classes = len({c.name.split(" /")[0] for c in CASES if c.group == group})
-        reliability.record(case, tried=sent[group], failed=failed[group], wrong=0, lost=0,
-                           note=f"{classes} classes, each a 4xx in the error shape")  # fmt: skip
+        reliability.record(
+            case,
+            tried=sent[group],
+            failed=failed[group],
+            wrong=0,
+            lost=0,
+            note=f"{classes} classes, each a 4xx in the error shape",
+        )
 
 
 def test_the_error_handlers_give_every_error_the_shape() -> None:
@@ -256,7 +387,7 @@ def test_the_error_handlers_give_every_error_the_shape() -> None:
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from vitserve.deployments.responses import install_error_handlers
+    from vitserve.deployments.common.responses import install_error_handlers
     from vitserve.errors import CacheMissError
 
     app = FastAPI()
@@ -279,9 +410,13 @@ def test_the_error_handlers_give_every_error_the_shape() -> None:
             "raised": client.get("/items/gone"),
         }
         assert client.get("/items/a?end=3").json() == {"key": "a", "end": 3}
-    want = {"end=abc": (422, "MalformedRequestError"), "unknown": (404, "MalformedRequestError"),
-            "method": (405, "MalformedRequestError"), "bug": (500, "InternalError"),
-            "raised": (404, "CacheMissError")}  # fmt: skip
+    want = {
+        "end=abc": (422, "MalformedRequestError"),
+        "unknown": (404, "MalformedRequestError"),
+        "method": (405, "MalformedRequestError"),
+        "bug": (500, "InternalError"),
+        "raised": (404, "CacheMissError"),
+    }
     for name, response in answers.items():
         error = response.json()["error"]
         assert (response.status_code, error["type"]) == want[name], (name, response.text)

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from tests.cli_process import VITSERVE, cli_env
+from vitserve.deployments.runner.demo import CHAT_MAX_TOKENS
 from vitserve.encoder.device import (
     BF16_ENV,
     LLC_ENV,
@@ -46,10 +47,16 @@ CAP = "batching.max_batch_patches=4096"
 BUDGET = f"budget_bytes={2 * 2**30}"
 
 
-def _run(*args: str, cache: Path, timeout: float = 600,
-         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
-    return subprocess.run([VITSERVE, *args], capture_output=True, text=True,
-                          env=env or cli_env(cache), timeout=timeout)  # fmt: skip
+def _run(
+    *args: str, cache: Path, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [VITSERVE, *args],
+        capture_output=True,
+        text=True,
+        env=env or cli_env(cache),
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +86,9 @@ def test_make_model_for_vllm_has_heads_vllms_cpu_attention_takes(tmp_path) -> No
     from vitserve.encoder.engine import EncoderEngine
 
     out = tmp_path / "llava-tiny-vllm"
-    proc = _run("make-model", "--family", "llava", "--preset", "tiny", "--vllm", str(out),
-                cache=tmp_path)  # fmt: skip
+    proc = _run(
+        "make-model", "--family", "llava", "--preset", "tiny", "--vllm", str(out), cache=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads((out / "config.json").read_text())["text_config"]["head_dim"] == 32
     names = set()
@@ -100,16 +108,19 @@ def test_make_model_rejects_unknown_family(tmp_path) -> None:
 def test_serve_demo_with_prefill_then_encode_and_chat_through_http_then_ctrl_c(
     tmp_path, user_cache
 ) -> None:
-    from vitserve.deployments.local import free_port
+    from vitserve.deployments.runner.local import free_port
 
     port = free_port()
     # Where Ray puts its session (a short path: Ray's socket paths must stay under 108 bytes);
     # the missing-model test checks that nothing lands there.
     ray_tmp = Path(tempfile.mkdtemp(prefix="vr-", dir="/tmp"))
-    proc = subprocess.Popen([VITSERVE, "serve", "--model", "demo", "--port", str(port),
-                             "--dtype", "fp32", "--prefill"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**cli_env(user_cache), "RAY_TMPDIR": str(ray_tmp)})  # fmt: skip
+    proc = subprocess.Popen(
+        [VITSERVE, "serve", "--model", "demo", "--port", str(port), "--dtype", "fp32", "--prefill"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**cli_env(user_cache), "RAY_TMPDIR": str(ray_tmp)},
+    )
     try:
         lines = []
         deadline = time.monotonic() + 300
@@ -155,11 +166,19 @@ def test_serve_demo_with_prefill_then_encode_and_chat_through_http_then_ctrl_c(
 
         # The prefill application, at /prefill: the image encoded above, named by its key.
         assert f"chat completions at {url}/prefill/v1/chat/completions" in out
-        content = [{"type": "image_url", "image_url": {"url": f"vitserve://{rows[0][1]}"}},
-                   {"type": "text", "text": "What is this?"}]  # fmt: skip
-        chat = httpx.post(f"{url}/prefill/v1/chat/completions", timeout=300, json={
-            "messages": [{"role": "user", "content": content}], "max_tokens": 3,
-            "temperature": 0})  # fmt: skip
+        content = [
+            {"type": "image_url", "image_url": {"url": f"vitserve://{rows[0][1]}"}},
+            {"type": "text", "text": "What is this?"},
+        ]
+        chat = httpx.post(
+            f"{url}/prefill/v1/chat/completions",
+            timeout=300,
+            json={
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": 3,
+                "temperature": 0,
+            },
+        )
         assert chat.status_code == 200, chat.text
         usage = chat.json()["usage"]
         assert (usage["images_sent"], usage["images_uploaded"], usage["rows_pulled"]) == (1, 0, 256)
@@ -176,25 +195,33 @@ def test_serve_demo_with_prefill_then_encode_and_chat_through_http_then_ctrl_c(
 
 
 def test_encode_against_no_server_fails_clearly(tmp_path) -> None:
-    from vitserve.deployments.local import free_port
+    from vitserve.deployments.runner.local import free_port
 
     image = tmp_path / "a.png"
     image.write_bytes(make_image(64, 64))
-    proc = _run("encode", str(image), "--url", f"http://127.0.0.1:{free_port()}",
-                cache=tmp_path)  # fmt: skip
+    proc = _run("encode", str(image), "--url", f"http://127.0.0.1:{free_port()}", cache=tmp_path)
     assert proc.returncode == 2 and "cannot reach" in proc.stderr
 
 
 def test_demo_serves_encodes_twice_and_the_second_pass_comes_from_the_store(
     user_cache, monkeypatch
 ) -> None:
-    from vitserve.deployments.app import DEMO_FAMILY, DEMO_PRESET
+    from vitserve.deployments.common.serving import DEMO_FAMILY, DEMO_PRESET
     from vitserve.encoder.testmodels import is_cached
 
     monkeypatch.setenv("VITSERVE_CACHE", str(user_cache))
     built_before = is_cached(DEMO_FAMILY, DEMO_PRESET)
-    proc = _run("demo", "--dtype", "fp32", "--set", CAP, "--set", BUDGET, cache=user_cache,
-                env=cli_env(user_cache))  # fmt: skip
+    proc = _run(
+        "demo",
+        "--dtype",
+        "fp32",
+        "--set",
+        CAP,
+        "--set",
+        BUDGET,
+        cache=user_cache,
+        env=cli_env(user_cache),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "store node://" in out
@@ -211,13 +238,19 @@ def test_demo_serves_encodes_twice_and_the_second_pass_comes_from_the_store(
     # the chat: per turn (turn, sent, uploaded, encoded): only the new image went up
     turns = re.findall(r"^ +(\d) +(\d) +(\d) +(\d) +\d+ +\d+ +\d+ +[0-9.]+s", out, re.M)
     assert turns == [(str(t), str(t), "1", "1") for t in (1, 2, 3)], out
+    # the random model's answers: said to be noise, yet not empty (its end token held back)
+    assert "the demo model's weights are random: its answers are noise" in out
+    answers = re.findall(r"^ +\d +\d +\d +\d +\d+ +\d+ +\d+ +[0-9.]+s  (.*)$", out, re.M)
+    assert len(answers) == 3 and "''" not in answers, answers
+    ids = re.findall(r"^ +token ids \[([0-9, ]+)\] \(length\)$", out, re.M)
+    assert [len(i.split(", ")) for i in ids] == [CHAT_MAX_TOKENS] * 3, out
 
 
 def test_the_demo_says_where_its_default_batch_cap_comes_from(monkeypatch) -> None:
     """Without a set cap, the demo reports the CPU default and the readings behind it (here the
     small-cache profile's, whatever the host): on such a CPU a 448px image runs alone."""
-    from vitserve.deployments.demo import _batch_cap_line
-    from vitserve.deployments.local import local_config
+    from vitserve.deployments.runner.demo import _batch_cap_line
+    from vitserve.deployments.runner.local import local_config
 
     for name, value in SMALL_CACHE_PROFILE.items():
         monkeypatch.setenv(name, value)

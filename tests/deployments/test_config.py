@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vitserve.deployments.config import VitserveConfig
+from vitserve.deployments.common.config import VitserveConfig
 from vitserve.errors import ConfigError
 
 pytestmark = pytest.mark.cpu_profile  # CI runs it again as on each CPU profile
@@ -57,9 +57,15 @@ def test_every_field_is_settable_by_environment_and_arguments_win() -> None:
 
 
 def test_overrides_take_dotted_names_and_sections_together() -> None:
-    cfg = VitserveConfig.load({"limits.max_images_per_request": 5, "encoder": {"num_gpus": 1},
-                               "encoder.num_cpus": 2, "encoder.autoscaling.max_replicas": 4},
-                              environ={})  # fmt: skip
+    cfg = VitserveConfig.load(
+        {
+            "limits.max_images_per_request": 5,
+            "encoder": {"num_gpus": 1},
+            "encoder.num_cpus": 2,
+            "encoder.autoscaling.max_replicas": 4,
+        },
+        environ={},
+    )
     assert cfg.limits.max_images_per_request == 5
     assert (cfg.encoder.num_gpus, cfg.encoder.num_cpus) == (1, 2)
     assert cfg.encoder.autoscaling.max_replicas == 4 and cfg.encoder.max_ongoing_requests == 256
@@ -69,8 +75,11 @@ def test_an_unknown_environment_variable_with_the_prefix_is_an_error() -> None:
     with pytest.raises(ConfigError, match="max_imagse"):
         VitserveConfig.load(environ={"VITSERVE_LIMITS__MAX_IMAGSE": "3"})
     # but for the variables that are not settings: the model cache, the test suite's own
-    other = {"VITSERVE_CACHE": "/tmp/c", "VITSERVE_TEST_LARGE": "1",
-             "VITSERVE_TEST_RELIABILITY_REPORT": "/tmp/r.md"}  # fmt: skip
+    other = {
+        "VITSERVE_CACHE": "/tmp/c",
+        "VITSERVE_TEST_LARGE": "1",
+        "VITSERVE_TEST_RELIABILITY_REPORT": "/tmp/r.md",
+    }
     cfg = VitserveConfig.load(environ=other)
     assert cfg == VitserveConfig.load(environ={})
 
@@ -82,11 +91,11 @@ def test_config_is_frozen() -> None:
 
 
 def test_build_app_is_a_serve_application_builder_with_dotted_string_args(tiny_models) -> None:
-    """What ``serve run vitserve.deployments.app:build_app k=v`` and a YAML ``args:`` do."""
+    """What ``serve run vitserve.deployments.encoder.app:build_app k=v`` and a YAML ``args:`` do."""
     from ray.serve import Application
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
-    from vitserve.deployments.app import build_app
+    from vitserve.deployments.encoder.app import build_app
 
     model = str(tiny_models["qwen2_vl"])
     app = call_user_app_builder_with_args_if_necessary(
@@ -99,18 +108,24 @@ def test_build_app_is_a_serve_application_builder_with_dotted_string_args(tiny_m
 
 
 def test_the_prefill_application_builds_alone_with_its_own_section(tiny_models, tmp_path) -> None:
-    """``serve run vitserve.deployments.prefill:build_app``: its own replicas and chunking."""
+    """``serve run vitserve.deployments.prefill.app:build_app``: its own replicas and chunking."""
     from ray.serve import Application
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
-    from vitserve.deployments.prefill import build_app
+    from vitserve.deployments.prefill.app import build_app
     from vitserve.errors import ModelLoadError
 
     model = str(tiny_models["llava"])
     app = call_user_app_builder_with_args_if_necessary(
-        build_app, {"model": model, "prefill.num_replicas": "3", "prefill.chunk_size": "64",
-                    "prefill.encoder_app": "encoders", "encoder.num_replicas": "2"},
-    )  # fmt: skip
+        build_app,
+        {
+            "model": model,
+            "prefill.num_replicas": "3",
+            "prefill.chunk_size": "64",
+            "prefill.encoder_app": "encoders",
+            "encoder.num_replicas": "2",
+        },
+    )
     assert isinstance(app, Application)
     deployment = app._bound_deployment
     assert deployment.name == "PrefillServer" and deployment.num_replicas == 3
@@ -123,7 +138,7 @@ def test_the_prefill_application_builds_alone_with_its_own_section(tiny_models, 
 
 
 def test_build_app_refuses_a_model_that_cannot_load_before_anything_starts(tmp_path) -> None:
-    from vitserve.deployments.app import build_app
+    from vitserve.deployments.encoder.app import build_app
     from vitserve.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="cannot load model"):
@@ -136,7 +151,7 @@ def test_build_app_refuses_a_model_that_cannot_load_before_anything_starts(tmp_p
 
 
 def test_every_metric_is_constructible_and_ray_prefix_is_stripped() -> None:
-    from vitserve.deployments import metrics
+    from vitserve.deployments.common import metrics
 
     for name in metrics._SPECS:
         metrics.metric(name)

@@ -38,8 +38,11 @@ class Counts:
 
     def store(self) -> int:
         """Store round trips, less the encoder's once-a-second gauge report (``stats``)."""
-        return sum(n for name, n in self.calls.items()
-                   if name.startswith("store.") and name != "store.stats")  # fmt: skip
+        return sum(
+            n
+            for name, n in self.calls.items()
+            if name.startswith("store.") and name != "store.stats"
+        )
 
     def serve(self) -> int:
         return sum(n for name, n in self.calls.items() if name.startswith("serve."))
@@ -83,8 +86,10 @@ class _Method:
 
         async def call() -> Any:
             copied = pickle.loads(payload)
-            resolved = [await a if isinstance(a, asyncio.Task) else c
-                        for a, c in zip(args, copied, strict=True)]  # fmt: skip
+            resolved = [
+                await a if isinstance(a, asyncio.Task) else c
+                for a, c in zip(args, copied, strict=True)
+            ]
             result = self.fn(*resolved)
             if asyncio.iscoroutine(result):
                 result = await result
@@ -120,9 +125,13 @@ def store_url(request: pytest.FixtureRequest, redis_url: str) -> str:
 
 @pytest.fixture(scope="module")
 def engine_cfg(tiny_models, batching_limits) -> dict[str, Any]:
-    return {"model": str(tiny_models["qwen2_vl"]), "dtype": "fp32", "torch_threads": 1,
-            "budget_bytes": batching_limits["budget_bytes"],
-            "batching.max_batch_patches": batching_limits["max_batch_patches"]}  # fmt: skip
+    return {
+        "model": str(tiny_models["qwen2_vl"]),
+        "dtype": "fp32",
+        "torch_threads": 1,
+        "budget_bytes": batching_limits["budget_bytes"],
+        "batching.max_batch_patches": batching_limits["max_batch_patches"],
+    }
 
 
 class Service:
@@ -130,17 +139,23 @@ class Service:
 
     def __init__(self, loop, cfg: dict[str, Any], store_url: str, preprocess_at: str) -> None:
         from vitserve.cache import open_store
-        from vitserve.deployments.config import VitserveConfig
-        from vitserve.deployments.encode_flow import EncodeFlow
-        from vitserve.deployments.encoder import (
-            EncoderDeployment,
+        from vitserve.deployments.common.config import VitserveConfig
+        from vitserve.deployments.encoder.encode_flow import EncodeFlow
+        from vitserve.deployments.encoder.preprocessing import (
             PreprocessDeployment,
             make_preprocessor,
         )
+        from vitserve.deployments.encoder.replica import EncoderDeployment
 
         self.loop = loop
-        self.cfg = VitserveConfig.load({**cfg, "store": store_url, "preprocess_at": preprocess_at,
-                                        "namespace": f"count-{uuid.uuid4().hex[:8]}"})  # fmt: skip
+        self.cfg = VitserveConfig.load(
+            {
+                **cfg,
+                "store": store_url,
+                "preprocess_at": preprocess_at,
+                "namespace": f"count-{uuid.uuid4().hex[:8]}",
+            }
+        )
         plain = self.cfg.model_dump()
         self.counts = Counts()
         encoder = EncoderDeployment.func_or_class(plain)
@@ -149,20 +164,27 @@ class Service:
         self.fingerprint = encoder.engine.fingerprint
         preprocess = preprocessor = None
         if preprocess_at == "deployment":
-            preprocess = CountingHandle(PreprocessDeployment.func_or_class(plain), "preprocess",
-                                        self.counts)  # fmt: skip
+            preprocess = CountingHandle(
+                PreprocessDeployment.func_or_class(plain), "preprocess", self.counts
+            )
         elif preprocess_at == "ingress":
             preprocessor = make_preprocessor(self.cfg)
         store = open_store(self.cfg.store, namespace=self.cfg.namespace)
-        self.flow = EncodeFlow(self.cfg, CountingStore(store, self.counts),
-                               CountingHandle(encoder, "encoder", self.counts), preprocess,
-                               preprocessor)  # fmt: skip
+        self.flow = EncodeFlow(
+            self.cfg,
+            CountingStore(store, self.counts),
+            CountingHandle(encoder, "encoder", self.counts),
+            preprocess,
+            preprocessor,
+        )
 
     def keys(self, images: list[bytes | str]) -> list[str]:
         from vitserve.keys import content_key
 
-        return [i if isinstance(i, str) else content_key(i, self.fingerprint, self.cfg.namespace)
-                for i in images]  # fmt: skip
+        return [
+            i if isinstance(i, str) else content_key(i, self.fingerprint, self.cfg.namespace)
+            for i in images
+        ]
 
     async def _request(self, images: list[bytes | str]) -> list[dict[str, Any]]:
         return await self.flow.encode(images, self.keys(images))
@@ -272,8 +294,8 @@ def test_a_busy_image_encoding_here_is_joined_when_the_store_fails_the_wait(
     the store down: the request joins the encode in flight here at once (it never waits on the
     store, so the store's failure cannot make it encode the image a second time, which could
     answer the same key with other bits)."""
-    from vitserve.deployments.encoder import EncodeBatch
-    from vitserve.deployments.single_flight import ClaimState
+    from vitserve.deployments.encoder.single_flight import ClaimState
+    from vitserve.deployments.encoder.wire import EncodeBatch
 
     service = Service(loop, engine_cfg, store_url, "encoder")
     encoder = service.encoder
@@ -281,8 +303,14 @@ def test_a_busy_image_encoding_here_is_joined_when_the_store_fails_the_wait(
     image = _images(1, seed=500)[0]
     [key] = service.keys([image])
     joined = {"key": key, "from": "the encode in flight"}
-    batch = EncodeBatch(keys=[key], indices=[0], claims=[ClaimState.BUSY], token="t",
-                        images=[image], namespace=service.cfg.namespace)  # fmt: skip
+    batch = EncodeBatch(
+        keys=[key],
+        indices=[0],
+        claims=[ClaimState.BUSY],
+        token="t",
+        images=[image],
+        namespace=service.cfg.namespace,
+    )
 
     async def run() -> list:
         in_flight = encoder.flights.lead(key)  # this replica encodes the image now

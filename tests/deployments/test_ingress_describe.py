@@ -45,8 +45,8 @@ class Encoder:
 
 
 def test_a_failing_first_model_lookup_is_a_retryable_503(redis_url: str) -> None:
-    from vitserve.deployments.config import VitserveConfig
-    from vitserve.deployments.ingress import Ingress
+    from vitserve.deployments.common.config import VitserveConfig
+    from vitserve.deployments.encoder.ingress import Ingress
 
     cfg = VitserveConfig.load({"store": redis_url, "namespace": "describe-test"})
     encoder = Encoder()

@@ -1,11 +1,13 @@
-"""The prefill application against the monolithic transformers model, for all five families.
+"""The prefill application against the monolithic transformers model, for every family.
 
-For each family a vitserve encoder application and a prefill application run the family's
-tiny model (fp32). A chat request with two images of different sizes goes through the prefill
-route; the reference is the full ``*ForConditionalGeneration`` model run on the same prompt and
-the pixels: LLaVA's and Gemma 3's prompts come from the families' own transformers processors
-(Qwen's processor needs torchvision, which this machine cannot import, so its placeholders are
-expanded here as ``Qwen2VLProcessor`` does: ``<|image_pad|>`` repeated grid / merge**2 times).
+For each family (``vitserve.families``) a vitserve encoder application and a prefill
+application run the family's tiny model (fp32). A chat request with two images of different
+sizes goes through the prefill route; the reference is the full ``*ForConditionalGeneration``
+model run on the same prompt and the pixels: the LLaVA-style families' (LLaVA, VipLLaVA) and
+Gemma 3's prompts come from their transformers processors (``LlavaProcessor``,
+``Gemma3Processor``; Qwen's processor needs torchvision, which this machine cannot import, so
+its placeholders are expanded here as ``Qwen2VLProcessor`` does: ``<|image_pad|>`` repeated
+grid / merge**2 times).
 
 * Logits: ``ChatService.prepare(keep_logits=True)`` (the code the replicas run, in this process,
   against the same encoder application) gives every prompt position's logits from the chunked
@@ -18,6 +20,8 @@ expanded here as ``Qwen2VLProcessor`` does: ``<|image_pad|>`` repeated grid / me
   ``log_softmax`` within ``LOGIT_ATOL``.
 * The chunk size (16) puts chunk edges inside the images' placeholder runs (Qwen, LLaVA), and
   for Gemma 3 the chunker keeps each image whole (a chunk longer than 16 tokens).
+* With the end tokens held back (``min_tokens``) the same holds against the full model's
+  ``generate(min_new_tokens=...)``, the tokens compared as ids (``return_token_ids``).
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vitserve.client.adapters import FAMILIES, QWEN_FAMILIES
+from vitserve.client.adapters import FAMILIES
 from vitserve.client.chunks import chunk_bounds
 from vitserve.encoder.testimages import make_image
 from vitserve.encoder.testmodels import IMAGE_TOKEN_ID
+from vitserve.families import SPECS
+from vitserve.families.spec import Positions, Tower
 
 SIZES = ((140, 84), (56, 112))  # (width, height): two images whose Qwen grids differ
 NEW_TOKENS = 6
@@ -53,13 +59,18 @@ def data_url(image: bytes) -> str:
 
 def _messages(images: list[bytes]) -> list[dict[str, Any]]:
     a, b = (data_url(i) for i in images)
-    return [{"role": "user", "content": [
-        {"type": "text", "text": "Compare the first picture"},
-        {"type": "image_url", "image_url": {"url": a}},
-        {"type": "text", "text": "with the second one"},
-        {"type": "image_url", "image_url": {"url": b}},
-        {"type": "text", "text": "and describe them."},
-    ]}]  # fmt: skip
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Compare the first picture"},
+                {"type": "image_url", "image_url": {"url": a}},
+                {"type": "text", "text": "with the second one"},
+                {"type": "image_url", "image_url": {"url": b}},
+                {"type": "text", "text": "and describe them."},
+            ],
+        }
+    ]
 
 
 def chat_body(images: list[bytes], **extra: Any) -> dict[str, Any]:
@@ -76,7 +87,7 @@ def pairs(family_apps, deploy_prefill) -> dict[str, Any]:
 
     with cf.ThreadPoolExecutor(len(FAMILIES)) as pool:
         apps = dict(zip(FAMILIES, pool.map(start, FAMILIES), strict=True))
-    return apps  # removed with the module, all five at once
+    return apps  # removed with the module, all at once
 
 
 # -- the reference: the monolithic model on the pixels ------------------------------------------
@@ -99,14 +110,15 @@ def reference_inputs(path: Path, family: str, config: Any) -> dict[str, Any]:
     from PIL import Image
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    from vitserve.deployments.chat import ChatRequest, template_messages
+    from vitserve.deployments.prefill.chat import ChatRequest, template_messages
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     image_processor = AutoImageProcessor.from_pretrained(path)
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in _images()]
     messages = template_messages(ChatRequest.parse({"messages": _messages(_images())}))
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if family in QWEN_FAMILIES:
+    spec = SPECS[family]
+    if spec.positions is Positions.MROPE:
         pixels = dict(image_processor(images=pil, return_tensors="pt"))
         merge = config.vision_config.spatial_merge_size
         pad = "<|image_pad|>"
@@ -115,17 +127,27 @@ def reference_inputs(path: Path, family: str, config: Any) -> dict[str, Any]:
         text = parts[0] + "".join(pad * n + p for n, p in zip(counts, parts[1:], strict=True))
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         image_types = (ids == IMAGE_TOKEN_ID).long()
-        return {"input_ids": ids, "attention_mask": ids.new_ones(ids.shape),
-                "pixel_values": pixels["pixel_values"], "mm_token_type_ids": image_types,
-                "image_grid_thw": pixels["image_grid_thw"]}  # fmt: skip
-    if family == "llava":
-        processor = tf.LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                      patch_size=config.vision_config.patch_size,
-                                      vision_feature_select_strategy="default",
-                                      num_additional_image_tokens=1)  # fmt: skip
+        return {
+            "input_ids": ids,
+            "attention_mask": ids.new_ones(ids.shape),
+            "pixel_values": pixels["pixel_values"],
+            "mm_token_type_ids": image_types,
+            "image_grid_thw": pixels["image_grid_thw"],
+        }
+    if spec.vision.tower is Tower.FIXED_SIZE:  # LLaVA-style: the LLaVA processor
+        processor = tf.LlavaProcessor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            patch_size=config.vision_config.patch_size,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+        )
     else:
-        processor = tf.Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
-                                       image_seq_length=config.mm_tokens_per_image)  # fmt: skip
+        processor = tf.Gemma3Processor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            image_seq_length=config.mm_tokens_per_image,
+        )
     out = dict(processor(text=[text], images=pil, return_tensors="pt", add_special_tokens=False))
     out.pop("mm_token_type_ids", None)
     return out
@@ -143,23 +165,54 @@ def references(tiny_models) -> dict[str, Any]:
         inputs = reference_inputs(tiny_models[family], family, model.config)
         with torch.no_grad():
             logits = model(**inputs).logits[0]
-            gen = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True)  # fmt: skip
+            gen = model.generate(
+                **inputs,
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         length = inputs["input_ids"].shape[1]
         tokens = gen.sequences[0, length:].tolist()
-        out[family] = (inputs["input_ids"][0].tolist(), logits, tokens,
-                       [s[0] for s in gen.logits])  # fmt: skip
+        out[family] = (inputs["input_ids"][0].tolist(), logits, tokens, [s[0] for s in gen.logits])
+    return out
+
+
+@pytest.fixture(scope="module")
+def held_references(tiny_models) -> dict[str, Any]:
+    """family -> (greedy tokens, per-token logits) of the full model on the pixels, its end
+    tokens held back for the first ``NEW_TOKENS`` (``min_new_tokens``); end token excluded."""
+    import torch
+
+    out = {}
+    for family in FAMILIES:
+        model = _full_model(tiny_models[family], family)
+        inputs = reference_inputs(tiny_models[family], family, model.config)
+        with torch.no_grad():
+            gen = model.generate(
+                **inputs,
+                max_new_tokens=NEW_TOKENS + 2,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        tokens = gen.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+        if tokens[-1] in model.generation_config.eos_token_id:
+            tokens.pop()
+        out[family] = (tokens, [s[0] for s in gen.logits])
     return out
 
 
 # -- equivalence ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
-def test_chunked_prefill_logits_equal_the_monolithic_model(family, pairs, references,
-                                                           tiny_models) -> None:  # fmt: skip
+def test_chunked_prefill_logits_equal_the_monolithic_model(
+    family, pairs, references, tiny_models
+) -> None:
     """Every prompt position's logits, chunk by chunk through the SDK, against the full model
     on the pixels; the chunks split the images (Gemma 3: keep them whole)."""
     from vitserve.client import EncoderClient
-    from vitserve.deployments.chat_service import ChatService
+    from vitserve.deployments.prefill.chat_service import ChatService
 
     app = pairs[family]
     want_ids, want_logits, _, _ = references[family]
@@ -221,12 +274,48 @@ def test_greedy_tokens_and_logprobs_over_http_equal_the_monolithic_model(
     assert answer["choices"][0]["message"]["content"] == text
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_held_back_end_tokens_over_http_equal_the_monolithic_models_min_new_tokens(
+    family, pairs, references, held_references
+) -> None:
+    """``min_tokens``: at least that many tokens, none of them an end token, and the very
+    tokens (by id) and logprobs of the full model's ``generate(min_new_tokens=...)``."""
+    import torch
+
+    app = pairs[family]
+    want_tokens, step_logits = held_references[family]
+    held = {"max_tokens": NEW_TOKENS + 2, "min_tokens": NEW_TOKENS, "return_token_ids": True}
+    body = chat_body(_images(), logprobs=True, skip_special_tokens=False, **held)
+    response = app.chat(body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    choice = answer["choices"][0]
+    plain = references[family][2]
+    print(f"{family}: greedy {plain}, end tokens held for {NEW_TOKENS}: {choice['token_ids']}")
+    assert choice["token_ids"] == want_tokens and len(want_tokens) >= NEW_TOKENS
+    assert answer["prompt_token_ids"] == references[family][0]
+    assert answer["usage"]["completion_tokens"] == len(want_tokens)
+    got = [c["logprob"] for c in choice["logprobs"]["content"]]
+    # generate's logits run one step past the last token when it stopped at an end token
+    steps = zip(want_tokens, step_logits, strict=False)
+    want = [float(torch.log_softmax(logits.float(), -1)[t]) for t, logits in steps]
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= LOGIT_ATOL
+    finish = "length" if len(want_tokens) == NEW_TOKENS + 2 else "stop"
+    assert choice["finish_reason"] == finish
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(app.config.model)
+    text = tokenizer.decode(want_tokens, skip_special_tokens=False)  # asked for: specials kept
+    assert choice["message"]["content"] == text
+
+
 def test_streaming_gives_the_same_tokens_as_one_answer(pairs) -> None:
     import json
 
     app = pairs["qwen2_vl"]
-    whole = app.chat(chat_body(_images())).json()
-    body = chat_body(_images(), stream=True, stream_options={"include_usage": True})
+    ids = {"return_token_ids": True, "min_tokens": 2}
+    whole = app.chat(chat_body(_images(), **ids)).json()
+    body = chat_body(_images(), stream=True, stream_options={"include_usage": True}, **ids)
     with app.client.stream("POST", f"{app.url}/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -236,6 +325,10 @@ def test_streaming_gives_the_same_tokens_as_one_answer(pairs) -> None:
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == whole["choices"][0]["message"]["content"]
+    streamed = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids", [])]
+    assert streamed == whole["choices"][0]["token_ids"] and len(streamed) >= 2
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert not any("prompt_token_ids" in c for c in chunks[1:])
     finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finals[-1] == whole["choices"][0]["finish_reason"]
     assert chunks[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
@@ -260,8 +353,11 @@ def test_bad_requests_get_the_apis_error_shape(pairs) -> None:
     images = _images()
 
     def error(body: Any, status: int) -> dict[str, Any]:
-        response = app.chat(body) if not isinstance(body, bytes) else app.client.post(
-            f"{app.url}/v1/chat/completions", content=body)  # fmt: skip
+        response = (
+            app.chat(body)
+            if not isinstance(body, bytes)
+            else app.client.post(f"{app.url}/v1/chat/completions", content=body)
+        )
         assert response.status_code == status, response.text
         return response.json()["error"]
 
@@ -271,6 +367,21 @@ def test_bad_requests_get_the_apis_error_shape(pairs) -> None:
     for seed in (2**64, -(2**63) - 1):  # beyond what torch's generator takes: 422, not a 500
         seeded = {**chat_body(images), "seed": seed, "temperature": 1}
         assert "seed" in error(seeded, 422)["message"]
+    for bad in (-1, 1.5, "a few", None, [3]):
+        assert "min_tokens" in error({**chat_body(images), "min_tokens": bad}, 422)["message"]
+    above = error(chat_body(images, min_tokens=NEW_TOKENS + 1), 422)  # max_tokens NEW_TOKENS
+    assert (
+        above["message"]
+        == f"min_tokens ({NEW_TOKENS + 1}) must not exceed max_tokens ({NEW_TOKENS})"
+    )
+    no_limit = chat_body(images, min_tokens=app.config.prefill.max_tokens + 1)
+    del no_limit["max_tokens"]
+    assert "name max_tokens" in error(no_limit, 422)["message"]
+    completion = chat_body(images, min_tokens=3, max_completion_tokens=2)
+    assert "exceed max_completion_tokens (2)" in error(completion, 422)["message"]
+    assert "return_token_ids" in error(chat_body(images, return_token_ids="maybe"), 422)["message"]
+    skip = chat_body(images, skip_special_tokens="maybe")
+    assert "skip_special_tokens" in error(skip, 422)["message"]
     remote = chat_body(images)
     remote["messages"][0]["content"][1]["image_url"]["url"] = "https://example.com/cat.png"
     assert "not fetched" in error(remote, 422)["message"]
@@ -287,6 +398,9 @@ def test_bad_requests_get_the_apis_error_shape(pairs) -> None:
     long = {"messages": [{"role": "user", "content": "hello " * 5000}], "max_tokens": 1}
     too_long = error(long, 400)
     assert too_long["type"] == "PromptTooLongError" and too_long["allowed"] == 4096
+    near = {"messages": [{"role": "user", "content": "hello " * 1320}]}  # ~3,970 tokens
+    held = error({**near, "min_tokens": 200}, 400)  # within prefill.max_tokens, past the context
+    assert held["type"] == "PromptTooLongError" and "min_tokens" in held["message"]
     over = chat_body(images, max_tokens=4096)
     assert error(over, 400)["type"] == "PromptTooLongError"
     served = app.client.get(f"{app.url}/healthz").json()["model"]

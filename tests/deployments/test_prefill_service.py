@@ -56,7 +56,7 @@ def test_each_chunk_pulls_only_the_rows_it_covers(pair, redis_url) -> None:
     from vitserve.cache.testing import expected_read_bytes
     from vitserve.client import EncoderClient
     from vitserve.client.chunks import plan_chunk
-    from vitserve.deployments.chat_service import ChatService
+    from vitserve.deployments.prefill.chat_service import ChatService
 
     images = fresh_images(3, sizes=((320, 320), (64, 48), (200, 120)))
     with EncoderClient(pair.encoder.url, store=redis_url) as client:
@@ -92,8 +92,13 @@ def test_each_chunk_pulls_only_the_rows_it_covers(pair, redis_url) -> None:
         assert moved == expected_read_bytes(checker, want, first_read), (chunk.start, chunk.end)
     largest = tokens.index(max(tokens))
     row_bytes = prepared.usage["bytes_pulled"] / sum(tokens)
-    inside = [m for (reads, m) in calls if len(reads) == 1 and reads[0][0] == handles_keys[largest]
-              and reads[0][2] - reads[0][1] == CHUNK]  # fmt: skip
+    inside = [
+        m
+        for (reads, m) in calls
+        if len(reads) == 1
+        and reads[0][0] == handles_keys[largest]
+        and reads[0][2] - reads[0][1] == CHUNK
+    ]
     assert inside and max(inside) < tokens[largest] * row_bytes / 2  # never the whole image
     assert prepared.usage["rows_pulled"] == sum(tokens)
     checker.close()
@@ -127,14 +132,9 @@ def test_v1_models_answers_in_openais_shape(pair) -> None:
 # -- the multi-turn agent scenario ----------------------------------------------------------------
 def test_multi_turn_chat_uploads_and_encodes_one_image_per_turn(pair) -> None:
     """Each turn re-sends the whole conversation plus one new image: after turn 1 one image is
-    uploaded and one encoded per turn, by ``usage`` and by both applications' /metrics."""
-    encoder_metrics, chat_metrics = pair.encoder, pair.as_app()
-    # /metrics lags the replicas by ~1 s: start from a settled value (the encoder's own count)
-    images = pair.encoder.counters()["images"]
-    encoded_before = encoder_metrics.wait_metric("vitserve_images_encoded_total",
-                                                 lambda v: v >= images)  # fmt: skip
-    assert encoded_before == images
-    uploaded_before = chat_metrics.metric("vitserve_prefill_images_total", kind="uploaded")
+    uploaded and one encoded per turn, by ``usage`` and by both applications' own counts."""
+    encoded_before = pair.encoder.counters()["images"]
+    chat_before = pair.counts()
     turns, messages, usages = 5, [], []
     for turn, image in enumerate(fresh_images(5), start=1):
         messages.append(user_turn(f"turn {turn}: what changed?", [image]))
@@ -145,17 +145,16 @@ def test_multi_turn_chat_uploads_and_encodes_one_image_per_turn(pair) -> None:
     got = [(u["images_sent"], u["images_uploaded"], u["images_encoded"]) for u in usages]
     assert got == [(t, 1, 1) for t in range(1, turns + 1)]
     assert [u["rows_pulled"] for u in usages] == sorted(u["rows_pulled"] for u in usages)
-    encoded = encoder_metrics.wait_metric("vitserve_images_encoded_total",
-                                          lambda v: v >= encoded_before + turns)  # fmt: skip
-    uploaded = chat_metrics.wait_metric(
-        "vitserve_prefill_images_total", lambda v: v >= uploaded_before + turns, kind="uploaded"
-    )
-    assert encoded - encoded_before == turns
-    assert uploaded - uploaded_before == turns
-    total = sum(range(1, turns + 1))
-    sent = chat_metrics.wait_metric("vitserve_prefill_images_total", lambda v: v >= total,
-                                    kind="sent")  # fmt: skip
-    assert sent == total
+    # counted before each answer, exact at once: no export lag to wait out
+    assert pair.encoder.counters()["images"] - encoded_before == turns
+    chat_now = pair.counts()
+
+    def moved(kind: str) -> float:
+        name = "prefill_images_total"
+        return chat_now.value(name, kind=kind) - chat_before.value(name, kind=kind)
+
+    assert (moved("uploaded"), moved("encoded")) == (turns, turns)
+    assert moved("sent") == sum(range(1, turns + 1))
 
 
 # -- restarts and scaling -------------------------------------------------------------------------
@@ -192,8 +191,11 @@ class Load:
 def _replicas(app_name: str, deployment: str) -> list[Any]:
     import ray
 
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
-             if deployment in a["name"] and f"{app_name}#" in a["name"]]  # fmt: skip
+    names = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if deployment in a["name"] and f"{app_name}#" in a["name"]
+    ]
     return [ray.get_actor(a["name"], namespace=a["namespace"]) for a in names]
 
 
@@ -209,8 +211,8 @@ def test_the_encoder_restarted_or_scaled_while_prefill_serves(pair) -> None:
     to 2: chat requests keep being answered (the client SDK retries), none fails."""
     import ray
 
-    from vitserve.deployments.app import build_application
-    from vitserve.deployments.local import serve_app
+    from vitserve.deployments.encoder.app import build_application
+    from vitserve.deployments.runner.local import serve_app
 
     load = _chat_load(pair)
     load.wait_for(2)
@@ -221,13 +223,17 @@ def test_the_encoder_restarted_or_scaled_while_prefill_serves(pair) -> None:
     scaled = pair.encoder.config.model_copy(
         update={"encoder": pair.encoder.config.encoder.model_copy(update={"num_replicas": 2})}
     )
-    serve_app(build_application(scaled), name=pair.encoder.name,
-              route_prefix=f"/{pair.encoder.name}")  # fmt: skip
+    serve_app(
+        build_application(scaled), name=pair.encoder.name, route_prefix=f"/{pair.encoder.name}"
+    )
     assert len(_replicas(pair.encoder.name, "EncoderDeployment")) == 2
     load.wait_for(3)
     statuses = load.finish()
-    serve_app(build_application(pair.encoder.config), name=pair.encoder.name,
-              route_prefix=f"/{pair.encoder.name}")  # fmt: skip
+    serve_app(
+        build_application(pair.encoder.config),
+        name=pair.encoder.name,
+        route_prefix=f"/{pair.encoder.name}",
+    )
     assert statuses and set(statuses) == {200}, statuses
 
 
@@ -239,8 +245,8 @@ def test_the_prefill_restarted_or_scaled_while_the_encoder_serves(pair) -> None:
     import ray
 
     from vitserve.client import EncoderClient
-    from vitserve.deployments.local import serve_app
-    from vitserve.deployments.prefill import build_prefill_application
+    from vitserve.deployments.prefill.app import build_prefill_application
+    from vitserve.deployments.runner.local import serve_app
 
     encoder = EncoderClient(pair.encoder.url)
 
@@ -269,8 +275,7 @@ def test_the_prefill_restarted_or_scaled_while_the_encoder_serves(pair) -> None:
     chats.wait_for(3)
     encodes.wait_for(3)
     encode_statuses, chat_statuses = encodes.finish(), chats.finish()
-    serve_app(build_prefill_application(pair.config), name=pair.name,
-              route_prefix=f"/{pair.name}")  # fmt: skip
+    serve_app(build_prefill_application(pair.config), name=pair.name, route_prefix=f"/{pair.name}")
     encoder.close()
     assert set(encode_statuses) == {200}
     assert set(chat_statuses) == {200}, chat_statuses

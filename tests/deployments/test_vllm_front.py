@@ -1,4 +1,4 @@
-"""The vLLM front (``vitserve.deployments.vllm_front``) in front of fake vLLM servers.
+"""The vLLM front (``vitserve.deployments.vllm.app``) in front of fake vLLM servers.
 
 Two fake upstreams stand in for vLLM OpenAI servers: real HTTP servers on loopback that record
 every request they receive and answer as vLLM does (JSON, SSE, its 400/404 error bodies, its
@@ -30,14 +30,42 @@ UPSTREAM_KEY = "sk-upstream-secret"  # the front's vllm.api_key
 MAX_IMAGES = 4  # the front's limits.max_images_per_request (the encoder's is 8)
 RETRY_AFTER = 7  # the front's vllm.retry_after_s
 GATE_TIMEOUT_S = 60  # how long the gated stream waits for the test before going on anyway
-MODELS = {"object": "list", "data": [{"id": "fake-vlm", "object": "model", "created": 1,
-                                      "owned_by": "vllm", "max_model_len": 4096}]}  # fmt: skip
+MODELS = {
+    "object": "list",
+    "data": [
+        {
+            "id": "fake-vlm",
+            "object": "model",
+            "created": 1,
+            "owned_by": "vllm",
+            "max_model_len": 4096,
+        }
+    ],
+}
 ERRORS = {  # the body's "model" -> vLLM's error answer
-    "missing": (404, {"error": {"message": "The model `missing` does not exist.",
-                                "type": "NotFoundError", "param": None, "code": 404}}),
-    "bad": (400, {"error": {"message": "max_tokens must be at least 1, got 0.",
-                            "type": "BadRequestError", "param": None, "code": 400}}),
-}  # fmt: skip
+    "missing": (
+        404,
+        {
+            "error": {
+                "message": "The model `missing` does not exist.",
+                "type": "NotFoundError",
+                "param": None,
+                "code": 404,
+            }
+        },
+    ),
+    "bad": (
+        400,
+        {
+            "error": {
+                "message": "max_tokens must be at least 1, got 0.",
+                "type": "BadRequestError",
+                "param": None,
+                "code": 400,
+            }
+        },
+    ),
+}
 _seed = iter(range(910_000, 10**9))
 _arrival = itertools.count()  # the order requests reached the fakes, across both
 
@@ -53,12 +81,21 @@ def data_url(image: bytes) -> str:
 
 def sse_events(name: str) -> list[bytes]:
     """The events a fake streams (each one chunk on the wire)."""
-    chunks = [{"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
-               "model": "fake-vlm", "choices": [{"index": 0, "delta": delta,
-                                                 "finish_reason": finish}]}
-              for delta, finish in (({"role": "assistant", "content": ""}, None),
-                                    ({"content": f"from {name}"}, None),
-                                    ({"content": " é✓"}, None), ({}, "stop"))]  # fmt: skip
+    chunks = [
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "fake-vlm",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+        for delta, finish in (
+            ({"role": "assistant", "content": ""}, None),
+            ({"content": f"from {name}"}, None),
+            ({"content": " é✓"}, None),
+            ({}, "stop"),
+        )
+    ]
     return [f"data: {json.dumps(c)}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
 
 
@@ -118,12 +155,24 @@ class _Handler(BaseHTTPRequestHandler):
         elif doc.get("stream"):
             self._stream(fake, gated=doc.get("model") == "gated")
         else:
-            self._answer(200, {"id": "chatcmpl-1", "object": "chat.completion", "created": 1,
-                               "model": "fake-vlm", "upstream": fake.name,
-                               "choices": [{"index": 0, "finish_reason": "stop",
-                                            "message": {"role": "assistant", "content": "hi"}}],
-                               "usage": {"prompt_tokens": 9, "completion_tokens": 1,
-                                         "total_tokens": 10}})  # fmt: skip
+            self._answer(
+                200,
+                {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion",
+                    "created": 1,
+                    "model": "fake-vlm",
+                    "upstream": fake.name,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": "stop",
+                            "message": {"role": "assistant", "content": "hi"},
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10},
+                },
+            )
 
     def _stream(self, fake: FakeVllm, gated: bool) -> None:
         self.send_response(200)
@@ -196,17 +245,28 @@ class Front:
 def front(main_app, serve_url) -> Iterator[Front]:
     from ray import serve
 
-    from vitserve.deployments.config import VitserveConfig
-    from vitserve.deployments.local import serve_app
-    from vitserve.deployments.vllm_front import build_vllm_application
+    from vitserve.deployments.common.config import VitserveConfig
+    from vitserve.deployments.runner.local import serve_app
+    from vitserve.deployments.vllm.app import build_vllm_application
 
     gate = threading.Event()
     fakes = [FakeVllm("a", gate).start(), FakeVllm("b", gate).start()]
-    section = {"urls": [f.url + "/" for f in fakes], "encoder_app": main_app.name,
-               "route_prefix": f"/{FRONT}", "num_cpus": 0.05, "api_key": UPSTREAM_KEY,
-               "retry_after_s": RETRY_AFTER, "encoder_attempts": 3}  # fmt: skip
-    cfg = VitserveConfig.load({**main_app.config.model_dump(), "vllm": section,
-                               "limits.max_images_per_request": MAX_IMAGES})  # fmt: skip
+    section = {
+        "urls": [f.url + "/" for f in fakes],
+        "encoder_app": main_app.name,
+        "route_prefix": f"/{FRONT}",
+        "num_cpus": 0.05,
+        "api_key": UPSTREAM_KEY,
+        "retry_after_s": RETRY_AFTER,
+        "encoder_attempts": 3,
+    }
+    cfg = VitserveConfig.load(
+        {
+            **main_app.config.model_dump(),
+            "vllm": section,
+            "limits.max_images_per_request": MAX_IMAGES,
+        }
+    )
     assert cfg.vllm.urls == [f.url for f in fakes]  # the trailing slash stripped
     serve_app(build_vllm_application(cfg), name=FRONT, route_prefix=f"/{FRONT}")
     yield Front(f"{serve_url}/{FRONT}", main_app, fakes)
@@ -223,8 +283,7 @@ def chat(front: Front, content: list[dict[str, Any]], **extra: Any) -> httpx.Res
 
 
 def counts(response: httpx.Response) -> tuple[int, int, int]:
-    return tuple(int(response.headers[f"x-vitserve-{k}"]) for k in ("images", "uploaded",
-                                                                      "cached"))  # fmt: skip
+    return tuple(int(response.headers[f"x-vitserve-{k}"]) for k in ("images", "uploaded", "cached"))
 
 
 def image_part(url: str) -> dict[str, Any]:
@@ -247,10 +306,13 @@ def test_data_url_images_are_forwarded_named_by_their_vitserve_keys(front) -> No
     remote-URL parts and every other field pass unchanged; the caller's Authorization is
     replaced by the configured api_key."""
     a, b = fresh_images(2)
-    content = [{"type": "text", "text": "compare"}, image_part(data_url(a)),
-               image_part("https://example.com/cat.png"),
-               {"type": "image_url", "image_url": {"url": data_url(b), "detail": "low"}},
-               image_part(data_url(a))]  # fmt: skip
+    content = [
+        {"type": "text", "text": "compare"},
+        image_part(data_url(a)),
+        image_part("https://example.com/cat.png"),
+        {"type": "image_url", "image_url": {"url": data_url(b), "detail": "low"}},
+        image_part(data_url(a)),
+    ]
     extra = {"max_tokens": 7, "temperature": 0.5, "vendor_field": {"x": [1, 2]}}
     response = chat(front, content, **extra)
     assert response.status_code == 200, response.text
@@ -277,9 +339,11 @@ def test_data_url_images_are_forwarded_named_by_their_vitserve_keys(front) -> No
 
 def test_a_request_without_images_is_forwarded_byte_for_byte(front) -> None:
     raw = b'{"model": "fake-vlm",  "messages": [{"role": "user", "content": "hi \\u00e9"}]}'
-    response = front.client.post(f"{front.url}/v1/chat/completions", content=raw,
-                                 headers={"Content-Type": "application/json",
-                                          "X-Request-Id": "req-1"})  # fmt: skip
+    response = front.client.post(
+        f"{front.url}/v1/chat/completions",
+        content=raw,
+        headers={"Content-Type": "application/json", "X-Request-Id": "req-1"},
+    )
     assert response.status_code == 200, response.text
     assert counts(response) == (0, 0, 0)
     seen = front.last_forwarded()
@@ -302,12 +366,14 @@ def test_a_stream_is_relayed_chunk_by_chunk_byte_for_byte(front) -> None:
     """The first event reaches the caller while the fake still holds back the rest (it waits
     for the test); the whole stream arrives byte-identical, with the counts."""
     [image] = fresh_images(1)
-    body = {"model": "gated", "stream": True,
-            "messages": [{"role": "user", "content": [image_part(data_url(image))]}]}  # fmt: skip
+    body = {
+        "model": "gated",
+        "stream": True,
+        "messages": [{"role": "user", "content": [image_part(data_url(image))]}],
+    }
     front.fakes[0].gate.clear()
     received = b""
-    with front.client.stream("POST", f"{front.url}/v1/chat/completions",
-                             json=body) as response:  # fmt: skip
+    with front.client.stream("POST", f"{front.url}/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
         assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
         assert counts(response) == (1, 1, 0)
@@ -326,8 +392,10 @@ def test_the_openai_client_streams_through_the_front(front) -> None:
     client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="caller-token", max_retries=0)
     [image] = fresh_images(1)
     stream = client.chat.completions.create(
-        model="fake-vlm", stream=True,
-        messages=[{"role": "user", "content": [image_part(data_url(image))]}])  # fmt: skip
+        model="fake-vlm",
+        stream=True,
+        messages=[{"role": "user", "content": [image_part(data_url(image))]}],
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream)
     assert text in ("from a é✓", "from b é✓")
     assert [m.id for m in client.models.list()] == ["fake-vlm"]
@@ -335,8 +403,12 @@ def test_the_openai_client_streams_through_the_front(front) -> None:
 
 @pytest.mark.parametrize("model", sorted(ERRORS))
 def test_vllm_error_answers_keep_their_status_and_body(front, model) -> None:
-    response = chat(front, [{"type": "text", "text": "hi"}], max_tokens=0 if model == "bad" else 1,
-                    **{"model": model})  # fmt: skip
+    response = chat(
+        front,
+        [{"type": "text", "text": "hi"}],
+        max_tokens=0 if model == "bad" else 1,
+        **{"model": model},
+    )
     status, doc = ERRORS[model]
     assert response.status_code == status
     assert response.content == json.dumps(doc).encode()
@@ -347,8 +419,12 @@ def test_v1_models_passes_through(front) -> None:
     response = front.client.get(f"{front.url}/v1/models")
     assert response.status_code == 200
     assert response.json() == MODELS
-    assert all(s.headers.get("authorization") == f"Bearer {UPSTREAM_KEY}"
-               for f in front.fakes for s in f.seen if s.path == "/v1/models")  # fmt: skip
+    assert all(
+        s.headers.get("authorization") == f"Bearer {UPSTREAM_KEY}"
+        for f in front.fakes
+        for s in f.seen
+        if s.path == "/v1/models"
+    )
 
 
 def test_a_vllm_server_down_is_passed_over_then_503_with_retry_after(front) -> None:
@@ -363,13 +439,17 @@ def test_a_vllm_server_down_is_passed_over_then_503_with_retry_after(front) -> N
         assert len(b.chats()) - before == 3
         b.stop()
         sent = front.sent()
-        for response in (chat(front, [{"type": "text", "text": "hello"}]),
-                         front.client.get(f"{front.url}/v1/models")):  # fmt: skip
+        for response in (
+            chat(front, [{"type": "text", "text": "hello"}]),
+            front.client.get(f"{front.url}/v1/models"),
+        ):
             assert response.status_code == 503, response.text
             assert response.headers["retry-after"] == str(RETRY_AFTER)
             error = response.json()["error"]
             assert error["type"] == "ServiceUnavailableError"
-            assert a.url in error["message"] and b.url in error["message"]
+            # each named by its index in vllm.urls, never by its address
+            assert "server 0" in error["message"] and "server 1" in error["message"]
+            assert str(a.port) not in response.text and str(b.port) not in response.text
         assert front.sent() == sent
     finally:
         a.start()
@@ -382,8 +462,15 @@ def test_images_that_fail_are_refused_in_vitserves_shape_and_nothing_is_forwarde
     [good] = fresh_images(1)
     sent = front.sent()
     corrupt = data_url(b"\x89PNG\r\n\x1a\n this is not an image")
-    response = chat(front, [image_part("https://example.com/x.png"), image_part(data_url(good)),
-                            {"type": "text", "text": "and"}, image_part(corrupt)])  # fmt: skip
+    response = chat(
+        front,
+        [
+            image_part("https://example.com/x.png"),
+            image_part(data_url(good)),
+            {"type": "text", "text": "and"},
+            image_part(corrupt),
+        ],
+    )
     assert response.status_code == 422, response.text
     error = response.json()["error"]
     assert error["type"] == "ImageDecodeError"
@@ -400,8 +487,11 @@ def test_images_that_fail_are_refused_in_vitserves_shape_and_nothing_is_forwarde
     assert error["type"] == "LimitExceededError" and error["limit"] == "max_images_per_request"
     assert (error["value"], error["allowed"]) == (MAX_IMAGES + 1, MAX_IMAGES)
 
-    not_json = front.client.post(f"{front.url}/v1/chat/completions", content=b"{nope",
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    not_json = front.client.post(
+        f"{front.url}/v1/chat/completions",
+        content=b"{nope",
+        headers={"Content-Type": "application/json"},
+    )
     assert not_json.status_code == 422 and "error" in not_json.json()
     assert front.sent() == sent
 
@@ -415,10 +505,15 @@ def test_the_counts_reach_metrics(front) -> None:
     assert chat(front, [image_part(data_url(held))]).status_code == 200
     response = chat(front, [image_part(data_url(i)) for i in (new, held, new)])
     assert counts(response) == (3, 1, 1)
-    want = {kind: before("vitserve_vllm_front_images_total", kind=kind) + n
-            for kind, n in (("sent", 4), ("uploaded", 2), ("cached", 1))}  # fmt: skip
-    after = page.wait_page(lambda value: all(value("vitserve_vllm_front_images_total", kind=k) >= v
-                                             for k, v in want.items()))  # fmt: skip
+    want = {
+        kind: before("vitserve_vllm_front_images_total", kind=kind) + n
+        for kind, n in (("sent", 4), ("uploaded", 2), ("cached", 1))
+    }
+    after = page.wait_page(
+        lambda value: all(
+            value("vitserve_vllm_front_images_total", kind=k) >= v for k, v in want.items()
+        )
+    )
     for kind, value in want.items():
         assert after("vitserve_vllm_front_images_total", kind=kind) >= value, kind
     assert after("vitserve_requests_total", route="vllm_chat", status="200") >= 2
@@ -426,26 +521,38 @@ def test_the_counts_reach_metrics(front) -> None:
 
 def test_healthz(front) -> None:
     health = front.client.get(f"{front.url}/healthz").json()
-    assert health == {"status": "ok", "urls": [f.url for f in front.fakes],
-                      "encoder": f"app {front.encoder.name}"}  # fmt: skip
+    assert health == {  # how many servers, not where: no internal address in an answer
+        "status": "ok",
+        "servers": len(front.fakes),
+        "encoder": f"app {front.encoder.name}",
+    }
 
 
 # -- without Ray ---------------------------------------------------------------------------------
 def test_upstream_headers_never_carry_the_callers_authorization() -> None:
-    from vitserve.deployments.vllm_front import upstream_headers
+    from vitserve.deployments.vllm.app import upstream_headers
 
-    incoming = httpx.Headers({"Authorization": "Bearer caller", "Accept": "text/event-stream",
-                              "X-Request-Id": "r1", "Cookie": "c=1"})  # fmt: skip
+    incoming = httpx.Headers(
+        {
+            "Authorization": "Bearer caller",
+            "Accept": "text/event-stream",
+            "X-Request-Id": "r1",
+            "Cookie": "c=1",
+        }
+    )
     assert upstream_headers(incoming, None) == {
-        "content-type": "application/json", "accept-encoding": "identity",
-        "accept": "text/event-stream", "x-request-id": "r1"}  # fmt: skip
+        "content-type": "application/json",
+        "accept-encoding": "identity",
+        "accept": "text/event-stream",
+        "x-request-id": "r1",
+    }
     assert upstream_headers(incoming, "sk-1")["authorization"] == "Bearer sk-1"
 
 
 def test_serve_takes_vllm_urls_by_flag_set_or_environment(monkeypatch) -> None:
-    from vitserve.deployments import cli
-    from vitserve.deployments.config import VitserveConfig
-    from vitserve.deployments.local import local_config
+    from vitserve.deployments.common.config import VitserveConfig
+    from vitserve.deployments.runner import cli
+    from vitserve.deployments.runner.local import local_config
 
     def urls(*argv: str) -> list[str]:
         return local_config(cli._overrides(cli.build_parser().parse_args(argv))).vllm.urls
@@ -454,19 +561,22 @@ def test_serve_takes_vllm_urls_by_flag_set_or_environment(monkeypatch) -> None:
     lines = cli.serving_lines(VitserveConfig.load(environ={}), "http://h:1", prefill=False)
     assert len(lines) == 1  # no front, no line for it
     assert urls("serve", "--vllm-url", "http://a:8000/", "--vllm-url", "https://b:9000") == [
-        "http://a:8000", "https://b:9000"]  # fmt: skip
+        "http://a:8000",
+        "https://b:9000",
+    ]
     assert urls("serve", "--set", 'vllm.urls=["http://c","http://d"]') == ["http://c", "http://d"]
     monkeypatch.setenv("VITSERVE_VLLM__URLS", "http://e:1,http://f:2")
     cfg = local_config({})
     assert cfg.vllm.urls == ["http://e:1", "http://f:2"]
     assert cli.serving_lines(cfg, "http://h:1", prefill=False)[-1] == (
         "vLLM front (OpenAI API) at http://h:1/vllm/v1/chat/completions, forwarding to "
-        "http://e:1, http://f:2 (docs: http://h:1/vllm/docs)")  # fmt: skip
+        "http://e:1, http://f:2 (docs: http://h:1/vllm/docs)"
+    )
 
 
 def test_vllm_urls_are_checked() -> None:
-    from vitserve.deployments.config import VitserveConfig
-    from vitserve.deployments.vllm_front import build_vllm_application
+    from vitserve.deployments.common.config import VitserveConfig
+    from vitserve.deployments.vllm.app import build_vllm_application
     from vitserve.errors import ConfigError
 
     for bad in ("ftp://a", "a:8000", "http://a:port", "http://a?x=1"):

@@ -76,9 +76,12 @@ def test_budget_splits_batches_and_output_is_unchanged(engines) -> None:
     assert whole.forward_calls == 1
 
     # The budget splits here, not the cap (set, as the fixture's, not taken from the host).
-    small = EncoderEngine(engine.adapter, fingerprint=engine.fingerprint,
-                          budget_bytes=2 * per_image,
-                          max_batch_patches=engine.max_batch_patches)  # fmt: skip
+    small = EncoderEngine(
+        engine.adapter,
+        fingerprint=engine.fingerprint,
+        budget_bytes=2 * per_image,
+        max_batch_patches=engine.max_batch_patches,
+    )
     plan = small.plan(prepared)
     assert plan.forward_calls == 3
     assert all(b.act_bytes <= 2 * per_image for b in plan.batches)
@@ -96,8 +99,12 @@ def test_oversize_image_runs_alone_and_is_counted(engines) -> None:
     prepared = engine.prepare([small_img, big_img, small_img])
     budget = engine.adapter.activation_bytes(prepared[0]) * 3
     assert engine.adapter.activation_bytes(prepared[1]) > budget
-    tight = EncoderEngine(engine.adapter, fingerprint=engine.fingerprint, budget_bytes=budget,
-                          max_batch_patches=engine.max_batch_patches)  # fmt: skip
+    tight = EncoderEngine(
+        engine.adapter,
+        fingerprint=engine.fingerprint,
+        budget_bytes=budget,
+        max_batch_patches=engine.max_batch_patches,
+    )
     out = tight.run(prepared)
     assert tight.counters.oversize == 1
     assert tight.counters.forward_calls == 2  # the two small ones together, the big one alone
@@ -221,8 +228,10 @@ def test_the_cpu_batch_cap_is_a_function_of_cache_size_and_bf16_support() -> Non
     assert cpu_batch_cap(1024, False, 3072, 4) == 1  # never zero
 
 
-@pytest.mark.parametrize(("llc", "bf16", "expected_fp32", "expected_bf16"),
-                         [("8MiB", "0", 682, 682), ("32MiB", "1", 2730, 5461)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("llc", "bf16", "expected_fp32", "expected_bf16"),
+    [("8MiB", "0", 682, 682), ("32MiB", "1", 2730, 5461)],
+)
 def test_the_host_readings_can_be_overridden(
     monkeypatch, engines, llc, bf16, expected_fp32, expected_bf16
 ) -> None:
@@ -243,9 +252,14 @@ def test_the_host_readings_can_be_overridden(
     assert [b.num_items for b in capped.plan(prepared).batches] == [2, 2, 1]
 
 
-@pytest.mark.parametrize(("name", "value", "message"), [
-    (LLC_ENV, "lots", "not a size"), (LLC_ENV, "0", "positive"), (BF16_ENV, "maybe", "1 or 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        (LLC_ENV, "lots", "not a size"),
+        (LLC_ENV, "0", "positive"),
+        (BF16_ENV, "maybe", "1 or 0"),
+    ],
+)
 def test_a_malformed_override_is_an_error_not_ignored(monkeypatch, name, value, message) -> None:
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=message) as info:

@@ -44,8 +44,9 @@ REFERENCE_ULPS_PER_LAYER = 4.0
 def _ulps(x, y) -> float:
     """The larger of the embedding's and its extras' distances, in ulps of ``y``'s scale."""
     assert set(x.extras) == set(y.extras)
-    return max([ulps_apart(x.tensor, y.tensor)]
-               + [ulps_apart(x.extras[k], y.extras[k]) for k in x.extras])  # fmt: skip
+    return max(
+        [ulps_apart(x.tensor, y.tensor)] + [ulps_apart(x.extras[k], y.extras[k]) for k in x.extras]
+    )
 
 
 def reference_tolerance(engine: EncoderEngine) -> float:
@@ -147,8 +148,10 @@ def test_batched_equals_alone_within_the_engines_promise(
     assert not torch.equal(batched[0].tensor, batched[2].tensor)  # same size, other content
 
     ulps = max(_ulps(x, y) for x, y in zip(batched, alone, strict=True))
-    print(f"\n{family} {dtype}: batched ({forwards} forwards for {len(images)} images) vs "
-          f"alone: {ulps:.3g} ulps (promise: {BATCH_TOLERANCE_ULPS[dtype]:g})")  # fmt: skip
+    print(
+        f"\n{family} {dtype}: batched ({forwards} forwards for {len(images)} images) vs "
+        f"alone: {ulps:.3g} ulps (promise: {BATCH_TOLERANCE_ULPS[dtype]:g})"
+    )
     assert ulps <= BATCH_TOLERANCE_ULPS[dtype]
     assert forwards < len(images)  # the fixture's cap and budget hold several images
     assert batched[0].tensor.dtype == engine.dtype
@@ -214,7 +217,9 @@ def test_a_shifted_position_fails_the_full_model_check_by_orders_of_magnitude(
         shifted = _reference_ulps(engine.encode(IMAGES), references(family))
     restored = _reference_ulps(engine.encode(IMAGES), references(family))
     tolerance = reference_tolerance(engine)
-    print(f"\n{family}: shifted positions {shifted:.3g} ulps from the full model "
-          f"(bound {tolerance:g}, {shifted / tolerance:.2g}x over it)")  # fmt: skip
+    print(
+        f"\n{family}: shifted positions {shifted:.3g} ulps from the full model "
+        f"(bound {tolerance:g}, {shifted / tolerance:.2g}x over it)"
+    )
     assert shifted > 1000 * tolerance
     assert restored <= tolerance  # the injection is undone

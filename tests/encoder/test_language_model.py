@@ -40,8 +40,14 @@ from vitserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
 
 # Every layout's vision/projector tensor names, spelled out here rather than taken from the
 # adapters, so the expected sets are computed independently of the loader.
-VISION_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.",
-                   "multi_modal_projector.", "model.multi_modal_projector.")  # fmt: skip
+VISION_PREFIXES = (
+    "visual.",
+    "model.visual.",
+    "vision_tower.",
+    "model.vision_tower.",
+    "multi_modal_projector.",
+    "model.multi_modal_projector.",
+)
 # The vision submodules of the in-memory model.
 VISION_MODULES = ("model.visual", "model.vision_tower", "model.multi_modal_projector")
 TEXT_IDS = [1, 11, 12, 13, 40, 50, 60, 70, 2]
@@ -52,16 +58,19 @@ PIXEL_ATOL = 1e-4  # against the full model on the pixels (see the module docstr
 # and Gemma 3 in their published layout (its conversion mapping, reversed on save), Qwen3-VL in
 # today's in-memory one, so: published -> today's, and Qwen3-VL today's -> the Qwen2-VL layout.
 TO_TODAYS_QWEN = [(r"^model\.", "model.language_model."), (r"^visual\.", "model.visual.")]
-TO_TODAYS_LLAVA = [(r"^language_model\.model\.", "model.language_model."),
-                   (r"^language_model\.lm_head\.", "lm_head."),
-                   (r"^vision_tower\.", "model.vision_tower."),
-                   (r"^multi_modal_projector\.", "model.multi_modal_projector.")]  # fmt: skip
+TO_TODAYS_LLAVA = [
+    (r"^language_model\.model\.", "model.language_model."),
+    (r"^language_model\.lm_head\.", "lm_head."),
+    (r"^vision_tower\.", "model.vision_tower."),
+    (r"^multi_modal_projector\.", "model.multi_modal_projector."),
+]
 OTHER_LAYOUT = {
     "qwen2_vl": TO_TODAYS_QWEN,
     "qwen2_5_vl": TO_TODAYS_QWEN,
     "qwen3_vl": [(r"^model\.language_model\.", "model."), (r"^model\.visual\.", "visual.")],
     "llava": TO_TODAYS_LLAVA,
     "gemma3": TO_TODAYS_LLAVA,
+    "vipllava": TO_TODAYS_LLAVA,
 }
 # What the fixture checkpoints look like (asserted, so a transformers change shows up here).
 SAVED_EMBEDDING = {
@@ -70,6 +79,7 @@ SAVED_EMBEDDING = {
     "qwen3_vl": "model.language_model.embed_tokens.weight",
     "llava": "language_model.model.embed_tokens.weight",
     "gemma3": "language_model.model.embed_tokens.weight",
+    "vipllava": "language_model.model.embed_tokens.weight",
 }
 
 
@@ -136,6 +146,11 @@ def _add_tensor(folder: Path, name: str, tensor: torch.Tensor) -> None:
 
 
 # -- only language-model tensors -----------------------------------------------------------------
+def test_the_layout_tables_cover_exactly_the_served_families() -> None:
+    """A family added without its rows here, or a row left for a family not served, fails."""
+    assert set(OTHER_LAYOUT) == set(SAVED_EMBEDDING) == set(FAMILIES)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_reads_exactly_the_language_model_tensors(tiny_models, family) -> None:
     folder = tiny_models[family]
@@ -156,12 +171,15 @@ def test_reads_exactly_the_language_model_tensors(tiny_models, family) -> None:
     for shard in shards:
         header, base = _header(folder / shard)
         header_bytes += base
-        lm_bytes += sum(i["data_offsets"][1] - i["data_offsets"][0]
-                        for n, i in header.items() if n in expected)  # fmt: skip
+        lm_bytes += sum(
+            i["data_offsets"][1] - i["data_offsets"][0] for n, i in header.items() if n in expected
+        )
     assert report.bytes_read == header_bytes + lm_bytes
     assert report.bytes_read < report.checkpoint_bytes
-    print(f"{family}: read {report.bytes_read} of {report.checkpoint_bytes} bytes, "
-          f"{len(shards)}/{report.shards_total} shards")  # fmt: skip
+    print(
+        f"{family}: read {report.bytes_read} of {report.checkpoint_bytes} bytes, "
+        f"{len(shards)}/{report.shards_total} shards"
+    )
 
     model = loaded.model
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
@@ -226,8 +244,9 @@ def _pixel_kwargs(folder: Path, config: Any, ids: list[int], images: list[bytes]
 def _greedy(model: Any, inputs: dict[str, Any], steps: int) -> list[int]:
     """Prefill through transformers_forward, then one token a step."""
     out = transformers_forward(model, inputs, use_cache=True)
-    return greedy_after_prefill(model, out, inputs["attention_mask"],
-                                inputs.get("position_ids"), steps)  # fmt: skip
+    return greedy_after_prefill(
+        model, out, inputs["attention_mask"], inputs.get("position_ids"), steps
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -240,8 +259,10 @@ def test_image_embeddings_give_the_full_models_logits(tiny_models, engines, fami
     lm = _load(folder).model
     images = [make_image(w, h, seed=k + 1) for k, (w, h) in enumerate(IMAGE_SIZES)]
     embeddings = engines[family].encode(images)
-    records = [SimpleNamespace(embedding=e.tensor, extras=e.extras, grid=e.grid, dtype="fp32")
-               for e in embeddings]  # fmt: skip
+    records = [
+        SimpleNamespace(embedding=e.tensor, extras=e.extras, grid=e.grid, dtype="fp32")
+        for e in embeddings
+    ]
     ids = image_prompt(full.config, [e.num_tokens for e in embeddings])
 
     with torch.no_grad():
@@ -254,8 +275,10 @@ def test_image_embeddings_give_the_full_models_logits(tiny_models, engines, fami
         tokens = _greedy(lm, inputs, 6)
         assert tokens == _greedy(full, full_inputs, 6)
     diff, pixel_diff = _max_diff(got, want), _max_diff(got, on_pixels)
-    print(f"{family}: {len(ids)} tokens, max |logit diff| LM-only vs full {diff:.3g}, "
-          f"vs full on pixels {pixel_diff:.3g}; greedy {tokens}")  # fmt: skip
+    print(
+        f"{family}: {len(ids)} tokens, max |logit diff| LM-only vs full {diff:.3g}, "
+        f"vs full on pixels {pixel_diff:.3g}; greedy {tokens}"
+    )
     assert diff <= EXACT
     assert pixel_diff <= PIXEL_ATOL
 
@@ -263,8 +286,11 @@ def test_image_embeddings_give_the_full_models_logits(tiny_models, engines, fami
 def test_vision_stubs_refuse_pixels(tiny_models) -> None:
     lm = _load(tiny_models["qwen2_vl"]).model
     with pytest.raises(ConfigError, match="no vision tower; feed image embeddings"):
-        lm(input_ids=torch.tensor([[1, IMAGE_TOKEN_ID, 2]]), pixel_values=torch.zeros(4, 1176),
-           image_grid_thw=torch.tensor([[1, 2, 2]]))  # fmt: skip
+        lm(
+            input_ids=torch.tensor([[1, IMAGE_TOKEN_ID, 2]]),
+            pixel_values=torch.zeros(4, 1176),
+            image_grid_thw=torch.tensor([[1, 2, 2]]),
+        )
     lm = _load(tiny_models["llava"]).model
     with pytest.raises(ConfigError, match=r"model\.vision_tower: this language-model-only load"):
         lm.model.vision_tower(torch.zeros(1, 3, 224, 224))
@@ -338,8 +364,11 @@ def test_missing_language_model_tensor_is_named(tiny_models, tmp_path) -> None:
     dst = tmp_path / "missing"
     shutil.copytree(tiny_models["qwen2_vl"], dst)
     _drop_tensor(dst, "model.layers.1.mlp.up_proj.weight")
-    with pytest.raises(ModelLoadError, match=r"missing language-model tensor.*"
-                       r"model\.layers\.1\.mlp\.up_proj\.weight"):  # fmt: skip
+    with pytest.raises(
+        ModelLoadError,
+        match=r"missing language-model tensor.*"
+        r"model\.layers\.1\.mlp\.up_proj\.weight",
+    ):
         _load(dst)
 
 
@@ -380,7 +409,9 @@ def test_importing_the_loader_loads_no_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, vitserve.encoder.language_model\n"
-            "heavy = {'torch', 'transformers'} & set(sys.modules)\n"
-            "assert not heavy, heavy")  # fmt: skip
+    code = (
+        "import sys, vitserve.encoder.language_model\n"
+        "heavy = {'torch', 'transformers'} & set(sys.modules)\n"
+        "assert not heavy, heavy"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vitserve.encoder.engine import EncoderEngine
-from vitserve.encoder.families import adapter_class
 from vitserve.encoder.loading import INDEX_FILE, SINGLE_FILE
 from vitserve.encoder.testimages import mixed_set
 from vitserve.encoder.testmodels import FAMILIES, fake_hub_cache, rename_tensors
 from vitserve.errors import ModelLoadError, UnsupportedModelError
+from vitserve.families import family_spec
 
 IMAGES = [b for _, b in mixed_set()[:4]]
 
@@ -31,15 +31,19 @@ OTHER_LAYOUT = {
     # published LLaVA-1.5 / Gemma 3 layout: the tower's weights under ``vision_model.``
     "llava": [(r"^vision_tower\.", "vision_tower.vision_model.")],
     "gemma3": [(r"^vision_tower\.", "vision_tower.vision_model.")],
+    "vipllava": [(r"^vision_tower\.", "vision_tower.vision_model.")],
 }
 # and the in-memory layout under ``model.``
-IN_MEMORY_LAYOUT = [(r"^vision_tower\.", "model.vision_tower."),
-                    (r"^multi_modal_projector\.", "model.multi_modal_projector.")]  # fmt: skip
+IN_MEMORY_LAYOUT = [
+    (r"^vision_tower\.", "model.vision_tower."),
+    (r"^multi_modal_projector\.", "model.multi_modal_projector."),
+]
 
 
 def _vision_names(folder: Path, family: str) -> set[str]:
     names = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
-    patterns = [p for alts in adapter_class(family).weight_prefixes.values() for p in alts]
+    prefixes = family_spec(family).checkpoint.vision_prefixes
+    patterns = [p for alts in prefixes.values() for p in alts]
     return {n for n in names if any(re.match(p, n) for p in patterns)}
 
 
@@ -53,6 +57,11 @@ def _assert_same(a: list, b: list) -> None:
         assert torch.equal(x.tensor, y.tensor)
         assert x.extras.keys() == y.extras.keys()
         assert all(torch.equal(x.extras[k], y.extras[k]) for k in x.extras)
+
+
+def test_the_layout_table_covers_exactly_the_served_families() -> None:
+    """A family added without its layouts here, or a row left for a family not served, fails."""
+    assert set(OTHER_LAYOUT) == set(FAMILIES)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -92,7 +101,7 @@ def test_other_naming_layouts_load(tiny_models, engines, family, tmp_path) -> No
     src = tiny_models[family]
     reference = engines[family]
     layouts = [OTHER_LAYOUT[family]]
-    if family in ("llava", "gemma3"):
+    if family in ("llava", "gemma3", "vipllava"):
         layouts.append(IN_MEMORY_LAYOUT)
     for i, rules in enumerate(layouts):
         dst = tmp_path / f"layout{i}"

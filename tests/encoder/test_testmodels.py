@@ -45,6 +45,12 @@ SPECIALS: dict[str, dict[str, str]] = {
         "eos_token_id": "</s>",
         "image_token_id": "<image>",
     },
+    "vipllava": {
+        "pad_token_id": "<pad>",
+        "bos_token_id": "<s>",
+        "eos_token_id": "</s>",
+        "image_token_id": "<image>",
+    },
     "gemma3": {
         "pad_token_id": "<pad>",
         "bos_token_id": "<bos>",
@@ -57,13 +63,24 @@ SPECIALS: dict[str, dict[str, str]] = {
 TEXT_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")  # on the text config
 # What the chat template writes once per image part (Gemma 3's processor later expands its
 # <start_of_image> into the image's soft tokens).
-MARKER = {f: "<|image_pad|>" for f in SPECIALS} | {"llava": "<image>", "gemma3": "<start_of_image>"}
-END_OF_TURN = {f: "<|im_end|>" for f in SPECIALS} | {"llava": "</s>", "gemma3": "<end_of_turn>"}
+MARKER = {f: "<|image_pad|>" for f in SPECIALS} | {
+    "llava": "<image>",
+    "gemma3": "<start_of_image>",
+    "vipllava": "<image>",
+}
+END_OF_TURN = {f: "<|im_end|>" for f in SPECIALS} | {
+    "llava": "</s>",
+    "gemma3": "<end_of_turn>",
+    "vipllava": "</s>",
+}
 GENERATION_PROMPT = {f: "<|im_start|>assistant\n" for f in SPECIALS} | {
     "llava": "ASSISTANT:",
     "gemma3": "<start_of_turn>model\n",
+    "vipllava": "###Assistant:",
 }
-BOS = {f: "" for f in SPECIALS} | {"llava": "<s>", "gemma3": "<bos>"}
+BOS = {f: "" for f in SPECIALS} | {"llava": "<s>", "gemma3": "<bos>", "vipllava": "<s>"}
+# Families whose template ends only the assistant's turn (LLaVA's "</s>" after the answer).
+ENDS_ONLY_THE_ASSISTANT = ("llava", "vipllava")
 
 ENGLISH = [
     "Describe this image in detail.",
@@ -74,6 +91,13 @@ ENGLISH = [
     "Fake markup <b>bold</b> and <unused-ish> tags stay text.",
 ]
 IMAGE_PARTS = [{"type": "image"}, {"type": "image_url", "image_url": {"url": "file:///a.png"}}]
+
+
+def test_the_token_tables_cover_exactly_the_served_families() -> None:
+    """A family added without its rows here, or a row left for a family not served, fails."""
+    for table in (SPECIALS, MARKER, END_OF_TURN, GENERATION_PROMPT, BOS):
+        assert set(table) == set(FAMILIES)
+    assert set(ENDS_ONLY_THE_ASSISTANT) <= set(FAMILIES)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +167,7 @@ def test_chat_template_renders_one_marker_per_image(family, tokenizers) -> None:
     assert tok.encode(prompt) == ids  # the template, not encoding, adds BOS
     marker = tok.convert_tokens_to_ids(MARKER[family])
     assert ids.count(marker) == 2
-    ended = 1 if family == "llava" else 3  # LLaVA ends only the assistant's turn
+    ended = 1 if family in ENDS_ONLY_THE_ASSISTANT else 3
     assert ids.count(tok.convert_tokens_to_ids(END_OF_TURN[family])) == ended
     tail = tok.encode(GENERATION_PROMPT[family])
     if family != "llava":  # (LLaVA's BPE merges " ASSISTANT:" with the space before it)

@@ -49,16 +49,34 @@ def check(pre: Preprocessor, width: int, height: int) -> ImageWork:
         return work
     prepared = pre.prepare(data, "k")
     assert (work.patches, work.prepared_bytes) == (prepared.patches, prepared.pixels.nbytes), (
-        width, height)  # fmt: skip
+        width,
+        height,
+    )
     assert rule.tokens(width, height) == prepared.num_tokens
     assert work.decode_bytes >= width * height * 14  # PIL alone holds 4 B a pixel, twice
     return work
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("size", [(1, 1), (7, 5), (13, 27), (28, 28), (56, 55), (224, 224),
-                                  (320, 320), (321, 319), (640, 480), (1000, 10), (10, 1000),
-                                  (2000, 10), (201, 1), (4, 900)])  # fmt: skip
+@pytest.mark.parametrize(
+    "size",
+    [
+        (1, 1),
+        (7, 5),
+        (13, 27),
+        (28, 28),
+        (56, 55),
+        (224, 224),
+        (320, 320),
+        (321, 319),
+        (640, 480),
+        (1000, 10),
+        (10, 1000),
+        (2000, 10),
+        (201, 1),
+        (4, 900),
+    ],
+)
 def test_the_rule_gives_what_preprocessing_makes(preprocessors, family: str, size) -> None:
     check(preprocessors[family], *size)
 
@@ -66,8 +84,9 @@ def test_the_rule_gives_what_preprocessing_makes(preprocessors, family: str, siz
 @pytest.mark.parametrize("family", QWEN)
 @settings(max_examples=25, deadline=None, database=None)
 @given(width=st.integers(1, 1500), height=st.integers(1, 1500))
-def test_the_packed_rule_over_many_sizes(preprocessors, family: str, width: int,
-                                         height: int) -> None:  # fmt: skip
+def test_the_packed_rule_over_many_sizes(
+    preprocessors, family: str, width: int, height: int
+) -> None:
     check(preprocessors[family], width, height)
 
 
@@ -77,8 +96,9 @@ def test_capacity_admits_the_largest_image_and_defaults_from_the_budget() -> Non
     assert c.max_bytes == 1010 and c.max_patches == 800  # the image alone; four forwards
     c = Capacity.derived(budget_bytes=5000, forward_patches=100, largest=largest)
     assert c.max_bytes == 5000 and c.max_patches == 500
-    c = Capacity.derived(budget_bytes=5000, forward_patches=100, largest=largest,
-                         max_patches=7, max_bytes=9)  # fmt: skip
+    c = Capacity.derived(
+        budget_bytes=5000, forward_patches=100, largest=largest, max_patches=7, max_bytes=9
+    )
     assert (c.max_patches, c.max_bytes) == (7, 9)
 
 
@@ -136,8 +156,9 @@ print(json.dumps({"side": side, "peaks": out}))
 
 def test_decode_bytes_over_estimate_the_measured_peak(tiny_models) -> None:
     models = [str(tiny_models[f]) for f in ("qwen2_vl", "llava")]
-    proc = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, *models],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, *models], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     side = got["side"]

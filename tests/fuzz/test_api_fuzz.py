@@ -31,8 +31,13 @@ from hypothesis import HealthCheck, Phase, given, settings
 from vitserve.encoder.testimages import make_image
 
 # Examples per (operation, generation mode); hypothesis stops early where a space is exhausted.
-INGRESS = {"POST /v1/encode": 400, "POST /v1/probe": 200, "POST /v1/rows": 200,
-           "GET /v1/embeddings/{key}": 250, "GET /healthz": 20}  # fmt: skip
+INGRESS = {
+    "POST /v1/encode": 400,
+    "POST /v1/probe": 200,
+    "POST /v1/rows": 200,
+    "GET /v1/embeddings/{key}": 250,
+    "GET /healthz": 20,
+}
 PREFILL = {"POST /v1/chat/completions": 200, "GET /healthz": 20}
 MODES = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
 THREADS = 6
@@ -40,8 +45,9 @@ THREADS = 6
 
 @pytest.fixture(scope="module")
 def chat(main_app, deploy_prefill) -> Iterator[Any]:
-    app = deploy_prefill("fuzz-llm", main_app, **{"prefill.num_cpus": 0.02,
-                                                   "prefill.max_tokens": 2})  # fmt: skip
+    app = deploy_prefill(
+        "fuzz-llm", main_app, **{"prefill.num_cpus": 0.02, "prefill.max_tokens": 2}
+    )
     yield app
     deploy_prefill.remove(app.name)
 
@@ -50,8 +56,13 @@ def _generate(operation: Any, mode: schemathesis.GenerationMode, n: int) -> list
     cases: list[Any] = []
 
     @given(operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=n, phases=[Phase.generate], database=None, deadline=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=n,
+        phases=[Phase.generate],
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     def collect(case: Any) -> None:
         cases.append(case)
 
@@ -61,7 +72,7 @@ def _generate(operation: Any, mode: schemathesis.GenerationMode, n: int) -> list
 
 def _chat_schema(url: str) -> Any:
     """The prefill application's live OpenAPI document, with the chat route's request body."""
-    from vitserve.deployments.chat import ChatRequest
+    from vitserve.deployments.prefill.chat import ChatRequest
 
     doc = httpx.get(f"{url}/openapi.json", timeout=30).json()
     body = ChatRequest.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -70,8 +81,7 @@ def _chat_schema(url: str) -> Any:
     body["properties"].update(max_tokens=capped, max_completion_tokens=capped)
     route = doc["paths"]["/v1/chat/completions"]["post"]
     assert "requestBody" not in route, "the chat route now has its own schema: use it"
-    route["requestBody"] = {"required": True,
-                            "content": {"application/json": {"schema": body}}}  # fmt: skip
+    route["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
     return schemathesis.openapi.from_dict(doc)
 
 
@@ -84,8 +94,11 @@ def _replicas(*apps: str) -> set[str]:
     import ray
 
     prefixes = tuple(f"SERVE_REPLICA::{app}#" for app in apps)
-    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(prefixes)}  # fmt: skip
+    return {
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(prefixes)
+    }
 
 
 def _shape_problem(response: requests.Response) -> str | None:
@@ -100,8 +113,7 @@ def _shape_problem(response: requests.Response) -> str | None:
 
 @pytest.mark.slow
 def test_fuzzed_requests_get_no_5xx_and_crash_no_replica(main_app, chat, reliability) -> None:
-    ingress = _operations(schemathesis.openapi.from_url(f"{main_app.url}/openapi.json",
-                                                        timeout=30))  # fmt: skip
+    ingress = _operations(schemathesis.openapi.from_url(f"{main_app.url}/openapi.json", timeout=30))
     assert set(INGRESS) <= set(ingress), sorted(ingress)  # each route has its schema
     media = {b.media_type for b in ingress["POST /v1/encode"].body}
     assert media == {"application/json", "multipart/form-data"}
@@ -142,8 +154,11 @@ def test_fuzzed_requests_get_no_5xx_and_crash_no_replica(main_app, chat, reliabi
     assert not misshapen, misshapen[:5]
     # valid input reached the routes' work, not only the validators
     answered = {kind.rsplit(" ", 1)[0] for (kind, status) in statuses if status == 200}
-    assert answered >= {"encoder POST /v1/encode", "encoder POST /v1/probe",
-                        "prefill POST /v1/chat/completions"}, statuses  # fmt: skip
+    assert answered >= {
+        "encoder POST /v1/encode",
+        "encoder POST /v1/probe",
+        "prefill POST /v1/chat/completions",
+    }, statuses
     # no replica crashed or restarted, and both applications still answer
     assert _replicas(main_app.name, chat.name) == before
     good = main_app.encode([make_image(48, 40, seed=31337)])
@@ -154,7 +169,12 @@ def test_fuzzed_requests_get_no_5xx_and_crash_no_replica(main_app, chat, reliabi
     by_status = sorted(Counter(s for _, s, _ in results).items())
     print(f"\n{len(results)} fuzzed requests in {elapsed:.1f} s; statuses: {by_status}")
     routes = len(INGRESS) + len(PREFILL)
-    reliability.record("Bad input: API fuzz from the OpenAPI schemas (schemathesis)",
-                       tried=len(results), failed=len(server_errors), wrong=0, lost=0,
-                       note=f"{routes} routes of both applications, valid and invalid by the "
-                            "schema; 0 replica restarts")  # fmt: skip
+    reliability.record(
+        "Bad input: API fuzz from the OpenAPI schemas (schemathesis)",
+        tried=len(results),
+        failed=len(server_errors),
+        wrong=0,
+        lost=0,
+        note=f"{routes} routes of both applications, valid and invalid by the "
+        "schema; 0 replica restarts",
+    )

@@ -54,13 +54,19 @@ def test_coverage_guided_image_decoding(tmp_path: Path, reliability: Any) -> Non
     seeds = write_seed_corpus(corpus)
     artifacts.mkdir()
     cmd = [
-        sys.executable, str(TARGET), str(corpus),
-        f"-max_total_time={FUZZ_SECONDS}", f"-timeout={HANG_S}", "-rss_limit_mb=2048",
-        f"-artifact_prefix={artifacts}/", "-print_final_stats=1",
-    ]  # fmt: skip
+        sys.executable,
+        str(TARGET),
+        str(corpus),
+        f"-max_total_time={FUZZ_SECONDS}",
+        f"-timeout={HANG_S}",
+        "-rss_limit_mb=2048",
+        f"-artifact_prefix={artifacts}/",
+        "-print_final_stats=1",
+    ]
     # the bound covers start-up (instrumenting PIL) and a slow shared machine
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=FUZZ_SECONDS + 120)  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=FUZZ_SECONDS + 120
+    )
     log = proc.stdout + proc.stderr
     crashes = sorted(p.name for p in artifacts.iterdir())
     wrong = len(re.findall(r"AssertionError", log))  # a property of the target, not an escape
@@ -74,6 +80,9 @@ def test_coverage_guided_image_decoding(tmp_path: Path, reliability: Any) -> Non
     grown = sum(1 for _ in corpus.iterdir())
     reliability.record(
         "image bytes, coverage-guided (atheris + libFuzzer over the header check and decode)",
-        tried=runs, failed=len(crashes) - wrong, wrong=wrong, lost=0,
+        tried=runs,
+        failed=len(crashes) - wrong,
+        wrong=wrong,
+        lost=0,
         note=f"{FUZZ_SECONDS} s from {seeds} valid seeds; corpus grew to {grown}",
-    )  # fmt: skip
+    )

@@ -44,8 +44,12 @@ from vitserve.errors import RecordFormatError
 
 # more with VITSERVE_TEST_FUZZ_EXAMPLES=N (the suite runs 1000 per property)
 EXAMPLES = int(os.environ.get("VITSERVE_TEST_FUZZ_EXAMPLES", "1000"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 _names = st.text(min_size=1, max_size=12).filter(lambda s: s != MAIN)
 
@@ -65,16 +69,28 @@ def records(draw: st.DrawFn) -> EmbeddingRecord:
         raw = rng.integers(0, 256, rows * width * np_dtype.itemsize, dtype=np.uint8)
         tensors[name] = raw.view(np_dtype).reshape(rows, width)
     grid = draw(st.none() | st.tuples(*[st.integers(0, 2**40)] * 3))
-    return EmbeddingRecord(key=draw(st.text(max_size=70)), fingerprint=draw(st.text(max_size=70)),
-                           dtype=dtype, num_tokens=rows, grid=grid, tensors=tensors)  # fmt: skip
+    return EmbeddingRecord(
+        key=draw(st.text(max_size=70)),
+        fingerprint=draw(st.text(max_size=70)),
+        dtype=dtype,
+        num_tokens=rows,
+        grid=grid,
+        tensors=tensors,
+    )
 
 
-def same_record(got: EmbeddingRecord, want: EmbeddingRecord, r0: int = 0, r1: int | None = None
-                ) -> bool:  # fmt: skip
+def same_record(
+    got: EmbeddingRecord, want: EmbeddingRecord, r0: int = 0, r1: int | None = None
+) -> bool:
     """Every field equal and every tensor (rows ``[r0, r1)``) equal bit for bit."""
     if (got.key, got.fingerprint, got.dtype, got.num_tokens, got.grid, got.row_start) != (
-        want.key, want.fingerprint, want.dtype, want.num_tokens, want.grid, r0
-    ):  # fmt: skip
+        want.key,
+        want.fingerprint,
+        want.dtype,
+        want.num_tokens,
+        want.grid,
+        r0,
+    ):
         return False
     if list(got.tensors) != [MAIN, *sorted(n for n in want.tensors if n != MAIN)]:
         return False
@@ -95,8 +111,9 @@ def test_valid_records_round_trip_exactly(reliability: Any) -> None:
     def prop(record: EmbeddingRecord, data: st.DataObject) -> None:
         counts["tried"] += 1
         value = encode_record(record)
-        status, decoded = _outcome(decode_record, value, key=record.key,
-                                   fingerprint=record.fingerprint)  # fmt: skip
+        status, decoded = _outcome(
+            decode_record, value, key=record.key, fingerprint=record.fingerprint
+        )
         counts["lost"] += status != "ok"
         assert status == "ok", decoded
         counts["wrong"] += not same_record(decoded, record)
@@ -107,8 +124,14 @@ def test_valid_records_round_trip_exactly(reliability: Any) -> None:
             r0 = data.draw(st.integers(0, record.num_tokens - 1))
             r1 = data.draw(st.integers(r0 + 1, record.num_tokens))
             spans = row_spans(header, r0, r1)
-            part = decode_rows(header, [value[s.start : s.end] for s in spans], r0, r1,
-                               key=record.key, fingerprint=record.fingerprint)  # fmt: skip
+            part = decode_rows(
+                header,
+                [value[s.start : s.end] for s in spans],
+                r0,
+                r1,
+                key=record.key,
+                fingerprint=record.fingerprint,
+            )
             assert same_record(part, record, r0, r1)
         bundle = data.draw(st.lists(st.sampled_from([None, value]), max_size=4))
         unpacked = unpack_records(pack_records(bundle))
@@ -117,15 +140,26 @@ def test_valid_records_round_trip_exactly(reliability: Any) -> None:
         ]
 
     prop()
-    reliability.record("valid embedding records round-trip: whole, row ranges, bundles "
-                       "(hypothesis)", tried=counts["tried"], failed=0, wrong=counts["wrong"],
-                       lost=counts["lost"])  # fmt: skip
+    reliability.record(
+        "valid embedding records round-trip: whole, row ranges, bundles (hypothesis)",
+        tried=counts["tried"],
+        failed=0,
+        wrong=counts["wrong"],
+        lost=counts["lost"],
+    )
 
 
 # -- damage ----------------------------------------------------------------------------------
 
-RECORD_DAMAGE = ("truncate", "flip-prefix", "flip-header", "flip-payload", "version", "trailing",
-                 "overwrite")  # fmt: skip
+RECORD_DAMAGE = (
+    "truncate",
+    "flip-prefix",
+    "flip-header",
+    "flip-payload",
+    "version",
+    "trailing",
+    "overwrite",
+)
 BUNDLE_DAMAGE = ("bundle-truncate", "bundle-flip", "bundle-trailing")
 
 
@@ -135,8 +169,11 @@ def damage_record(draw: st.DrawFn, value: bytearray, kind: str) -> bytearray:
     if kind == "truncate":
         return value[: draw(st.integers(0, len(value) - 1))]
     if kind.startswith("flip"):
-        lo, hi = {"flip-prefix": (0, PREFIX.size), "flip-header": (PREFIX.size, head),
-                  "flip-payload": (head, len(value))}[kind]  # fmt: skip
+        lo, hi = {
+            "flip-prefix": (0, PREFIX.size),
+            "flip-header": (PREFIX.size, head),
+            "flip-payload": (head, len(value)),
+        }[kind]
         if hi <= lo:  # a record with no payload bytes: flip the header instead
             lo, hi = PREFIX.size, head
         value[draw(st.integers(lo, hi - 1))] ^= draw(st.integers(1, 255))
@@ -177,8 +214,9 @@ def _read_bundle(raw: bytes) -> list[EmbeddingRecord | None]:
     return [None if v is None else decode_record(v) for v in unpack_records(raw)]
 
 
-def _check_record(record: EmbeddingRecord, value: bytes, kind: str, data: st.DataObject,
-                  counts: Counter) -> None:  # fmt: skip
+def _check_record(
+    record: EmbeddingRecord, value: bytes, kind: str, data: st.DataObject, counts: Counter
+) -> None:
     """decode_record and a row read of a damaged value: refused, or the very same data."""
     # the strictest reader: no key or fingerprint to compare against, the header alone must hold
     status, got = _outcome(decode_record, value)
@@ -197,16 +235,18 @@ def _check_record(record: EmbeddingRecord, value: bytes, kind: str, data: st.Dat
         r0 = data.draw(st.integers(0, header.num_tokens - 1))
         r1 = data.draw(st.integers(r0 + 1, header.num_tokens))
         spans = row_spans(header, r0, r1)
-        status, part = _outcome(decode_rows, header, [value[s.start : s.end] for s in spans],
-                                r0, r1)  # fmt: skip
+        status, part = _outcome(
+            decode_rows, header, [value[s.start : s.end] for s in spans], r0, r1
+        )
         assert status != "escaped", f"{kind}: decode_rows: {part!r}"
         if status == "ok":
             counts["wrong"] += not same_record(part, record, r0, r1)
             assert same_record(part, record, r0, r1), f"{kind}: damaged rows decoded"
 
 
-def _check_bundle(record: EmbeddingRecord, items: list, body: bytes, kind: str,
-                  counts: Counter) -> None:  # fmt: skip
+def _check_bundle(
+    record: EmbeddingRecord, items: list, body: bytes, kind: str, counts: Counter
+) -> None:
     status, got = _outcome(_read_bundle, body)
     counts[status] += 1
     assert status != "escaped", f"{kind}: {got!r}"
@@ -231,8 +271,9 @@ def test_damaged_values_are_refused_never_misread(reliability: Any) -> None:
             damaged = bytes(damage_record(data.draw, value, kind))
             _check_record(record, damaged, kind, data, counts)
         else:
-            items = data.draw(st.lists(st.sampled_from([None, bytes(value)]), min_size=1,
-                                       max_size=4))  # fmt: skip
+            items = data.draw(
+                st.lists(st.sampled_from([None, bytes(value)]), min_size=1, max_size=4)
+            )
             body = damage_bundle(data.draw, bytearray(pack_records(items)), kind)
             _check_bundle(record, items, bytes(body), kind, counts)
 
@@ -251,12 +292,17 @@ def test_damaged_values_are_refused_never_misread(reliability: Any) -> None:
 # -- headers a buggy writer could write ------------------------------------------------------
 
 _any_value = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
-    | st.text(max_size=8) | st.binary(max_size=40),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
-                                                                max_size=3),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=40),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
     max_leaves=8,
-)  # fmt: skip
+)
 
 
 def _rewrite(value: bytes, doc: Any) -> bytes:
@@ -272,8 +318,9 @@ def _rewrite(value: bytes, doc: Any) -> bytes:
 
 @settings(max_examples=EXAMPLES, deadline=None, database=None)
 @given(record=records(), data=st.data())
-def test_a_buggy_writers_headers_never_crash_the_reader(record: EmbeddingRecord,
-                                                        data: st.DataObject) -> None:  # fmt: skip
+def test_a_buggy_writers_headers_never_crash_the_reader(
+    record: EmbeddingRecord, data: st.DataObject
+) -> None:
     """A header that passes its checksum but holds fields of the wrong type, sign or size
     (one field replaced by an arbitrary msgpack value): RecordFormatError or a consistent
     record, never another exception (nor a huge allocation from a length taken on trust)."""

@@ -38,8 +38,12 @@ from vitserve.errors import ImageDecodeError, ImageError, ImageTooLargeError
 EXAMPLE_BOUND_S = 10  # far above any one example here (milliseconds): only a hang reaches it
 # more with VITSERVE_TEST_FUZZ_EXAMPLES=N (the suite runs 1000 per property)
 EXAMPLES = int(os.environ.get("VITSERVE_TEST_FUZZ_EXAMPLES", "1000"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 class ExampleHung(BaseException):
@@ -76,8 +80,17 @@ MODES: dict[str, tuple[str, ...]] = {
 assert set(MODES) == set(ALLOWED_FORMATS)
 
 
-def make_valid(fmt: str, mode: str, width: int, height: int, seed: int, *, orientation: int = 1,
-               frames: int = 1, transparency: bool = False) -> bytes:  # fmt: skip
+def make_valid(
+    fmt: str,
+    mode: str,
+    width: int,
+    height: int,
+    seed: int,
+    *,
+    orientation: int = 1,
+    frames: int = 1,
+    transparency: bool = False,
+) -> bytes:
     """A valid ``fmt`` image in ``mode`` (noise), optionally with an EXIF orientation, more
     frames (GIF/WEBP) or a transparency key (P/L)."""
     rng = np.random.default_rng(seed)
@@ -112,11 +125,16 @@ def make_valid(fmt: str, mode: str, width: int, height: int, seed: int, *, orien
 @st.composite
 def valid_images(draw: st.DrawFn) -> bytes:
     fmt = draw(st.sampled_from(sorted(MODES)))
-    return make_valid(fmt, draw(st.sampled_from(MODES[fmt])), draw(st.integers(1, 40)),
-                      draw(st.integers(1, 40)), draw(st.integers(0, 2**16)),
-                      orientation=draw(st.sampled_from([1, 1, 3, 6, 8])),
-                      frames=draw(st.sampled_from([1, 1, 2])),
-                      transparency=draw(st.booleans()))  # fmt: skip
+    return make_valid(
+        fmt,
+        draw(st.sampled_from(MODES[fmt])),
+        draw(st.integers(1, 40)),
+        draw(st.integers(1, 40)),
+        draw(st.integers(0, 2**16)),
+        orientation=draw(st.sampled_from([1, 1, 3, 6, 8])),
+        frames=draw(st.sampled_from([1, 1, 2])),
+        transparency=draw(st.booleans()),
+    )
 
 
 def _png_crc(data: bytearray, start: int, length: int) -> None:
@@ -172,8 +190,9 @@ def mutated(draw: st.DrawFn, source: st.SearchStrategy[bytes]) -> tuple[bytes, s
     data = bytearray(draw(source))
     done = []
     for _ in range(draw(st.integers(1, 3))):
-        kind = draw(st.sampled_from(["flip", "flip-header", "truncate", "overwrite", "dims",
-                                     "dims-small"]))  # fmt: skip
+        kind = draw(
+            st.sampled_from(["flip", "flip-header", "truncate", "overwrite", "dims", "dims-small"])
+        )
         if not data:
             break
         if kind.startswith("flip"):
@@ -196,8 +215,10 @@ def mutated(draw: st.DrawFn, source: st.SearchStrategy[bytes]) -> tuple[bytes, s
 @st.composite
 def limits(draw: st.DrawFn) -> ImageLimits:
     """Small limits, so that bombs are cheap to refuse and some valid images exceed them."""
-    return ImageLimits(max_image_bytes=draw(st.sampled_from([2**10, 2**20])),
-                       max_image_pixels=draw(st.sampled_from([256, 1600, 10_000])))  # fmt: skip
+    return ImageLimits(
+        max_image_bytes=draw(st.sampled_from([2**10, 2**20])),
+        max_image_pixels=draw(st.sampled_from([256, 1600, 10_000])),
+    )
 
 
 # -- the property ----------------------------------------------------------------------------
@@ -256,16 +277,22 @@ def examine(data: bytes, lim: ImageLimits, index: int, counts: Counter) -> tuple
 def test_arbitrary_and_mutated_images(reliability: Any) -> None:
     counts: Counter = Counter()
     anything = st.binary(max_size=512)
-    magic = st.sampled_from([b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF89a", b"BM",
-                             b"RIFF\x00\x01\x00\x00WEBPVP8X"])  # fmt: skip
+    magic = st.sampled_from(
+        [b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF89a", b"BM", b"RIFF\x00\x01\x00\x00WEBPVP8X"]
+    )
     with_magic = st.builds(lambda m, rest: m + rest, magic, anything)
 
     @FUZZ
-    @given(case=st.one_of(anything.map(lambda d: (d, "bytes")),
-                          with_magic.map(lambda d: (d, "magic+bytes")),
-                          valid_images().map(lambda d: (d, "valid")),
-                          mutated(valid_images())),
-           lim=limits(), index=st.integers(0, 10_000))  # fmt: skip
+    @given(
+        case=st.one_of(
+            anything.map(lambda d: (d, "bytes")),
+            with_magic.map(lambda d: (d, "magic+bytes")),
+            valid_images().map(lambda d: (d, "valid")),
+            mutated(valid_images()),
+        ),
+        lim=limits(),
+        index=st.integers(0, 10_000),
+    )
     def prop(case: tuple[bytes, str], lim: ImageLimits, index: int) -> None:
         data, kind = case
         counts[kind.split("+")[0]] += 1
@@ -280,9 +307,12 @@ def test_arbitrary_and_mutated_images(reliability: Any) -> None:
     reliability.record(
         "bad image bytes: arbitrary, and valid JPEG/PNG/WEBP/GIF/BMP with bits flipped, "
         "truncated, overwritten or dimensions patched (hypothesis)",
-        tried=counts["tried"], failed=counts["failed"], wrong=counts["wrong"],
-        lost=counts["lost"], note=f"{counts['refused']:,} refused with a 4xx reason",
-    )  # fmt: skip
+        tried=counts["tried"],
+        failed=counts["failed"],
+        wrong=counts["wrong"],
+        lost=counts["lost"],
+        note=f"{counts['refused']:,} refused with a 4xx reason",
+    )
 
 
 # -- decompression bombs -----------------------------------------------------------------------
@@ -301,17 +331,26 @@ def real_bombs() -> list[bytes]:
     return bombs
 
 
-def test_decompression_bombs_are_refused_before_decoding(real_bombs: list[bytes],
-                                                         reliability: Any) -> None:  # fmt: skip
+def test_decompression_bombs_are_refused_before_decoding(
+    real_bombs: list[bytes], reliability: Any
+) -> None:
     counts: Counter = Counter()
     small = st.sampled_from(sorted(MODES)).flatmap(
-        lambda fmt: st.tuples(st.just(fmt), st.sampled_from(MODES[fmt]), st.integers(1, 16),
-                              st.integers(1, 16), st.integers(0, 99))
-    )  # fmt: skip
+        lambda fmt: st.tuples(
+            st.just(fmt),
+            st.sampled_from(MODES[fmt]),
+            st.integers(1, 16),
+            st.integers(1, 16),
+            st.integers(0, 99),
+        )
+    )
 
     @FUZZ
-    @given(source=st.one_of(st.integers(0, len(real_bombs) - 1), small), data=st.data(),
-           index=st.integers(0, 64))  # fmt: skip
+    @given(
+        source=st.one_of(st.integers(0, len(real_bombs) - 1), small),
+        data=st.data(),
+        index=st.integers(0, 64),
+    )
     def prop(source: int | tuple, data: st.DataObject, index: int) -> None:
         """``source``: a real bomb (its number), or the parameters of a small valid image
         whose header then declares more pixels than the limit allows."""
@@ -334,6 +373,9 @@ def test_decompression_bombs_are_refused_before_decoding(real_bombs: list[bytes]
     reliability.record(
         "decompression bombs: real (PNG 144 Mpx in 17 KB, GIF and WEBP 42 Mpx) and small files "
         "declaring huge dimensions (hypothesis)",
-        tried=counts["tried"], failed=counts["failed"], wrong=counts["wrong"], lost=0,
+        tried=counts["tried"],
+        failed=counts["failed"],
+        wrong=counts["wrong"],
+        lost=0,
         note=f"{counts['refused']:,} refused",
-    )  # fmt: skip
+    )

@@ -1,7 +1,7 @@
-"""Property-based tests (hypothesis) of the HTTP API's request parsing (deployments/requests.py),
-without Ray: any JSON value, any body bytes, any range value either parses or is refused with
-MalformedRequestError / LimitExceededError; valid documents parse to what they say; limits are
-checked before the work they bound."""
+"""Property-based tests (hypothesis) of the HTTP API's request parsing
+(deployments/common/requests.py), without Ray: any JSON value, any body bytes, any range value
+either parses or is refused with MalformedRequestError / LimitExceededError; valid documents
+parse to what they say; limits are checked before the work they bound."""
 
 from __future__ import annotations
 
@@ -15,14 +15,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vitserve.deployments import requests as parse
+from vitserve.deployments.common import requests as parse
 from vitserve.errors import LimitExceededError, MalformedRequestError
 
 REFUSALS = (MalformedRequestError, LimitExceededError)
 MAX_IMAGES, MAX_KEYS = 8, 16
 RUNS: Counter[str] = Counter()  # examples run per property (the reliability row's count)
-FAST = settings(max_examples=300, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+FAST = settings(
+    max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 class Limits:
@@ -31,10 +32,18 @@ class Limits:
 
 
 hex_keys = st.text("0123456789abcdef", min_size=64, max_size=64)
-near_keys = st.one_of(hex_keys, st.text("0123456789abcdefABCDEFxz", min_size=62, max_size=66),
-                      st.text(max_size=70))  # fmt: skip
-scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-(2**70), 2**70),
-                    st.floats(), st.text(max_size=20), near_keys)  # fmt: skip
+near_keys = st.one_of(
+    hex_keys, st.text("0123456789abcdefABCDEFxz", min_size=62, max_size=66), st.text(max_size=70)
+)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(-(2**70), 2**70),
+    st.floats(),
+    st.text(max_size=20),
+    near_keys,
+)
 json_values = st.recursive(
     scalars,
     lambda kids: (
@@ -59,8 +68,9 @@ ints = st.one_of(
 )
 reads = st.lists(st.one_of(st.tuples(near_keys, ints, ints).map(list), json_values), max_size=20)
 # documents shaped like each route's, with any value anywhere, and any JSON value at all
-encode_docs = st.one_of(st.fixed_dictionaries({"images": st.lists(image_items, max_size=12)}),
-                        json_values)  # fmt: skip
+encode_docs = st.one_of(
+    st.fixed_dictionaries({"images": st.lists(image_items, max_size=12)}), json_values
+)
 probe_docs = st.one_of(
     st.fixed_dictionaries(
         {"keys": st.lists(near_keys, max_size=20)}, optional={"headers": scalars}
@@ -99,14 +109,22 @@ def _outcome(fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
     except REFUSALS as exc:
-        return (type(exc), exc.http_status, getattr(exc, "limit", None),
-                getattr(exc, "value", None))  # fmt: skip
+        return (
+            type(exc),
+            exc.http_status,
+            getattr(exc, "limit", None),
+            getattr(exc, "value", None),
+        )
 
 
 @FAST
-@given(doc=encode_docs, indent=st.sampled_from([None, 0, 2]),
-       separators=st.sampled_from([None, (",", ":"), (" , ", " : ")]),
-       escape_slash=st.booleans(), pad=st.sampled_from([b"", b" ", b"\n\t "]))  # fmt: skip
+@given(
+    doc=encode_docs,
+    indent=st.sampled_from([None, 0, 2]),
+    separators=st.sampled_from([None, (",", ":"), (" , ", " : ")]),
+    escape_slash=st.booleans(),
+    pad=st.sampled_from([b"", b" ", b"\n\t "]),
+)
 def prop_encode_bytes_equals_parsing_the_document(
     doc: Any, indent: Any, separators: Any, escape_slash: bool, pad: bytes
 ) -> None:
@@ -123,8 +141,14 @@ def prop_encode_bytes_equals_parsing_the_document(
 
 
 @FAST
-@given(payload=st.one_of(st.fixed_dictionaries({"images": st.lists(
-    st.one_of(st.binary(max_size=8), near_keys, scalars), max_size=10)}), json_values))  # fmt: skip
+@given(
+    payload=st.one_of(
+        st.fixed_dictionaries(
+            {"images": st.lists(st.one_of(st.binary(max_size=8), near_keys, scalars), max_size=10)}
+        ),
+        json_values,
+    )
+)
 def prop_encode_payload_parses_or_refuses(payload: Any) -> None:
     RUNS["encode-call"] += 1
     items = parses_or_refuses(parse.encode_payload, payload, MAX_IMAGES)
@@ -164,8 +188,13 @@ def prop_row_range_parses_or_refuses(start: Any, end: Any) -> None:
 
 
 @FAST
-@given(body=st.one_of(st.binary(max_size=64), json_values.map(lambda v: json.dumps(v).encode()),
-                      st.integers(1, 3000).map(lambda n: b"[" * n + b"]" * n)))  # fmt: skip
+@given(
+    body=st.one_of(
+        st.binary(max_size=64),
+        json_values.map(lambda v: json.dumps(v).encode()),
+        st.integers(1, 3000).map(lambda n: b"[" * n + b"]" * n),
+    )
+)
 def prop_json_body_parses_or_refuses(body: bytes) -> None:
     RUNS["json-body"] += 1
     parses_or_refuses(parse.json_body, body)
@@ -243,8 +272,13 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408() -> None:
 
 
 def test_content_types() -> None:
-    for ok in (None, "", "application/json", "application/json; charset=utf-8",
-               "application/problem+json"):  # fmt: skip
+    for ok in (
+        None,
+        "",
+        "application/json",
+        "application/json; charset=utf-8",
+        "application/problem+json",
+    ):
         parse.json_type(ok)
     for bad in ("text/plain", "multipart/form-data; boundary=x", "application/jsonx"):
         with pytest.raises(MalformedRequestError) as refused:
@@ -263,11 +297,16 @@ def test_a_large_body_is_scanned_in_steps_and_values_are_counted_before_parsing(
     assert parse.json_body_limit(1024) < 5 * 2**20  # a probe or rows body: a few MiB at most
 
 
-PROPERTIES = [prop_encode_json_parses_or_refuses, prop_encode_bytes_equals_parsing_the_document,
-              prop_encode_payload_parses_or_refuses,
-              prop_probe_parses_or_refuses, prop_rows_parses_or_refuses,
-              prop_row_range_parses_or_refuses, prop_json_body_parses_or_refuses,
-              prop_valid_json_documents_round_trip]  # fmt: skip
+PROPERTIES = [
+    prop_encode_json_parses_or_refuses,
+    prop_encode_bytes_equals_parsing_the_document,
+    prop_encode_payload_parses_or_refuses,
+    prop_probe_parses_or_refuses,
+    prop_rows_parses_or_refuses,
+    prop_row_range_parses_or_refuses,
+    prop_json_body_parses_or_refuses,
+    prop_valid_json_documents_round_trip,
+]
 
 
 def test_every_parser_parses_or_refuses_any_input(reliability) -> None:
@@ -276,7 +315,11 @@ def test_every_parser_parses_or_refuses_any_input(reliability) -> None:
     for prop in PROPERTIES:
         prop()
     assert len(RUNS) == 7 and min(RUNS.values()) >= 100, RUNS  # each ran its examples
-    reliability.record("Bad input: request parsing, any JSON value (hypothesis)",
-                       tried=sum(RUNS.values()), failed=0, wrong=0, lost=0,
-                       note=f"{len(PROPERTIES)} properties over the encode, probe, rows, range "
-                            "and body parsers")  # fmt: skip
+    reliability.record(
+        "Bad input: request parsing, any JSON value (hypothesis)",
+        tried=sum(RUNS.values()),
+        failed=0,
+        wrong=0,
+        lost=0,
+        note=f"{len(PROPERTIES)} properties over the encode, probe, rows, range and body parsers",
+    )

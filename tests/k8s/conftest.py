@@ -1,9 +1,13 @@
 """Fixtures for the offline checks of the Kubernetes manifests in k8s/: a kustomize binary and
-the rendered kustomize targets. Nothing here needs a cluster, Ray or a network."""
+the rendered kustomize targets. Nothing here needs a cluster, Ray or a network.
+
+``VITSERVE_TEST_K8S=DIR`` renders another copy of the folder (e.g. an older commit's, from
+``git archive``) with the same tests: how a new check is shown to fail on the old manifests."""
 
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import subprocess
 import sys
@@ -14,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-K8S = Path(__file__).resolve().parents[2] / "k8s"
+K8S = Path(os.environ.get("VITSERVE_TEST_K8S") or Path(__file__).resolve().parents[2] / "k8s")
 TARGETS = {
     "base": K8S / "base",
     "cpu-dev": K8S / "overlays" / "cpu-dev",

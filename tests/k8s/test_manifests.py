@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 import jsonschema
 import kubernetes_validate
@@ -17,7 +18,7 @@ import pytest
 import yaml
 
 from tests.k8s.conftest import TARGETS
-from vitserve.deployments.config import VitserveConfig
+from vitserve.deployments.common.config import VitserveConfig
 from vitserve.errors import ConfigError
 
 Render = Callable[[str], list[dict[str, Any]]]
@@ -27,13 +28,15 @@ K8S_VERSION = "1.32.0"
 # checkout (../shared/kuberay/crds), else the workspace's (/work/shared/kuberay/crds).
 _CRD_ENV = "VITSERVE_TEST_KUBERAY_CRDS"
 _CRD_PLACES = [Path(os.environ[_CRD_ENV])] if _CRD_ENV in os.environ else []
-_CRD_PLACES += [Path(__file__).resolve().parents[3] / "shared" / "kuberay" / "crds",
-                Path("/work/shared/kuberay/crds")]  # fmt: skip
+_CRD_PLACES += [
+    Path(__file__).resolve().parents[3] / "shared" / "kuberay" / "crds",
+    Path("/work/shared/kuberay/crds"),
+]
 CRDS = next((p for p in _CRD_PLACES if p.is_dir()), _CRD_PLACES[0])
 CUSTOM_KINDS = {"RayService", "PodMonitor"}  # no schema in kubernetes-validate's bundle
-ENCODER_APP_IMPORT = "vitserve.deployments.app:build_app"
-PREFILL_APP_IMPORT = "vitserve.deployments.prefill:build_app"
-WORK_POLICY_IMPORT = "vitserve.deployments.autoscaling:work_policy"
+ENCODER_APP_IMPORT = "vitserve.deployments.encoder.app:build_app"
+PREFILL_APP_IMPORT = "vitserve.deployments.prefill.app:build_app"
+WORK_POLICY_IMPORT = "vitserve.deployments.encoder.autoscaling:work_policy"
 # Stand-ins for the Redis Secrets' passwords (Secret name -> value of its key `password`).
 SECRETS = {"vitserve-redis-writer": "wr1ter-s3cr3t", "vitserve-redis-reader": "r3ader-s3cr3t"}
 WRITER_URL = f"redis://vitserve-writer:{SECRETS['vitserve-redis-writer']}@vitserve-redis:6379/0"
@@ -100,6 +103,27 @@ def redis_directives(args: list[str]) -> list[list[str]]:
             assert directives, f"a value before any --directive: {arg!r}"
             directives[-1].append(arg)
     return directives
+
+
+def redis_tier(url: str) -> str:
+    """The Redis URL of a store URL: itself, or a ``tiered://`` URL's shared tier (``l2``)."""
+    parts = urlsplit(url)
+    if parts.scheme == "tiered":
+        return dict(parse_qsl(parts.query))["l2"]
+    return url
+
+
+_SIZE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def size_bytes(text: str) -> int:
+    """A Kubernetes quantity (``8Gi``, ``500M``) or a Redis size (``3gb``, ``512mb``) in bytes."""
+    raw = str(text).strip().lower().removesuffix("b")
+    digits = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(digits) :]
+    if unit in ("k", "m", "g") and str(text).lower().endswith("b"):  # Redis: 1gb = 1024 MB
+        return int(float(digits) * 2 ** {"k": 10, "m": 20, "g": 30}[unit])
+    return int(float(digits) * _SIZE[unit])
 
 
 def serve_config(rayservice: dict[str, Any]) -> dict[str, Any]:
@@ -170,14 +194,22 @@ def schema_errors(validator: jsonschema.protocols.Validator, doc: dict[str, Any]
 def test_core_objects_validate_strictly(render: Render, target: str) -> None:
     objects = render(target)
     kinds = {o["kind"] for o in objects}
-    assert {"ConfigMap", "Deployment", "Service", "RayService", "PodMonitor"} <= kinds
+    assert {
+        "ConfigMap",
+        "StatefulSet",
+        "Service",
+        "RayService",
+        "PodMonitor",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+    } <= kinds
     for doc in objects:
         if doc["kind"] not in CUSTOM_KINDS:
             validate_core(doc)
 
 
 def test_misspelled_core_field_fails(render: Render) -> None:
-    redis = one(render("base"), "Deployment", "vitserve-redis")
+    redis = one(render("base"), "StatefulSet", "vitserve-redis")
     validate_core(redis)
     redis["spec"]["replica"] = redis["spec"].pop("replicas")
     with pytest.raises(kubernetes_validate.ValidationError, match="replica"):
@@ -235,11 +267,13 @@ def test_serve_applications_load_with_the_strict_config(render: Render, target: 
         environ = pod_environ(objects, template)
         for app in (encoder_app, prefill_app):
             # The store URLs carry passwords: from the Secrets, never in the CR's args. The
-            # encoder side writes as the writer, the prefill reads as the reader.
+            # encoder side writes as the writer, the prefill reads as the reader (directly, or
+            # as the shared tier of a tiered store: test_gpu_prod_stores_are_tiered).
             assert "store" not in app["args"], app["name"]
             assert "store" not in app["args"].get("prefill", {}), app["name"]
             cfg = VitserveConfig.load(app["args"], environ=environ)
-            assert (cfg.store, cfg.prefill.store) == (WRITER_URL, READER_URL), group
+            stores = (redis_tier(cfg.store), redis_tier(cfg.prefill.store))
+            assert stores == (WRITER_URL, READER_URL), group
         cfg = VitserveConfig.load(prefill_app["args"], environ=environ)
         assert cfg.prefill.encoder_app == encoder_app["name"]
         assert cfg.prefill.chunk_size == 512
@@ -257,7 +291,7 @@ def test_encoder_autoscales_on_work(render: Render, target: str) -> None:
     autoscaling = encoder_args["encoder"]["autoscaling"]
     assert autoscaling["policy"] == "work"
     assert autoscaling["min_replicas"] <= autoscaling["max_replicas"]
-    # The policy the `work` setting names (vitserve.deployments.autoscaling).
+    # The policy the `work` setting names (vitserve.deployments.encoder.autoscaling).
     assert callable(load_attribute(WORK_POLICY_IMPORT))
 
 
@@ -336,16 +370,86 @@ def test_cpu_dev_is_one_cpu_node(render: Render) -> None:
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_redis_is_a_bounded_cache_with_auth(render: Render, target: str) -> None:
-    redis = one(render(target), "Deployment", "vitserve-redis")
-    (container,) = redis["spec"]["template"]["spec"]["containers"]
+def test_redis_is_a_bounded_cache_that_survives_a_restart(render: Render, target: str) -> None:
+    objects = render(target)
+    redis = one(objects, "StatefulSet", "vitserve-redis")
+    assert redis["spec"]["replicas"] == 1  # one cache: two would split the keys
+    spec = redis["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
     flags = {name: values for name, *values in redis_directives(container["args"])}
-    assert "--requirepass" not in flags  # ACL users instead (tests/k8s/test_redis_acl.py)
+    assert "--requirepass" not in flags and "--user" not in flags  # the aclfile's users
     assert flags["--maxmemory-policy"] == ["allkeys-lru"]
-    assert flags["--save"] == [""] and flags["--appendonly"] == ["no"]
+    # Persistence: the append-only file, fsync'd every second, on the claimed volume.
+    assert flags["--appendonly"] == ["yes"] and flags["--appendfsync"] == ["everysec"]
+    (data_dir,) = flags["--dir"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == data_dir]
+    (claim,) = [
+        c for c in redis["spec"]["volumeClaimTemplates"] if c["metadata"]["name"] == mount["name"]
+    ]
+    assert mount["name"] not in {v["name"] for v in spec.get("volumes", [])}  # the claim, no other
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
     env = {e["name"]: e for e in container["env"]}
-    for var, secret in (("REDIS_WRITER_PASSWORD", "vitserve-redis-writer"),
-                        ("REDIS_READER_PASSWORD", "vitserve-redis-reader")):  # fmt: skip
-        assert env[var]["valueFrom"]["secretKeyRef"]["name"] == secret
-    maxmemory = env["REDIS_MAXMEMORY"]["value"]
-    assert maxmemory.endswith(("mb", "gb")) and container["resources"]["limits"]["memory"]
+    maxmemory = size_bytes(env["REDIS_MAXMEMORY"]["value"])
+    # room for the file and its rewrite (each at most the dataset) ...
+    assert size_bytes(claim["spec"]["resources"]["requests"]["storage"]) >= 2 * maxmemory
+    # ... and memory above maxmemory for Redis' overhead and the rewrite's fork
+    assert size_bytes(container["resources"]["limits"]["memory"]) > maxmemory
+    # Access: the aclfile the init container writes into a volume Redis mounts read-only
+    (aclfile,) = flags["--aclfile"]
+    (acl_mount,) = [
+        m for m in container["volumeMounts"] if aclfile.startswith(m["mountPath"] + "/")
+    ]
+    assert acl_mount.get("readOnly") is True
+    (init,) = spec["initContainers"]
+    assert init["command"][:2] == ["vitserve", "redis-acl"]
+    out = init["command"][init["command"].index("--out") + 1]
+    assert [m["name"] for m in init["volumeMounts"] if out.startswith(m["mountPath"] + "/")] == [
+        acl_mount["name"]
+    ]
+    # the reader's password reaches the probe only; the other passwords reach no env
+    secrets = {e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "valueFrom" in e}
+    assert secrets == {"vitserve-redis-reader"}
+
+
+@pytest.mark.parametrize("target", ["gpu-prod"])
+def test_gpu_prod_stores_are_tiered(
+    render: Render, target: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpu-prod's stores are tiered: this node's shared memory (node://) in front of Redis, so
+    a Redis outage leaves the node tier answering (vitserve.cache.tiered). Parsed by the
+    store's own URL parser (open_connection), with the node tier's connection stubbed: it
+    would need Ray; the Redis one connects only when used."""
+    from vitserve.cache import node
+    from vitserve.cache.redis_store import RedisConnection
+    from vitserve.cache.tiered import TieredConnection
+    from vitserve.cache.urls import open_connection
+
+    class NodeTier:
+        def __init__(self, **options: Any) -> None:
+            self.options = options
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(node, "NodeConnection", NodeTier)
+    objects = render(target)
+    rayservice = one(objects, "RayService")
+    for group, template in pod_templates(rayservice).items():
+        environ = pod_environ(objects, template)
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        (shm,) = [v for v in volumes.values() if v.get("emptyDir", {}).get("medium") == "Memory"]
+        for app in applications(rayservice).values():
+            cfg = VitserveConfig.load(app["args"], environ=environ)
+            for url, user in (
+                (cfg.store, "vitserve-writer"),
+                (cfg.prefill.store, "vitserve-reader"),
+            ):
+                connection, _ = open_connection(url)
+                assert isinstance(connection, TieredConnection), (group, user)
+                assert isinstance(connection.local, NodeTier), (group, user)
+                assert isinstance(connection.shared, RedisConnection), (group, user)
+                assert connection.shared.name == f"redis {user}@vitserve-redis:6379/0", group
+                # the node tier lives in the pod's object store (/dev/shm): well inside it
+                budget = connection.local.options["max_bytes"]
+                assert 0 < budget <= size_bytes(shm["emptyDir"]["sizeLimit"]) // 2, group
+                connection.close()

@@ -50,7 +50,7 @@ def test_kubernetes_validate_cli_accepts_rendered_core_objects(
     )
     assert result.returncode == 0, result.stdout + result.stderr
     # ... and the CLI fails a misspelled field (the exit status CI relies on).
-    (redis,) = [o for o in core if o["kind"] == "Deployment"]
+    (redis,) = [o for o in core if o["kind"] == "StatefulSet"]
     redis["spec"]["replica"] = redis["spec"].pop("replicas")
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(redis))

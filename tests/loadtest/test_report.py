@@ -18,24 +18,30 @@ POST,/v1/encode k=3,5,1,400,420.0,300,900,1500,0.25,0.05,400,410,450,500,800,900
 LABELS = 'application="vitserve",deployment="{d}",replica="{r}"'
 
 
-def page(hits: float, misses: float, fwd_448: float, fwd_224: float, b1: float, b2: float,
-         encoded: float) -> str:  # fmt: skip
+def page(
+    hits: float, misses: float, fwd_448: float, fwd_224: float, b1: float, b2: float, encoded: float
+) -> str:
     enc = LABELS.format(d="EncoderDeployment", r="enc#1")
     ing = LABELS.format(d="Ingress", r="ing#1")
-    return "\n".join([
-        "# HELP vitserve_cache_hits_total Store lookups that found the embedding",
-        "# TYPE vitserve_cache_hits_total counter",
-        f"vitserve_cache_hits_total{{{ing}}} {hits}",
-        f"vitserve_cache_misses_total{{{ing}}} {misses}",
-        f"vitserve_images_encoded_total{{{enc}}} {encoded}",
-        f'vitserve_tower_forward_calls_total{{{enc},bucket="448x448"}} {fwd_448}',
-        f'vitserve_tower_forward_calls_total{{{enc},bucket="224x224"}} {fwd_224}',
-        f'vitserve_batch_images_bucket{{{enc},le="1.0"}} {b1}',
-        f'vitserve_batch_images_bucket{{{enc},le="2.0"}} {b1 + b2}',
-        f'vitserve_batch_images_bucket{{{enc},le="+Inf"}} {b1 + b2}',
-        f"vitserve_batch_images_count{{{enc}}} {b1 + b2}",
-        f"vitserve_batch_images_sum{{{enc}}} {b1 + 2 * b2}",
-    ]) + "\n"  # fmt: skip
+    return (
+        "\n".join(
+            [
+                "# HELP vitserve_cache_hits_total Store lookups that found the embedding",
+                "# TYPE vitserve_cache_hits_total counter",
+                f"vitserve_cache_hits_total{{{ing}}} {hits}",
+                f"vitserve_cache_misses_total{{{ing}}} {misses}",
+                f"vitserve_images_encoded_total{{{enc}}} {encoded}",
+                f'vitserve_tower_forward_calls_total{{{enc},bucket="448x448"}} {fwd_448}',
+                f'vitserve_tower_forward_calls_total{{{enc},bucket="224x224"}} {fwd_224}',
+                f'vitserve_batch_images_bucket{{{enc},le="1.0"}} {b1}',
+                f'vitserve_batch_images_bucket{{{enc},le="2.0"}} {b1 + b2}',
+                f'vitserve_batch_images_bucket{{{enc},le="+Inf"}} {b1 + b2}',
+                f"vitserve_batch_images_count{{{enc}}} {b1 + b2}",
+                f"vitserve_batch_images_sum{{{enc}}} {b1 + 2 * b2}",
+            ]
+        )
+        + "\n"
+    )
 
 
 BEFORE = page(hits=5, misses=5, fwd_448=2, fwd_224=1, b1=3, b2=0, encoded=3)
@@ -48,8 +54,14 @@ def test_locust_csv_figures() -> None:
     assert (s["p50_ms"], s["p90_ms"], s["p99_ms"]) == (200, 600, 900)
     assert s["rps"] == 0.75
     assert s["images_sent"] == 10 * 1 + 5 * 3
-    assert s["by_k"][3] == {"requests": 5, "failures": 1, "p50_ms": 400, "p90_ms": 800,
-                            "p99_ms": 900, "mean_ms": 420.0}  # fmt: skip
+    assert s["by_k"][3] == {
+        "requests": 5,
+        "failures": 1,
+        "p50_ms": 400,
+        "p90_ms": 800,
+        "p99_ms": 900,
+        "mean_ms": 420.0,
+    }
 
 
 def test_metrics_deltas() -> None:
@@ -64,8 +76,9 @@ def test_metrics_deltas() -> None:
 
 
 def test_markdown_table_row() -> None:
-    run = report.run_summary(STATS_CSV, BEFORE, AFTER, users=4, duration_s=20.0,
-                             cpu={"generator": 0.1, "service": 1.5})  # fmt: skip
+    run = report.run_summary(
+        STATS_CSV, BEFORE, AFTER, users=4, duration_s=20.0, cpu={"generator": 0.1, "service": 1.5}
+    )
     assert run["images_per_s"] == 25 / 20
     text = report.markdown({"scenario": "random", "runs": [run], "machine": {"cpus": "2"}})
     assert "| 4 | 15 | 1 | 0.75 | 1.25 | 200 | 600 | 900 | 0.25 | 23 | 12 | 1.92 |" in text
@@ -77,8 +90,12 @@ def test_markdown_table_row() -> None:
 
 
 def test_hit_rate_series_and_empty_metrics() -> None:
-    tl = [{"t": 0, "hits": 0, "misses": 0}, {"t": 2, "hits": 1, "misses": 3},
-          {"t": 4, "hits": 1, "misses": 3}, {"t": 6, "hits": 3, "misses": 3}]  # fmt: skip
+    tl = [
+        {"t": 0, "hits": 0, "misses": 0},
+        {"t": 2, "hits": 1, "misses": 3},
+        {"t": 4, "hits": 1, "misses": 3},
+        {"t": 6, "hits": 3, "misses": 3},
+    ]
     assert report.hit_rate_series(tl) == [(2, 0.25), (6, 1.0)]
     assert math.isnan(report.metrics_summary("", "")["hit_rate"])
     assert promtext.replicas(promtext.parse(AFTER), "EncoderDeployment") == 1

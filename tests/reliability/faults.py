@@ -91,8 +91,9 @@ class Load:
                 try:
                     [handle] = client.encode([image])
                     [record] = client.fetch([handle])
-                    answer = Answer(handle.key, image, started, handle.cached,
-                                    np.array(record.embedding))  # fmt: skip
+                    answer = Answer(
+                        handle.key, image, started, handle.cached, np.array(record.embedding)
+                    )
                 except Exception as exc:  # every failure is counted, whatever its class
                     with self._lock:
                         self.failures.append(f"{type(exc).__name__}: {exc}"[:300])
@@ -165,8 +166,11 @@ def replicas(app_name: str, deployment: str) -> list[tuple[str, Any]]:
     """``(actor name, handle)`` of each live replica of ``deployment`` in ``app_name``."""
     import ray
 
-    named = [a for a in ray.util.list_named_actors(all_namespaces=True)
-             if f"{app_name}#{deployment}#" in a["name"]]  # fmt: skip
+    named = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if f"{app_name}#{deployment}#" in a["name"]
+    ]
     return [(a["name"], ray.get_actor(a["name"], namespace=a["namespace"])) for a in named]
 
 

@@ -82,8 +82,12 @@ def tiered_app(deploy: Callable[..., App], redis_a: RedisServer) -> Iterator[App
 
 @pytest.fixture(scope="module")
 def redis_app(deploy: Callable[..., App], redis_b: RedisServer) -> Iterator[App]:
-    app = deploy("faults-redis", store=f"{redis_b.url}?timeout_s={TIMEOUT_S}",
-                 preprocess_at="deployment", batching={"batch_wait_timeout_s": 0.02})  # fmt: skip
+    app = deploy(
+        "faults-redis",
+        store=f"{redis_b.url}?timeout_s={TIMEOUT_S}",
+        preprocess_at="deployment",
+        batching={"batch_wait_timeout_s": 0.02},
+    )
     yield app
     deploy.remove(app.name)
 
@@ -103,8 +107,9 @@ def missing_at_the_end(app: App, keys: set[str]) -> list[str]:
 
 
 # -- 1. Redis killed and restarted -------------------------------------------------------------
-def test_redis_killed_mid_load_and_restarted(tiered_app: App, redis_a: RedisServer, engines,
-                                             reliability) -> None:  # fmt: skip
+def test_redis_killed_mid_load_and_restarted(
+    tiered_app: App, redis_a: RedisServer, engines, reliability
+) -> None:
 
     from vitserve.cache.redis_store import RedisStore
     from vitserve.client import EncoderClient
@@ -152,12 +157,14 @@ def test_redis_killed_mid_load_and_restarted(tiered_app: App, redis_a: RedisServ
     assert repeat_keys and not any(repeats_in_redis), repeats_in_redis
     reliability.record(
         "Redis killed mid-load and restarted (tiered store)",
-        tried=load.tried, failed=len(load.failures), wrong=len(wrong) + len(differing),
+        tried=load.tried,
+        failed=len(load.failures),
+        wrong=len(wrong) + len(differing),
         lost=unanswered + len(gone),
         note=f"3 SDK clients, Redis down {up_at - down_at:.1f} s; {len(during)} answered "
-             f"while it was down, {len(late)} new ones after it came back, "
-             f"{load.retries} retries",
-    )  # fmt: skip
+        f"while it was down, {len(late)} new ones after it came back, "
+        f"{load.retries} retries",
+    )
 
 
 # -- 2. replicas killed ------------------------------------------------------------------------
@@ -166,8 +173,9 @@ def test_redis_killed_mid_load_and_restarted(tiered_app: App, redis_a: RedisServ
     [("tiered_app", "EncoderDeployment"), ("redis_app", "PreprocessDeployment")],
     ids=["encoder", "preprocess"],
 )
-def test_a_replica_killed_mid_load(app_fixture: str, deployment: str, request, engines,
-                                   reliability) -> None:  # fmt: skip
+def test_a_replica_killed_mid_load(
+    app_fixture: str, deployment: str, request, engines, reliability
+) -> None:
     app: App = request.getfixturevalue(app_fixture)
     ensure_up(request.getfixturevalue("redis_a" if app_fixture == "tiered_app" else "redis_b"))
     load = Load(app.url, threads=3).start()
@@ -196,11 +204,13 @@ def test_a_replica_killed_mid_load(app_fixture: str, deployment: str, request, e
     kind = deployment.removesuffix("Deployment").lower()
     reliability.record(
         f"{kind.capitalize()} replica killed mid-load (ray.kill)",
-        tried=load.tried, failed=len(load.failures), wrong=len(wrong) + len(differing),
+        tried=load.tried,
+        failed=len(load.failures),
+        wrong=len(wrong) + len(differing),
         lost=unanswered + len(gone),
         note=f"3 SDK clients, default retries ({load.retries} made); restarted in "
-             f"{replaced_at - killed_at:.0f} s",
-    )  # fmt: skip
+        f"{replaced_at - killed_at:.0f} s",
+    )
 
 
 # -- 3. the prefill's reads failing --------------------------------------------------------------
@@ -241,7 +251,7 @@ class FaultyReads:
 @pytest.fixture(scope="module")
 def chat_service(tiered_app: App) -> Any:
     """The prefill replicas' code in-process (its client set per case), 16-token chunks."""
-    from vitserve.deployments.chat_service import ChatService
+    from vitserve.deployments.prefill.chat_service import ChatService
 
     prefill = tiered_app.config.prefill.model_copy(update={"chunk_size": 16})
     return ChatService(tiered_app.config.model_copy(update={"prefill": prefill}), client=None)
@@ -261,14 +271,15 @@ def _client(app: App, server: RedisServer) -> Any:
     return EncoderClient(app.url, store=f"{server.url}?timeout_s={TIMEOUT_S}", retry=retry)
 
 
-def test_prefill_store_reads_failing_mid_prefill(chat_service, tiered_app, redis_a, redis_app,
-                                                 redis_b, reliability) -> None:  # fmt: skip
+def test_prefill_store_reads_failing_mid_prefill(
+    chat_service, tiered_app, redis_a, redis_app, redis_b, reliability
+) -> None:
     """Each case: an undisturbed prefill of two images, then the same prompt with a fault
     injected between the first chunk's read and the next (the client reads Redis directly,
     as an LLM server on another node would)."""
     import redis
 
-    from vitserve.deployments.responses import error_response
+    from vitserve.deployments.common.responses import error_response
     from vitserve.errors import CacheMissError, StoreUnavailableError, VitserveError
 
     outcomes: dict[str, list[str]] = {"evicted": [], "down": []}
@@ -328,9 +339,13 @@ def test_prefill_store_reads_failing_mid_prefill(chat_service, tiered_app, redis
     for kind, label in (("evicted", "entries evicted"), ("down", "the store down")):
         results = outcomes[kind]
         reliability.record(
-            f"Prefill: {label} mid-prefill", tried=len(results), failed=0, wrong=wrong, lost=0,
+            f"Prefill: {label} mid-prefill",
+            tried=len(results),
+            failed=0,
+            wrong=wrong,
+            lost=0,
             note=", ".join(f"{results.count(r)} {LABELS.get(r, r)}" for r in sorted(set(results))),
-        )  # fmt: skip
+        )
 
 
 # -- 4. corrupted entries ----------------------------------------------------------------------
@@ -349,21 +364,26 @@ def _fetch_is_never_bad(app: App, key: str, want: torch.Tensor) -> int:
     return response.status_code
 
 
-def test_corrupted_entries_are_misses_and_re_encoded(tiered_app, redis_a, redis_app, redis_b,
-                                                     engines, reliability) -> None:  # fmt: skip
+def test_corrupted_entries_are_misses_and_re_encoded(
+    tiered_app, redis_a, redis_app, redis_b, engines, reliability
+) -> None:
     import redis
     from prometheus_client import CollectorRegistry
 
     from vitserve.cache.codec import encode_record, unpack_records
     from vitserve.cache.node import NodeStore
     from vitserve.client import EncoderClient
-    from vitserve.deployments.encoder import embedding_record
+    from vitserve.deployments.encoder.replica import embedding_record
 
     engine = engines["qwen2_vl"]
     requests = 0
 
-    def corrupt_and_recover(app: App, server: RedisServer, corrupt: Callable[[Any, str], None],
-                            before: Callable[[str], None] = lambda key: None) -> None:  # fmt: skip
+    def corrupt_and_recover(
+        app: App,
+        server: RedisServer,
+        corrupt: Callable[[Any, str], None],
+        before: Callable[[str], None] = lambda key: None,
+    ) -> None:
         nonlocal requests
         ensure_up(server)
         image = fresh_image()
@@ -433,7 +453,7 @@ def test_an_upstream_replica_death_is_a_retryable_503() -> None:
     from ray.exceptions import ActorDiedError
     from ray.serve.exceptions import RayServeException
 
-    from vitserve.deployments.encode_flow import unavailable
+    from vitserve.deployments.encoder.encode_flow import unavailable
 
     upstream = RayServeException("an upstream actor died before finishing a dependent task")
     upstream.__cause__ = ActorDiedError()

@@ -50,7 +50,7 @@ L1_ACTOR = "vitserve-test-overload-l1"
 @pytest.fixture(scope="module")
 def small_model() -> Path:
     """The demo model (Qwen2-VL, ViT-B tower), built once into the user's cache."""
-    from vitserve.deployments.app import DEMO_FAMILY, DEMO_PRESET
+    from vitserve.deployments.common.serving import DEMO_FAMILY, DEMO_PRESET
     from vitserve.encoder.testmodels import cached_model
 
     return cached_model(DEMO_FAMILY, DEMO_PRESET)
@@ -69,10 +69,13 @@ def overload_app(deploy, small_model: Path, lru_redis: RedisServer) -> Any:
 
     l1 = f"node://?actor_name={L1_ACTOR}&max_bytes={NODE_BYTES}&read_cache_bytes=0"
     app = deploy(
-        "overload", model=str(small_model), store=tiered_url(l1, lru_redis.url),
-        budget_bytes=BUDGET_BYTES, batching={"max_batch_patches": 4096},
+        "overload",
+        model=str(small_model),
+        store=tiered_url(l1, lru_redis.url),
+        budget_bytes=BUDGET_BYTES,
+        batching={"max_batch_patches": 4096},
         encoder={"max_ongoing_requests": 2, "max_queued_requests": 2},
-    )  # fmt: skip
+    )
     yield app
     deploy.remove("overload")
 
@@ -82,8 +85,11 @@ def _encoder_process(app: App) -> Any:
     import psutil
 
     tag = f"ServeReplica:{app.name}:EncoderDeployment"
-    found = [p for p in psutil.process_iter(["cmdline"])
-             if any(tag in part for part in p.info["cmdline"] or [])]  # fmt: skip
+    found = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if any(tag in part for part in p.info["cmdline"] or [])
+    ]
     assert len(found) == 1, [p.info["cmdline"] for p in found]
     return found[0]
 
@@ -143,8 +149,9 @@ def test_a_10x_overload_is_refused_with_429_and_every_budget_holds(
     baseline = []
     for _ in range(4):
         started = time.monotonic()
-        response = client.post(f"{app.url}/v1/encode",
-                               files=[("images", ("i.png", image(), "image/png"))])  # fmt: skip
+        response = client.post(
+            f"{app.url}/v1/encode", files=[("images", ("i.png", image(), "image/png"))]
+        )
         assert response.status_code == 200, response.text
         baseline.append(time.monotonic() - started)
     unloaded = float(np.median(baseline[1:]))
@@ -160,8 +167,9 @@ def test_a_10x_overload_is_refused_with_429_and_every_budget_holds(
             while not stop.is_set():
                 started = time.monotonic()
                 try:
-                    r = c.post(f"{app.url}/v1/encode",
-                               files=[("images", ("i.png", image(), "image/png"))])  # fmt: skip
+                    r = c.post(
+                        f"{app.url}/v1/encode", files=[("images", ("i.png", image(), "image/png"))]
+                    )
                 except httpx.HTTPError as exc:  # a dropped connection is a failure too
                     with lock:
                         bad.append(type(exc).__name__)
@@ -171,7 +179,7 @@ def test_a_10x_overload_is_refused_with_429_and_every_budget_holds(
                 if r.status_code == 429:
                     if r.json()["error"]["type"] != "BackpressureError" or not r.headers.get(
                         "retry-after"
-                    ):  # fmt: skip
+                    ):
                         with lock:
                             bad.append(f"429 without BackpressureError/Retry-After: {r.text}")
                     stop.wait(min(1.0, float(r.headers.get("retry-after", 1))))
@@ -191,7 +199,7 @@ def test_a_10x_overload_is_refused_with_429_and_every_budget_holds(
         began = time.monotonic()
         while (time.monotonic() - began < LOAD_S or admitted() < MIN_ADMITTED) and (
             time.monotonic() - began < MAX_LOAD_S
-        ):  # fmt: skip
+        ):
             time.sleep(0.2)
         load_s = time.monotonic() - began
         stop.set()
@@ -218,14 +226,17 @@ def test_a_10x_overload_is_refused_with_429_and_every_budget_holds(
     mib = 2**20
     reliability.record(
         "10x overload of new images (memory pressure)",
-        tried=len(statuses) + len(bad), failed=errors + len(bad), wrong=0, lost=0,
+        tried=len(statuses) + len(bad),
+        failed=errors + len(bad),
+        wrong=0,
+        lost=0,
         note=f"{CLIENTS} clients for {load_s:.0f} s against {ADMITTED} admitted: {len(ok)} x 200, "
         f"{refused} x 429, {errors} x 5xx; admitted p99 {p99:.2f} s vs {unloaded:.2f} s alone; "
         f"encoder RSS +{(sampler.rss - idle_rss) / mib:.0f} MiB (budget "
         f"{BUDGET_BYTES // mib} MiB); node tier <= {sampler.node_bytes // 1024} KiB of "
         f"{NODE_BYTES // 1024}; Redis used_memory <= {sampler.used_memory / mib:.1f} of "
         f"{REDIS_MAXMEMORY / mib:g} MiB",
-    )  # fmt: skip
+    )
 
 
 # -- a very large request -------------------------------------------------------------------------
@@ -284,8 +295,10 @@ RETAINED_BYTES = LARGE_BUDGET
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("VITSERVE_TEST_LARGE") != "1",
-                    reason="minutes on a CPU: set VITSERVE_TEST_LARGE=1")  # fmt: skip
+@pytest.mark.skipif(
+    os.environ.get("VITSERVE_TEST_LARGE") != "1",
+    reason="minutes on a CPU: set VITSERVE_TEST_LARGE=1",
+)
 def test_64_images_at_2k_encode_within_the_activation_budget(
     small_model: Path, reliability
 ) -> None:
@@ -297,12 +310,24 @@ def test_64_images_at_2k_encode_within_the_activation_budget(
     far from the ~14 GiB estimated for the 64 images in one forward."""
     import json
 
-    from vitserve.deployments.app import WORKER_ENV
+    from vitserve.deployments.common.serving import WORKER_ENV
 
-    proc = subprocess.run([sys.executable, "-c", _LARGE_SCRIPT, str(small_model), "fp32",
-                           str(LARGE_IMAGES), str(LARGE_SIDE), str(LARGE_BUDGET)],
-                          env={**os.environ, **WORKER_ENV}, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _LARGE_SCRIPT,
+            str(small_model),
+            "fp32",
+            str(LARGE_IMAGES),
+            str(LARGE_SIDE),
+            str(LARGE_BUDGET),
+        ],
+        env={**os.environ, **WORKER_ENV},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["embeddings"] == LARGE_IMAGES
@@ -314,9 +339,12 @@ def test_64_images_at_2k_encode_within_the_activation_budget(
     mib = 2**20
     reliability.record(
         f"{LARGE_IMAGES} images at {LARGE_SIDE}px in one call (small model, fp32)",
-        tried=LARGE_IMAGES, failed=LARGE_IMAGES - got["embeddings"], wrong=0, lost=0,
+        tried=LARGE_IMAGES,
+        failed=LARGE_IMAGES - got["embeddings"],
+        wrong=0,
+        lost=0,
         note=f"{got['forwards']} forwards in {got['seconds']:.0f} s; one forward alone peaks at "
         f"+{forward / mib:.0f} MiB (budget {LARGE_BUDGET // mib} MiB, estimate "
         f"{got['act_bytes'] / mib:.0f}); the whole run at +{grown / mib:.0f} MiB over the "
         f"prepared inputs (outputs {got['output_bytes'] / mib:.0f} MiB, freed buffers kept)",
-    )  # fmt: skip
+    )

@@ -114,13 +114,13 @@ def run_shared_load(app: App, replicas: int) -> dict[str, Any]:
     shared_keys = [[it["key"] for it in r[1].json()["items"][-SHARED - 1 : -1]] for r in results]
     assert all(keys == shared_keys[0] for keys in shared_keys)
     distinct = 1 + SHARED + CLIENTS
-    return {"alone": alone, "latencies": latencies, "encoded": after - before,
-            "distinct": distinct}  # fmt: skip
+    return {"alone": alone, "latencies": latencies, "encoded": after - before, "distinct": distinct}
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_shared_new_images_never_stall_and_are_encoded_once(deploy, replicas: int,
-                                                            reliability) -> None:  # fmt: skip
+def test_shared_new_images_never_stall_and_are_encoded_once(
+    deploy, replicas: int, reliability
+) -> None:
     """``replicas`` encoder replicas behind as many ingress replicas: with two, a request's
     shared images may be claimed through one ingress and arrive through the other, at either
     encoder replica (joined there, or awaited on the store)."""
@@ -128,7 +128,7 @@ def test_shared_new_images_never_stall_and_are_encoded_once(deploy, replicas: in
         f"shared{replicas}",
         encoder={"num_replicas": replicas, "num_cpus": 1.0 if replicas == 1 else 0.5},
         ingress={"num_replicas": replicas, "num_cpus": 0.05},
-    )  # fmt: skip
+    )
     got = run_shared_load(app, replicas)
     deploy.remove(app.name)
     slowest = max(got["latencies"])
@@ -136,7 +136,11 @@ def test_shared_new_images_never_stall_and_are_encoded_once(deploy, replicas: in
     assert got["encoded"] == got["distinct"], got
     reliability.record(
         f"shared new images, {CLIENTS} clients 50 ms apart, {replicas} encoder and ingress "
-        "replica(s)", tried=CLIENTS, failed=0, wrong=0, lost=0,
+        "replica(s)",
+        tried=CLIENTS,
+        failed=0,
+        wrong=0,
+        lost=0,
         note=f"slowest {slowest:.2f} s vs {got['alone']:.2f} s for the first request alone; "
         f"{got['encoded']} encodes of {got['distinct']} distinct images",
-    )  # fmt: skip
+    )

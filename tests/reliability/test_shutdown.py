@@ -34,7 +34,7 @@ RESET = ("ConnectError", "ReadError", "RemoteProtocolError")
 def user_cache() -> Path:
     """The user's cache folder, holding the demo model (built there once, as ``vitserve
     serve --model demo`` would)."""
-    from vitserve.deployments.app import resolve_model
+    from vitserve.deployments.common.serving import resolve_model
     from vitserve.encoder.testmodels import cache_dir
 
     resolve_model("demo")
@@ -44,8 +44,9 @@ def user_cache() -> Path:
 def _post(url: str, image: bytes, timeout: float = 60) -> tuple[str, httpx.Response | None]:
     """``("answered", response)`` or ``(exception class name, None)``."""
     try:
-        response = httpx.post(f"{url}/v1/encode", timeout=timeout,
-                              files=[("images", ("i.png", image, "image/png"))])  # fmt: skip
+        response = httpx.post(
+            f"{url}/v1/encode", timeout=timeout, files=[("images", ("i.png", image, "image/png"))]
+        )
         return "answered", response
     except httpx.HTTPError as exc:
         return type(exc).__name__, None
@@ -78,7 +79,7 @@ def _check_store(server: RedisServer, answered: list[str]) -> tuple[int, int, in
 def test_serve_stops_within_10s_answering_every_request_in_flight(
     how: str, user_cache: Path, spawn_redis, reliability, tmp_path: Path
 ) -> None:
-    from vitserve.deployments.local import free_port
+    from vitserve.deployments.runner.local import free_port
 
     server = spawn_redis()
     port = free_port()
@@ -86,11 +87,23 @@ def test_serve_stops_within_10s_answering_every_request_in_flight(
     log = tmp_path / "serve.log"  # a file, not a pipe: Ray's forwarded logs never block it
     with log.open("w") as sink:  # the child keeps its own descriptor
         proc = subprocess.Popen(
-            [VITSERVE, "serve", "--model", "demo", "--dtype", "fp32", "--port", str(port),
-             "--store", server.url],
-            stdout=sink, stderr=subprocess.STDOUT, env=cli_env(user_cache),
+            [
+                VITSERVE,
+                "serve",
+                "--model",
+                "demo",
+                "--dtype",
+                "fp32",
+                "--port",
+                str(port),
+                "--store",
+                server.url,
+            ],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=cli_env(user_cache),
             start_new_session=True,  # its own process group, as a shell runs a command
-        )  # fmt: skip
+        )
     try:
         wait_healthy(proc, url)
         warm = _post(url, make_image(64, 64, seed=8_100_000))[1]
@@ -151,8 +164,11 @@ def test_serve_stops_within_10s_answering_every_request_in_flight(
     assert all(late_ok) and resets <= 1, late_statuses
     assert after[0] == "ConnectError", after
     # Nothing half-published: every record whole, every image answered 200 in the store.
-    answered = [r.json()["items"][0]["key"] for _, r, _ in in_flight
-                if r is not None and r.status_code == 200]  # fmt: skip
+    answered = [
+        r.json()["items"][0]["key"]
+        for _, r, _ in in_flight
+        if r is not None and r.status_code == 200
+    ]
     records, bad, missing, claims = _check_store(server, answered)
     assert bad == 0 and missing == 0, (records, bad, missing)
     assert records >= 1 + len(answered)
@@ -162,8 +178,11 @@ def test_serve_stops_within_10s_answering_every_request_in_flight(
     reliability.record(
         f"graceful stop of `vitserve serve` ({'SIGTERM' if how == 'sigterm' else 'Ctrl-C'}) "
         "with requests in flight",
-        tried=IN_FLIGHT + len(late), failed=failed, wrong=bad, lost=missing,
+        tried=IN_FLIGHT + len(late),
+        failed=failed,
+        wrong=bad,
+        lost=missing,
         note=f"stopped in {stopped_s:.1f} s; in flight: {finished} finished, "
         f"{IN_FLIGHT - finished} answered 503; {len(late)} sent while stopping: 503 or refused; "
         f"{records} records whole, {claims} claims left to expire",
-    )  # fmt: skip
+    )

@@ -37,13 +37,21 @@ def image_part(data: bytes, uuid: str | None = None) -> dict[str, Any]:
 
 def body(messages: list[dict[str, Any]], max_tokens: int = 12, **extra: Any) -> dict[str, Any]:
     """A greedy chat request, with the logprobs of its tokens and of its prompt's."""
-    return {"model": SERVED_NAME, "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0, "logprobs": True, "top_logprobs": 1, "prompt_logprobs": 1,
-            **extra}  # fmt: skip
+    return {
+        "model": SERVED_NAME,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "prompt_logprobs": 1,
+        **extra,
+    }
 
 
-def user(images: list[bytes], text: str = "Describe this image.",
-         uuids: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+def user(
+    images: list[bytes], text: str = "Describe this image.", uuids: list[str] | None = None
+) -> dict[str, Any]:
     parts = [image_part(d, u) for d, u in zip(images, uuids or [None] * len(images), strict=True)]
     return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
 
@@ -64,8 +72,12 @@ def tokens(doc: dict[str, Any]) -> list[str]:
 def prompt_logprobs(doc: dict[str, Any]) -> dict[tuple[int, str], float]:
     """vLLM's ``prompt_logprobs``: per prompt position, the prompt token's and the top-1
     token's logprobs, by (position, token id)."""
-    return {(i, tid): v["logprob"] for i, pos in enumerate(doc["prompt_logprobs"]) if pos
-            for tid, v in pos.items()}  # fmt: skip
+    return {
+        (i, tid): v["logprob"]
+        for i, pos in enumerate(doc["prompt_logprobs"])
+        if pos
+        for tid, v in pos.items()
+    }
 
 
 def logprob_gap(doc: dict[str, Any], ref: dict[str, Any]) -> float:

@@ -141,8 +141,12 @@ def run_vllm(model: str, dtype: str, path: str, max_tokens: int, tol: float) -> 
         )
 
     pixels, embeds_out, ctrl = runs["pixels"], runs["embeds"], runs["control"]
-    print("prompt tokens:", len(pixels.prompt_token_ids),
-          "same ids:", pixels.prompt_token_ids == embeds_out.prompt_token_ids)  # fmt: skip
+    print(
+        "prompt tokens:",
+        len(pixels.prompt_token_ids),
+        "same ids:",
+        pixels.prompt_token_ids == embeds_out.prompt_token_ids,
+    )
     same = list(pixels.outputs[0].token_ids) == list(embeds_out.outputs[0].token_ids)
     ref = logprobs(pixels)
     print(f"token ids identical: {same}")
@@ -150,12 +154,18 @@ def run_vllm(model: str, dtype: str, path: str, max_tokens: int, tol: float) -> 
     for name, out in [("embeds", embeds_out), ("control", ctrl)]:
         gaps[name] = diff = float(np.abs(ref - logprobs(out)).max())
         moved = int((top1(pixels) != top1(out)).sum())
-        print(f"pixels vs {name:7s}: max |logprob diff| {diff:.3g}, "
-              f"prompt positions whose top-1 token differs: {moved}")  # fmt: skip
+        print(
+            f"pixels vs {name:7s}: max |logprob diff| {diff:.3g}, "
+            f"prompt positions whose top-1 token differs: {moved}"
+        )
     control_moved = bool((top1(pixels) != top1(ctrl)).any())
     print(f"control changed the top-1 predictions: {control_moved}")
-    return (same and not (top1(pixels) != top1(embeds_out)).any() and gaps["embeds"] <= tol
-            and control_moved)  # fmt: skip
+    return (
+        same
+        and not (top1(pixels) != top1(embeds_out)).any()
+        and gaps["embeds"] <= tol
+        and control_moved
+    )
 
 
 def main() -> None:

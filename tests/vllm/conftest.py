@@ -26,7 +26,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,7 +36,6 @@ import pytest
 
 from loadtest.vllm_peer import VllmServer
 from tests.cli_process import VITSERVE, cli_env, wait_healthy
-from tests.conftest import parse_metrics
 from tests.redis_process import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,12 +56,14 @@ def vllm_python() -> str:
 
 def ec_config(vitserve_url: str, store: str) -> str:
     """The ``--ec-transfer-config`` that makes a vLLM use vitserve as its encoder tier."""
-    return json.dumps({
-        "ec_connector": CONNECTOR,
-        "ec_connector_module_path": "vitserve.client.vllm",
-        "ec_role": "ec_consumer",
-        "ec_connector_extra_config": {"url": vitserve_url, "store": store},
-    })  # fmt: skip
+    return json.dumps(
+        {
+            "ec_connector": CONNECTOR,
+            "ec_connector_module_path": "vitserve.client.vllm",
+            "ec_role": "ec_consumer",
+            "ec_connector_extra_config": {"url": vitserve_url, "store": store},
+        }
+    )
 
 
 def noise_vision_copy(src: Path, dst: Path, seed: int = 0) -> Path:
@@ -98,30 +98,12 @@ class Vitserve:
     def front(self) -> str:
         return f"{self.url}/vllm"
 
-    def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return sum(v for n, _, v in parse_metrics(text) if n == name)
-
-    def metric_after(self, name: str, at_least: float, timeout: float = 15) -> float:
-        """The metric once it reached ``at_least`` (Ray exports metrics with a lag), or its
-        value after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while (value := self.metric(name)) < at_least and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return value
-
-    def settled(self, name: str, quiet: float = 1.5, timeout: float = 15) -> float:
-        """The metric once it held still for ``quiet`` seconds (three of the service's export
-        intervals: what earlier requests did has all reached it), or its value after
-        ``timeout``."""
-        deadline = time.monotonic() + timeout
-        value = self.metric(name)
-        while time.monotonic() < deadline:
-            time.sleep(quiet)
-            value, before = self.metric(name), value
-            if value == before:
-                break
-        return value
+    def encoded(self) -> int:
+        """Images its encoder replica has encoded (``GET /v1/stats``: the replica's own count,
+        exact at once; ``vitserve serve`` runs one encoder replica)."""
+        stats = httpx.get(f"{self.url}/v1/stats", timeout=10)
+        assert stats.status_code == 200, stats.text
+        return stats.json()["encoder"]["images"]
 
 
 @dataclass
@@ -165,26 +147,43 @@ def store() -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="session")
 def ports() -> dict[str, int]:
-    from vitserve.deployments.local import free_port
+    from vitserve.deployments.runner.local import free_port
 
     return {"vitserve": free_port(), "a": free_port(), "b": free_port()}
 
 
 @contextlib.contextmanager
-def vitserve_serve(model: Path, store: str, port: int, log: Path,
-                   extra: tuple[str, ...] = ()) -> Iterator[Vitserve]:  # fmt: skip
+def vitserve_serve(
+    model: Path, store: str, port: int, log: Path, extra: tuple[str, ...] = ()
+) -> Iterator[Vitserve]:
     """``vitserve serve`` of ``model`` in fp32 on the CPU with ``store``, as a user runs it,
     logging to ``log``; stopped (its process group) on exit."""
     url = f"http://127.0.0.1:{port}"
-    cmd = [VITSERVE, "serve", "--model", str(model), "--store", store, "--dtype", "fp32",
-           "--device", "cpu", "--port", str(port), *extra]  # fmt: skip
+    cmd = [
+        VITSERVE,
+        "serve",
+        "--model",
+        str(model),
+        "--store",
+        store,
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        *extra,
+    ]
     # its metrics reach /metrics every half second (Ray's default: 10 s)
     env = {**cli_env(log.parent / "cache"), "RAY_metrics_report_interval_ms": "500"}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         wait_healthy(proc, url, timeout=240)
+        if "--vllm-url" in extra:  # the front deploys after the encoder answers
+            wait_healthy(proc, url, timeout=120, path="/vllm/healthz")
         yield Vitserve(url, proc)
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -198,31 +197,54 @@ def vitserve_serve(model: Path, store: str, port: int, log: Path,
 
 
 @pytest.fixture(scope="session")
-def vitserve(model_dir: Path, store: RedisServer, ports: dict[str, int],
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vitserve]:  # fmt: skip
+def vitserve(
+    model_dir: Path,
+    store: RedisServer,
+    ports: dict[str, int],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Vitserve]:
     """The session's ``vitserve serve``: the prefill application and the front for A and B."""
-    extra = ("--prefill", "--vllm-url", f"http://127.0.0.1:{ports['a']}",
-             "--vllm-url", f"http://127.0.0.1:{ports['b']}",
-             "--set", f"prefill.served_model_name={SERVED_NAME}")  # fmt: skip
+    extra = (
+        "--prefill",
+        "--vllm-url",
+        f"http://127.0.0.1:{ports['a']}",
+        "--vllm-url",
+        f"http://127.0.0.1:{ports['b']}",
+        "--set",
+        f"prefill.served_model_name={SERVED_NAME}",
+    )
     log = tmp_path_factory.mktemp("vitserve") / "serve.log"
     with vitserve_serve(model_dir, store.url, ports["vitserve"], log, extra) as service:
         yield service
 
 
 @pytest.fixture(scope="session")
-def replicas(vitserve: Vitserve, model_dir: Path, noise_model_dir: Path, store: RedisServer,
-             ports: dict[str, int],
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Replica]]:  # fmt: skip
+def replicas(
+    vitserve: Vitserve,
+    model_dir: Path,
+    noise_model_dir: Path,
+    store: RedisServer,
+    ports: dict[str, int],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, Replica]]:
     """Replicas A (the checkpoint) and B (its noise-vision copy), started side by side."""
     logs = tmp_path_factory.mktemp("vllm")
     config = ec_config(vitserve.url, store.url)
     servers = {
-        name: VllmServer(vllm_python(), str(folder), ports[name], dtype="float32",
-                         log_path=str(logs / f"{name}.log"), served_model_name=SERVED_NAME,
-                         ready_timeout=300, extra_env={"VLLM_CPU_OMP_THREADS_BIND": core},
-                         extra_args=["--ec-transfer-config", config], max_images=MAX_IMAGES)
+        name: VllmServer(
+            vllm_python(),
+            str(folder),
+            ports[name],
+            dtype="float32",
+            log_path=str(logs / f"{name}.log"),
+            served_model_name=SERVED_NAME,
+            ready_timeout=300,
+            extra_env={"VLLM_CPU_OMP_THREADS_BIND": core},
+            extra_args=["--ec-transfer-config", config],
+            max_images=MAX_IMAGES,
+        )
         for name, folder, core in (("a", model_dir, "0"), ("b", noise_model_dir, "1"))
-    }  # fmt: skip
+    }
     with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as pool:
         started = [pool.submit(stack.enter_context, s) for s in servers.values()]
         for future in started:

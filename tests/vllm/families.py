@@ -12,8 +12,10 @@ preprocessing (multiples of the patch grid for Qwen, a crop only for LLaVA, the 
 for Gemma 3); whether vitserve's PIL resize and vLLM's processor agree on other sizes was not
 measured.
 
-Families not in ``VLLM_FAMILIES``: none (all five serve with ``vllm=True``). Without
-``vllm=True`` (the default test models) every family fails in vLLM 0.32 CPU:
+Families not in ``VLLM_FAMILIES``: VipLLaVA, whose spec refuses vLLM embedding inputs (not
+checked against a vLLM build; ``vitserve/families/vipllava.py``). The other five serve with
+``vllm=True``. Without ``vllm=True`` (the default test models) every family fails in vLLM 0.32
+CPU:
 
 * all: ``ValueError: Unsupported CPU attention configuration: head_dim=16`` (the text heads);
 * LLaVA (transformers 5 saves the tower as ``vision_tower.*``): ``ValueError: There is no

@@ -87,8 +87,12 @@ if TYPE_CHECKING:
     from ray.serve.llm import LLMConfig
 
 # vLLM's variables the engine gets when this script's environment sets them
-FORWARDED_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "HF_HUB_OFFLINE",
-                 "TRANSFORMERS_OFFLINE")  # fmt: skip
+FORWARDED_ENV = (
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+)
 
 
 def llm_config(args: argparse.Namespace) -> LLMConfig:

@@ -17,7 +17,8 @@ def test_vllm_inputs_equal_pixels_in_vllm(model_dir: Path, tmp_path: Path) -> No
     common = ["--model", str(model_dir), "--dtype", "fp32", "--out", str(tmp_path / "e.npz")]
     subprocess.run([sys.executable, str(CHECK), "--encode", *common], check=True)
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([vllm_python(), str(CHECK), "--vllm", *common], capture_output=True,
-                         text=True, env=env)  # fmt: skip
+    run = subprocess.run(
+        [vllm_python(), str(CHECK), "--vllm", *common], capture_output=True, text=True, env=env
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "token ids identical: True" in run.stdout

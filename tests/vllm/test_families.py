@@ -36,9 +36,8 @@ FAMILIES = [f for f in VLLM_FAMILIES if f != "qwen2_vl"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_connector_equals_vllm_alone(family: str, store: RedisServer,
-                                     tmp_path: Path) -> None:  # fmt: skip
-    from vitserve.deployments.local import free_port
+def test_connector_equals_vllm_alone(family: str, store: RedisServer, tmp_path: Path) -> None:
+    from vitserve.deployments.runner.local import free_port
     from vitserve.encoder.testmodels import cached_model
 
     model = cached_model(family, "tiny", vllm=True)
@@ -47,10 +46,17 @@ def test_connector_equals_vllm_alone(family: str, store: RedisServer,
     with vitserve_serve(model, store.url, free_port(), tmp_path / "serve.log") as service:
         url = service.url
         connector = ["--ec-transfer-config", ec_config(url, store.url)]
-        server = VllmServer(vllm_python(), str(model), free_port(), dtype="float32",
-                            log_path=str(tmp_path / "vllm.log"), served_model_name=SERVED_NAME,
-                            ready_timeout=300, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"},
-                            extra_args=connector)  # fmt: skip
+        server = VllmServer(
+            vllm_python(),
+            str(model),
+            free_port(),
+            dtype="float32",
+            log_path=str(tmp_path / "vllm.log"),
+            served_model_name=SERVED_NAME,
+            ready_timeout=300,
+            extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"},
+            extra_args=connector,
+        )
         with server:
             replica = Replica(family, server)
             alone = answer(post(server.url, body([user(images)])))

@@ -116,28 +116,56 @@ def _stop(proc: subprocess.Popen, session_dir: str | None) -> None:
 
 
 @pytest.fixture(scope="module")
-def serve_llm(vitserve: Vitserve, store: Any, noise_model_dir: Path,
-              replicas: dict[str, Replica],
-              tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeLlm]:  # fmt: skip
+def serve_llm(
+    vitserve: Vitserve,
+    store: Any,
+    noise_model_dir: Path,
+    replicas: dict[str, Replica],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ServeLlm]:
     """serve_llm_app.py on the noise-vision model, started after replicas A and B (idle, one
     pinned to each core); its engine binds both cores."""
-    from vitserve.deployments.local import free_port
+    from vitserve.deployments.runner.local import free_port
 
     work = tmp_path_factory.mktemp("serve_llm")
     metrics_dir = work / "metrics"
     metrics_dir.mkdir()
     log = work / "app.log"
     port = free_port()
-    cmd = [vllm_python(), str(APP), "--model", str(noise_model_dir), "--port", str(port),
-           "--vitserve-url", vitserve.url, "--store", store.url,
-           "--metrics-dir", str(metrics_dir), "--served-model-name", SERVED_NAME]  # fmt: skip
+    cmd = [
+        vllm_python(),
+        str(APP),
+        "--model",
+        str(noise_model_dir),
+        "--port",
+        str(port),
+        "--vitserve-url",
+        vitserve.url,
+        "--store",
+        store.url,
+        "--metrics-dir",
+        str(metrics_dir),
+        "--served-model-name",
+        SERVED_NAME,
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "VITSERVE_"))}
-    env.update(RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1")  # fmt: skip
+    env.update(
+        RAY_AUTH_MODE="disabled",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="0-1",
+    )
     url = f"http://127.0.0.1:{port}"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     session_dir: str | None = None
     try:
         t0 = time.monotonic()
@@ -150,8 +178,9 @@ def serve_llm(vitserve: Vitserve, store: Any, noise_model_dir: Path,
             if proc.poll() is not None:
                 pytest.fail(f"serve_llm_app.py exited ({proc.returncode}); {log}:\n{_tail(log)}")
             if time.monotonic() - t0 > READY_TIMEOUT:
-                pytest.fail(f"Ray Serve LLM not up after {READY_TIMEOUT:.0f} s; {log}:\n"
-                            f"{_tail(log)}")  # fmt: skip
+                pytest.fail(
+                    f"Ray Serve LLM not up after {READY_TIMEOUT:.0f} s; {log}:\n{_tail(log)}"
+                )
             time.sleep(1)
         assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 200
         yield ServeLlm(url, metrics_dir)

@@ -1,0 +1,71 @@
+"""The encoder clients of an application that calls the encoder application for its callers
+(the prefill application, the vLLM front).
+
+Such an application reaches the encoder through vitserve's own client SDK, as any LLM server
+would: by the encoder application's ingress handle in the same Ray cluster, or by its URL, with
+the store read directly where the config allows (the fast path).
+
+Invariants: one client per tenant, made with that tenant's token at its first request and kept
+(auth off: one client); a client is made lazily, so the application may start before the
+encoder application does (its requests get a retryable 503 until then); a client reads the
+store with the credentials of its section (``store``, e.g. a read-only Redis user), never
+more.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ray import serve
+from ray.serve.exceptions import RayServeException
+
+from vitserve.client import EncoderClient, RetryPolicy
+from vitserve.deployments.common.auth import Tenant
+from vitserve.deployments.common.config import EncoderAccessConfig, VitserveConfig
+from vitserve.errors import ServiceUnavailableError
+
+INGRESS_DEPLOYMENT = "Ingress"  # the encoder application's ingress, reached by its handle
+
+
+def make_client(
+    cfg: VitserveConfig, token: str | None = None, section: EncoderAccessConfig | None = None
+) -> Any:
+    """The client SDK as the prefill replicas (and the vLLM front's, with ``section=cfg.vllm``)
+    use it: the encoder by handle (or URL), the store read directly (``section.store``, else
+    ``store``) unless ``section.direct_store`` is off; ``token``: the bearer token it calls the
+    encoder with (auth on). ``section``: ``cfg.prefill`` unless given."""
+    p = cfg.prefill if section is None else section
+    store = (p.store or cfg.store) if p.direct_store else None  # p.store: a read-only user
+    retry = RetryPolicy(
+        attempts=p.encoder_attempts, backoff_s=0.05, max_backoff_s=1.0, max_retry_after_s=1.0
+    )
+    if p.encoder_url:
+        return EncoderClient(p.encoder_url, store=store, token=token, retry=retry)
+    try:
+        handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=p.encoder_app)
+    except (RayServeException, KeyError) as exc:  # the encoder app is not (yet) running
+        raise ServiceUnavailableError(f"encoder application {p.encoder_app!r}", str(exc)) from None
+    return EncoderClient(handle=handle, store=store, token=token, retry=retry)
+
+
+class TenantClients:
+    """The encoder clients of an application that calls the encoder for its callers (the
+    prefill application, the vLLM front): one per tenant, made with the tenant's token at its
+    first request and kept; with auth off, one client. Made lazily: the application may start
+    before the encoder application does (its requests get 503 until then)."""
+
+    def __init__(self, cfg: VitserveConfig, section: EncoderAccessConfig | None = None) -> None:
+        self.cfg = cfg
+        self.section = section
+        self._lock = threading.Lock()
+        self._clients: dict[str | None, Any] = {}  # tenant name (None: auth off) -> client
+
+    def get(self, tenant: Tenant | None, token: str | None) -> Any:
+        name = None if tenant is None else tenant.name
+        with self._lock:
+            client = self._clients.get(name)
+            if client is None:
+                client = make_client(self.cfg, token if name else None, section=self.section)
+                self._clients[name] = client
+            return client

@@ -1,0 +1,93 @@
+"""What crosses a process inside the encoder application: the ingress's call to an encoder (or
+preprocess) replica, and the items they answer with.
+
+The ingress (:mod:`~vitserve.deployments.encoder.ingress`, its
+:mod:`~vitserve.deployments.encoder.encode_flow`), the preprocess replicas
+(:mod:`~vitserve.deployments.encoder.preprocessing`) and the encoder replicas
+(:mod:`~vitserve.deployments.encoder.replica`) all import this module and none of them imports
+another's (``tests/test_layering.py``).
+
+Invariants:
+
+* One call per request: an :class:`EncodeBatch` holds all of a request's images that the
+  ingress found missing, in request order, its lists of one length.
+* One answer item per image, in the batch's order: an :class:`EncodedItem` (what the API
+  answers for a stored embedding, read from the record header the replica published) or an
+  :class:`ErrorItem` (that image's error; a bad image fails alone). Items are plain dicts on
+  the wire (``TypedDict``): the HTTP answer embeds them as they are.
+* An :class:`ErrorItem` is told from an :class:`EncodedItem` by its ``"error"`` field
+  (:func:`is_error`), never by anything else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# typing's NotRequired is Python 3.11's and TypeIs 3.13's; vitserve runs on 3.10 (pydantic, a
+# server dependency, brings typing_extensions)
+from typing_extensions import NotRequired, TypedDict, TypeIs
+
+from vitserve.cache.codec import Header
+from vitserve.deployments.encoder.single_flight import ClaimState
+from vitserve.errors import VitserveError
+
+
+@dataclass(slots=True)
+class EncodeBatch:
+    """One request's images for the encoder: keys, positions in the request (for errors), each
+    image's claim state and the token the won claims are held under, the image bytes when
+    the encoder preprocesses them (``None`` when ``prepared`` comes with the call), and the
+    namespace the keys are in (the request's tenant; ``None``: the config's namespace)."""
+
+    keys: list[str]
+    indices: list[int]
+    claims: list[ClaimState]
+    token: str
+    images: list[bytes] | None = None
+    namespace: str | None = None
+
+
+class EncodedItem(TypedDict):
+    """A stored embedding as the API describes it (``cached``: added by the ingress)."""
+
+    key: str
+    num_tokens: int
+    grid: list[int] | None
+    dtype: str
+    shape: list[int]
+    extras: list[str]
+    cached: NotRequired[bool]
+
+
+class ErrorItem(TypedDict):
+    """One image's error: the error's fields (``VitserveError.to_dict``) and its HTTP status."""
+
+    error: dict[str, Any]
+
+
+def describe_header(header: Header) -> EncodedItem:
+    """The API's description of a stored embedding, from its record header."""
+    return {
+        "key": header.key,
+        "num_tokens": header.num_tokens,
+        "grid": list(header.grid) if header.grid else None,
+        "dtype": header.dtype,
+        "shape": [header.num_tokens, header.tensors[0].width],
+        "extras": [t.name for t in header.tensors[1:]],
+    }
+
+
+def error_item(exc: VitserveError) -> ErrorItem:
+    return {"error": {**exc.to_dict(), "status": exc.http_status}}
+
+
+def is_error(item: object) -> TypeIs[ErrorItem]:
+    """Whether an answer item (or a preprocess result) is an image's error."""
+    return isinstance(item, dict) and "error" in item
+
+
+def with_cached(item: EncodedItem | ErrorItem, cached: bool) -> EncodedItem | ErrorItem:
+    """An answer item as the API gives it: an encoded item with its ``cached`` flag (a copy),
+    an error item as it is."""
+    return item if is_error(item) else {**item, "cached": cached}

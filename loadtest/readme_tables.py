@@ -1,0 +1,421 @@
+"""The README's performance and reliability figures, generated from the results pages.
+
+README.md holds no hand-typed measurement: every figure in it sits between a pair of markers,
+
+    <!-- generated:NAME -->
+    ...
+    <!-- /generated:NAME -->
+
+and this script writes what lies between them from the pages under ``loadtest/results/``
+(the Markdown the benchmarks and the test suite write), each table followed by a link to the
+page it came from. ``make readme`` rewrites the sections; ``--check`` changes nothing and
+exits 1 naming every section that differs (``tests/loadtest/test_readme_tables.py`` runs it).
+
+Invariants:
+
+* Only the text between a section's markers changes; every other byte of the README is kept.
+* Every generated section names the page (or pages) its figures came from, as a link.
+* A section's content is a function of the results pages alone: the same pages give the same
+  README, whatever the time or machine of the run.
+* Each section named in the README has a generator here and each generator a section there;
+  a missing, unknown or unbalanced marker is an error, never a silent skip.
+* A figure the generator cannot find in its page (a renamed row, a missing table) is an error.
+
+    .venv/bin/python loadtest/readme_tables.py           # rewrite README.md's sections
+    .venv/bin/python loadtest/readme_tables.py --check   # exit 1 if they are stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = "loadtest/results"
+MARKER = re.compile(r"<!-- (/?)generated:([a-z0-9-]+) -->")
+
+
+class TableError(ValueError):
+    """A results page lacks what a generator reads, or the README's markers are malformed."""
+
+
+# -- reading the pages ----------------------------------------------------------------------------
+def page(root: Path, name: str) -> str:
+    path = root / RESULTS / name
+    if not path.is_file():
+        raise TableError(f"{RESULTS}/{name}: no such results page")
+    return path.read_text()
+
+
+def link(name: str) -> str:
+    return f"[`{RESULTS}/{name}`]({RESULTS}/{name})"
+
+
+def tables(text: str) -> list[list[str]]:
+    """Every Markdown table of ``text``, as its lines (header, rule, rows)."""
+    out: list[list[str]] = []
+    current: list[str] = []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            out.append(current)
+            current = []
+    return out
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def table_after(text: str, heading: str, source: str) -> list[str]:
+    """The first table after the line starting with ``heading``."""
+    at = next((i for i, line in enumerate(text.splitlines()) if line.startswith(heading)), None)
+    if at is None:
+        raise TableError(f"{source}: no line starting with {heading!r}")
+    rest = "\n".join(text.splitlines()[at + 1 :])
+    found = tables(rest)
+    if not found:
+        raise TableError(f"{source}: no table after {heading!r}")
+    return found[0]
+
+
+def rows_by(table: list[str], *keys: int) -> dict[tuple[str, ...], list[str]]:
+    """A table's rows (past header and rule) by the cells at ``keys``."""
+    return {tuple(cells(line)[k] for k in keys): cells(line) for line in table[2:]}
+
+
+def machine(text: str, source: str) -> str:
+    """The machine a page was measured on, in a few words: its ``Model name`` and ``cpus``
+    (the harness's machine lists), or its ``Machine:`` sentence."""
+    model = re.search(r"Model name: ([^;\n]+)", text)
+    cpus = re.search(r"cpus: (\d+)", text)
+    if model and cpus:
+        return f"{model.group(1).strip()}, {cpus.group(1)} vCPUs"
+    flat = re.sub(r"\s*\n\s*", " ", text)  # a sentence may wrap
+    sentence = re.search(r"Machine: (.+?)(?:\. |\.$)", flat)
+    if sentence:
+        return sentence.group(1).strip()
+    raise TableError(f"{source}: no machine named")
+
+
+def bullets(text: str, heading: str, source: str) -> list[str]:
+    """The top-level bullets of the section under ``heading`` (sub-bullets left out)."""
+    lines = text.splitlines()
+    at = next((i for i, line in enumerate(lines) if line.strip() == heading), None)
+    if at is None:
+        raise TableError(f"{source}: no section {heading!r}")
+    out: list[str] = []
+    for line in lines[at + 1 :]:
+        if line.startswith("#"):
+            break
+        if line.startswith(("* ", "- ")):
+            out.append("- " + line[2:])
+    if not out:
+        raise TableError(f"{source}: no bullets under {heading!r}")
+    return out
+
+
+# -- the sections ---------------------------------------------------------------------------------
+def hot_path(root: Path) -> str:
+    name = "hot-path-cpu.md"
+    text = page(root, name)
+    table = table_after(text, "dtype ", name)
+    overhead = re.search(r"^vitserve HTTP p50 minus in-process forward.*$", text, re.M)
+    if overhead is None:
+        raise TableError(f"{name}: no 'vitserve HTTP p50 minus in-process forward' line")
+    date = re.search(r"^# .*\((\d{4}-\d\d-\d\d)\)", text, re.M)
+    when = f", {date.group(1)}" if date else ""
+    return "\n".join(
+        [
+            *table,
+            "",
+            overhead.group(0),
+            "",
+            f"From {link(name)} ({machine(text, name)}{when}; the page also has the per-stage "
+            "breakdown, where the missed targets' time goes, and `preprocess_at` compared).",
+        ]
+    )
+
+
+VLLM_SETUPS = ("vLLM alone", "vLLM + vitserve", "vLLM EPD")
+
+
+def vllm(root: Path) -> str:
+    name = "vllm-cpu.md"
+    text = page(root, name)
+    models = re.findall(r"^## `(\w+)` model", text, re.M)
+    if not models:
+        raise TableError(f"{name}: no '## `MODEL` model' sections")
+    parts = re.split(r"^## `\w+` model.*$", text, flags=re.M)[1:]
+    lines = [
+        "| TTFT p50, ms (vs vLLM alone) | vLLM alone | vLLM + vitserve (front) "
+        "| vLLM EPD (`ECExampleConnector`) |",
+        "|---|---|---|---|",
+    ]
+    for model, part in zip(models, parts, strict=True):
+        ttft = rows_by(table_after(part, "### Time to first token", name), 0, 1)
+        for scenario in ("1 new image", "4 new images"):
+            row = []
+            for setup in VLLM_SETUPS:
+                c = ttft.get((scenario, setup))
+                if c is None:
+                    raise TableError(f"{name}: {model}: no TTFT row {scenario!r}, {setup!r}")
+                row.append(c[3] if setup == VLLM_SETUPS[0] else f"{c[3]} ({c[5]})")
+            lines.append(f"| {model}: {scenario} | {' | '.join(row)} |")
+        turns = table_after(part, "### Conversation: TTFT per turn", name)
+        last = cells(turns[-1])
+        alone, front, epd, r_front, r_epd = last[1:6]
+        lines.append(
+            f"| {model}: conversation turn {last[0]}, two replicas | {alone} "
+            f"| {front} ({r_front}) | {epd} ({r_epd}) |"
+        )
+        forwards = rows_by(table_after(part, "### Encoder forwards", name), 0, 1)
+        sent = forwards[("conversation", VLLM_SETUPS[0])][2]
+        totals = [forwards[("conversation", s)][5] for s in VLLM_SETUPS]
+        lines.append(
+            f"| {model}: encoder forwards, conversation ({sent} images) | {' | '.join(totals)} |"
+        )
+    commit = re.search(r"Commit `(\w+)`, run (\d{4}-\d\d-\d\d)", text)
+    run = f"commit `{commit.group(1)}`, {commit.group(2)}; " if commit else ""
+    return "\n".join(
+        [
+            *lines,
+            "",
+            f"Targets, as the page states them ({run}{machine(text, name)}):",
+            "",
+            *bullets(text, "## Targets (vLLM + vitserve against vLLM alone in this run)", name),
+            "",
+            f"From {link(name)}: how each setup was run, TTFT per turn, and where the time goes.",
+        ]
+    )
+
+
+def encoder_batching(root: Path) -> str:
+    name = "encoder-batching-cpu.md"
+    text = page(root, name)
+    run = re.search(r"^Run A \(`(.*)`\):$", text, re.M)
+    if run is None:
+        raise TableError(f"{name}: no 'Run A (...)' line")
+    return "\n".join(
+        [
+            f"`loadtest/bench_encoder.py {run.group(1)}` in one process:",
+            "",
+            *table_after(text, "Run A", name),
+            "",
+            f"From {link(name)} ({machine(text, name)}; also bf16, and what it took).",
+        ]
+    )
+
+
+CLIENT_PAGES = (
+    ("client-turns-cpu.md", "multi-turn probe"),
+    ("client-cached-cpu.md", "all-cached encode"),
+    ("client-fetch-cpu.md", "`fetch_chunk` bandwidth"),
+    ("client-chat-cpu.md", "TTFT through the prefill route"),
+)
+
+
+def client(root: Path) -> str:
+    lines = ["| benchmark | goals, as its page states them | page |", "|---|---|---|"]
+    for name, what in CLIENT_PAGES:
+        text = page(root, name)
+        goals = "; ".join(b[2:] for b in bullets(text, "## Goals", name))
+        lines.append(f"| {what} | {goals.replace('|', '/')} | {link(name)} |")
+    first = page(root, CLIENT_PAGES[0][0])
+    return "\n".join(
+        [*lines, "", f"Measured on {machine(first, CLIENT_PAGES[0][0])} (each page says how)."]
+    )
+
+
+def latest(root: Path, scenario: str) -> str:
+    """The newest run folder of a load-test scenario (``<scenario>-<timestamp>``)."""
+    runs = sorted(p.name for p in (root / RESULTS).glob(f"{scenario}-*") if p.is_dir())
+    if not runs:
+        raise TableError(f"{RESULTS}: no {scenario}-<timestamp>/ run")
+    return runs[-1]
+
+
+def load_test(root: Path) -> str:
+    run = latest(root, "random")
+    name = f"{run}/report.md"
+    text = page(root, name)
+    others = []
+    for scenario in ("agent", "cache_off", "step"):
+        other = latest(root, scenario)
+        others.append(f"[`{scenario}`]({RESULTS}/{other}/report.md)")
+    return "\n".join(
+        [
+            *table_after(text, "Started ", name),
+            "",
+            f"![throughput vs concurrency]({RESULTS}/{run}/throughput_vs_concurrency.png)",
+            "",
+            f"From {link(name)} (the `random` scenario; {machine(text, name)}). The other "
+            f"scenarios' latest runs: {', '.join(others)}.",
+        ]
+    )
+
+
+def autoscaling(root: Path) -> str:
+    sim, real = "autoscaling-sim.md", "autoscaling-real.md"
+    sim_text, real_text = page(root, sim), page(root, real)
+    return "\n".join(
+        [
+            "Simulated, the work policy against the request-count policy (step and sawtooth "
+            "loads of mixed sizes):",
+            "",
+            *table_after(sim_text, "Requests, each", sim),
+            "",
+            f"From {link(sim)} (`loadtest/sim_autoscaling.py`; the page states the model of the "
+            "replicas and the loads).",
+            "",
+            "A real 1 -> 2 -> 1 CPU run (`loadtest/autoscale_run.py`):",
+            "",
+            *table_after(real_text, "`loadtest/autoscale_run.py`", real),
+            "",
+            f"From {link(real)}.",
+            "",
+            f"![replicas and queue delay, simulated]({RESULTS}/autoscaling-sim.png)",
+            "",
+            f"![replicas over time, real run]({RESULTS}/autoscaling-real.png)",
+        ]
+    )
+
+
+def reliability(root: Path) -> str:
+    lines = []
+    for name, what in (
+        ("reliability.md", "every fault and input class the suite tries"),
+        ("reliability-large.md", "the 64-image 2K run"),
+    ):
+        text = page(root, name)
+        written = r"Written by the test suite .* at commit `(\w+)`, (.+?), on (.+?)\.\n"
+        head = re.match(written, text)
+        if head is None:
+            raise TableError(f"{name}: no 'Written by the test suite ... at commit' line")
+        table = tables(text)
+        rows = len(table[0]) - 2 if table else 0
+        lines.append(
+            f"- {link(name)}: {what}, {rows} row{'' if rows == 1 else 's'}, written by the test "
+            f"suite at commit `{head.group(1)}` ({head.group(2)}, {head.group(3)})."
+        )
+    return "\n".join(lines)
+
+
+def results_index(root: Path) -> str:
+    lines = ["| page | what |", "|---|---|"]
+    for path in sorted((root / RESULTS).glob("*.md")):
+        text = path.read_text()
+        first = text.splitlines()[0]
+        if first.startswith("# "):
+            what = first[2:]
+        else:  # a reliability page: the test suite's table, no heading
+            found = tables(text)
+            rows = [cells(line)[0] for line in found[0][2:]] if found else []
+            what = (
+                first.split(" (`")[0]
+                + ": "
+                + (
+                    rows[0].split(" (")[0]
+                    if len(rows) == 1
+                    else f"{len(rows)} fault and input classes"
+                )
+            )
+        lines.append(f"| {link(path.name)} | {what.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+SECTIONS: dict[str, Callable[[Path], str]] = {
+    "hot-path": hot_path,
+    "vllm": vllm,
+    "encoder-batching": encoder_batching,
+    "client": client,
+    "load-test": load_test,
+    "autoscaling": autoscaling,
+    "reliability": reliability,
+    "results-index": results_index,
+}
+
+
+# -- the README -----------------------------------------------------------------------------------
+def spans(readme: str) -> dict[str, tuple[int, int]]:
+    """Each section's content span (between the end of its opening marker and the start of
+    its closing one); malformed markers raise."""
+    out: dict[str, tuple[int, int]] = {}
+    open_name, open_end = None, 0
+    for m in MARKER.finditer(readme):
+        closing, name = m.group(1) == "/", m.group(2)
+        if not closing:
+            if open_name is not None:
+                raise TableError(f"README: generated:{name} opens inside generated:{open_name}")
+            if name in out:
+                raise TableError(f"README: generated:{name} appears twice")
+            open_name, open_end = name, m.end()
+        else:
+            if name != open_name:
+                raise TableError(f"README: /generated:{name} closes no open section")
+            out[name] = (open_end, m.start())
+            open_name = None
+    if open_name is not None:
+        raise TableError(f"README: generated:{open_name} is never closed")
+    unknown = sorted(set(out) - set(SECTIONS))
+    missing = sorted(set(SECTIONS) - set(out))
+    if unknown or missing:
+        raise TableError(f"README: unknown sections {unknown}, missing sections {missing}")
+    return out
+
+
+def render(readme: str, contents: dict[str, str]) -> str:
+    """``readme`` with each section's content replaced by ``contents[name]``."""
+    where = spans(readme)
+    out, at = [], 0
+    for name, (start, end) in sorted(where.items(), key=lambda item: item[1][0]):
+        out += [readme[at:start], "\n", contents[name].strip("\n"), "\n"]
+        at = end
+    out.append(readme[at:])
+    return "".join(out)
+
+
+def generate(root: Path) -> dict[str, str]:
+    return {name: make(root) for name, make in SECTIONS.items()}
+
+
+def stale(readme: str, contents: dict[str, str]) -> list[str]:
+    """The sections whose text in ``readme`` differs from ``contents``."""
+    now = render(readme, contents)
+    before, after = spans(readme), spans(now)
+    return [name for name in SECTIONS if readme[slice(*before[name])] != now[slice(*after[name])]]
+
+
+def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if stale")
+    args = parser.parse_args(argv)
+    path = root / "README.md"
+    readme = path.read_text()
+    contents = generate(root)
+    if args.check:
+        names = stale(readme, contents)
+        if names:
+            print(
+                f"README.md: generated sections out of date: {', '.join(names)} "
+                "(run `make readme`)",
+                file=sys.stderr,
+            )
+            return 1
+        print("README.md: generated sections up to date")
+        return 0
+    new = render(readme, contents)
+    if new != readme:
+        path.write_text(new)
+        print("README.md: generated sections rewritten")
+    else:
+        print("README.md: generated sections already up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

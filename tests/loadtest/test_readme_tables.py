@@ -1,0 +1,114 @@
+"""README.md's generated sections: current with the results pages, and derived from them.
+
+The README's figures are written by ``loadtest/readme_tables.py`` (``make readme``) from the
+pages under ``loadtest/results/``; these tests fail when a page changed and the README did not,
+when a generated section was edited by hand, and when the generator stops reading its pages.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from loadtest import readme_tables
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / readme_tables.RESULTS
+
+
+def copy_of_repo(tmp_path: Path) -> Path:
+    """A root holding a copy of README.md and loadtest/results/ (the generator's inputs)."""
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    shutil.copytree(RESULTS, tmp_path / readme_tables.RESULTS)
+    return tmp_path
+
+
+def test_readme_generated_sections_are_current() -> None:
+    readme = (ROOT / "README.md").read_text()
+    stale = readme_tables.stale(readme, readme_tables.generate(ROOT))
+    assert stale == [], f"README.md's sections {stale} are out of date: run `make readme`"
+
+
+def test_check_fails_on_a_hand_edited_section_and_make_readme_restores_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = copy_of_repo(tmp_path)
+    readme = (root / "README.md").read_text()
+    row = "| 1 new image, 448x448 | 62.2 ms |"
+    edited = readme.replace(row, "| 1 new image, 448x448 | 50 ms |")
+    assert edited != readme, "the hot-path table's first row moved: update this test"
+    (root / "README.md").write_text(edited)
+
+    assert readme_tables.main(["--check"], root=root) == 1
+    assert "hot-path" in capsys.readouterr().err
+    assert (root / "README.md").read_text() == edited  # --check changes nothing
+
+    assert readme_tables.main([], root=root) == 0
+    assert (root / "README.md").read_text() == readme
+    assert readme_tables.main(["--check"], root=root) == 0
+
+
+def test_a_changed_results_page_changes_its_section_only(tmp_path: Path) -> None:
+    root = copy_of_repo(tmp_path)
+    before = readme_tables.generate(root)
+    page = root / readme_tables.RESULTS / "vllm-cpu.md"
+    text = page.read_text()
+    row = "| 1 new image | vLLM + vitserve | 1 | 1046 | 1076 | 1.26x |"
+    assert row in text, "the small model's TTFT row moved: update this test"
+    page.write_text(text.replace(row, "| 1 new image | vLLM + vitserve | 1 | 987 | 1076 | 1.19x |"))
+
+    after = readme_tables.generate(root)
+    assert "987 (1.19x)" in after["vllm"] and "1046 (1.26x)" in before["vllm"]
+    assert "1046 (1.26x)" not in after["vllm"]
+    assert {n for n in before if before[n] != after[n]} == {"vllm"}
+
+    readme = (root / "README.md").read_text()
+    assert readme_tables.stale(readme, after) == ["vllm"]
+    new = readme_tables.render(readme, after)
+    outside = readme_tables.MARKER.split(readme)[::6]  # the text outside every section
+    assert readme_tables.MARKER.split(new)[::6] == outside
+
+
+def test_every_generated_section_links_its_results_page() -> None:
+    for name, text in readme_tables.generate(ROOT).items():
+        links = [part.split(")")[0] for part in text.split("](")[1:]]
+        pages = [link for link in links if link.startswith(readme_tables.RESULTS)]
+        assert pages, f"section {name} links no results page"
+        for link in pages:
+            assert (ROOT / link).exists(), f"section {name} links {link}, which does not exist"
+
+
+def test_the_load_test_table_comes_from_the_newest_run(tmp_path: Path) -> None:
+    root = copy_of_repo(tmp_path)
+    newest = readme_tables.latest(root, "random")
+    newer = root / readme_tables.RESULTS / "random-29991231-000000"
+    shutil.copytree(root / readme_tables.RESULTS / newest, newer)
+    report = newer / "report.md"
+    report.write_text(report.read_text().replace("| 4 | 11 | 0 | 0.55 |", "| 4 | 99 | 0 | 0.55 |"))
+    section = readme_tables.load_test(root)
+    assert "| 4 | 99 | 0 | 0.55 |" in section and "random-29991231-000000/report.md" in section
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("a\n<!-- generated:vllm -->\nb\n", "never closed"),
+        ("<!-- /generated:vllm -->\n", "closes no open section"),
+        ("<!-- generated:vllm -->\n<!-- generated:client -->\n", "opens inside"),
+        ("<!-- generated:nope -->\n<!-- /generated:nope -->\n", "unknown sections ['nope']"),
+    ],
+)
+def test_malformed_markers_are_errors(text: str, error: str) -> None:
+    with pytest.raises(readme_tables.TableError, match=re.escape(error)):
+        readme_tables.spans(text)
+
+
+def test_a_page_missing_what_a_section_reads_is_an_error(tmp_path: Path) -> None:
+    root = copy_of_repo(tmp_path)
+    page = root / readme_tables.RESULTS / "vllm-cpu.md"
+    page.write_text(page.read_text().replace("## Targets", "## Aims"))
+    with pytest.raises(readme_tables.TableError, match=re.escape("vllm-cpu.md: no section")):
+        readme_tables.generate(root)
