@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -35,13 +36,21 @@ def cli_env(cache: Path) -> dict[str, str]:
 
 
 def wait_healthy(
-    proc: subprocess.Popen, url: str, timeout: float = 180, path: str = "/healthz"
+    proc: subprocess.Popen,
+    url: str,
+    timeout: float = 180,
+    path: str = "/healthz",
+    log: Path | None = None,
 ) -> None:
     """Return once ``url``'s ``path`` (an application's health route) answers 200; fail if
-    ``proc`` exits first or ``timeout`` passes."""
+    ``proc`` exits first (with its output: its pipe, or the tail of ``log``, the file it
+    writes to) or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            out += log.read_text(errors="replace")[-4000:] if log is not None else ""
+            raise AssertionError(f"vitserve exited {proc.returncode} before it was healthy:\n{out}")
         try:
             if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
                 return
@@ -49,3 +58,17 @@ def wait_healthy(
             pass
         time.sleep(0.3)
     raise AssertionError(f"vitserve serve did not answer within {timeout} s")
+
+
+def stop(proc: subprocess.Popen, how: int = signal.SIGINT, timeout: float = 90) -> int | None:
+    """Send ``how`` to ``proc`` and wait up to ``timeout`` s for it to exit: its exit code, or
+    None if it did not, after killing its whole process group (start it with
+    ``start_new_session=True``), so a stuck server and its Ray cluster never outlive the test."""
+    if proc.poll() is None:
+        proc.send_signal(how)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        return None

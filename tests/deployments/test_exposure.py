@@ -26,7 +26,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.cli_process import VITSERVE, cli_env, wait_healthy
+from tests.cli_process import VITSERVE, cli_env, stop, wait_healthy
 from vitserve.deployments.runner import cli, local
 from vitserve.errors import ConfigError
 
@@ -156,15 +156,17 @@ def test_serve_as_a_user_runs_it_keeps_rays_token_auth_on_every_port_beyond_loop
     env["RAY_TMPDIR"] = str(Path("/tmp") / f"vx-{tmp_path.name[-8:]}")  # Ray's short socket paths
     port = local.free_port()
     model = str(tiny_models["qwen2_vl"])
-    proc = subprocess.Popen(
-        [VITSERVE, "serve", "--model", model, "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
+    log = tmp_path / "serve.log"  # a file, not a pipe: nobody reads a pipe until the end
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            [VITSERVE, "serve", "--model", model, "--port", str(port)],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # its group is killed if it does not stop: nothing leaks
+        )
     try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}")
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log=log)
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         pids = {p.pid: p.name() for p in tree}
         listening = sorted(
@@ -183,8 +185,8 @@ def test_serve_as_a_user_runs_it_keeps_rays_token_auth_on_every_port_beyond_loop
             if p != port
         }
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        code = stop(proc, signal.SIGINT)
+    assert code == 0, log.read_text(errors="replace")[-4000:]
     print("\n".join(f"{b:>18} {p:>5} {n:<22} {v}" for (b, p, n), v in sorted(probed.items())))
     beyond = {k: v for k, v in probed.items() if not _is_loopback(k[0])}
     # the rule: nothing beyond loopback answers without Ray's token

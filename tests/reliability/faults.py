@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -70,7 +70,12 @@ class Load:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _workers: list[threading.Thread] = field(default_factory=list)
 
+    #: Every load started and not yet stopped: ``stop_all`` (test_faults' autouse fixture)
+    #: stops what a failed test left running, so its clients never load the tests after it.
+    running: ClassVar[list[Load]] = []
+
     def start(self) -> Load:
+        Load.running.append(self)
         for n in range(self.threads):
             worker = threading.Thread(target=self._run, args=(n,), daemon=True)
             worker.start()
@@ -129,10 +134,17 @@ class Load:
         """Stop the threads; how many are still running after ``timeout_s`` (their requests
         were never answered: lost)."""
         self._stop.set()
+        if self in Load.running:
+            Load.running.remove(self)
         deadline = time.monotonic() + timeout_s
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
         return sum(w.is_alive() for w in self._workers)
+
+    @classmethod
+    def stop_all(cls) -> None:
+        for load in list(cls.running):
+            load.stop()
 
 
 def check_answers(answers: list[Answer], engine: Any) -> tuple[list[str], list[str]]:
@@ -171,7 +183,13 @@ def replicas(app_name: str, deployment: str) -> list[tuple[str, Any]]:
         for a in ray.util.list_named_actors(all_namespaces=True)
         if f"{app_name}#{deployment}#" in a["name"]
     ]
-    return [(a["name"], ray.get_actor(a["name"], namespace=a["namespace"])) for a in named]
+    live = []
+    for a in named:
+        try:
+            live.append((a["name"], ray.get_actor(a["name"], namespace=a["namespace"])))
+        except ValueError:  # it died between the listing and the lookup: not live
+            continue
+    return live
 
 
 def kill_while_busy(actor: Any, timeout_s: float = 30) -> bool:

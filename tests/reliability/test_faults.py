@@ -48,6 +48,13 @@ pytestmark = pytest.mark.slow
 TIMEOUT_S = 2.0
 
 
+@pytest.fixture(autouse=True)
+def _no_load_outlives_its_test() -> Iterator[None]:
+    """A test that fails mid-load leaves no client threads encoding into the next test."""
+    yield
+    Load.stop_all()
+
+
 def ensure_up(server: RedisServer) -> None:
     """(Re)start ``server`` on its port if a test left it down."""
     if server.proc is None or server.proc.poll() is not None:

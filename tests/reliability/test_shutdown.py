@@ -105,7 +105,7 @@ def test_serve_stops_within_10s_answering_every_request_in_flight(
             start_new_session=True,  # its own process group, as a shell runs a command
         )
     try:
-        wait_healthy(proc, url)
+        wait_healthy(proc, url, log=log)
         warm = _post(url, make_image(64, 64, seed=8_100_000))[1]
         assert warm is not None and warm.status_code == 200, warm
 
