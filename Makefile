@@ -15,7 +15,7 @@ PY := $(VENV)/bin/python
 # encoder/device.py), so an outcome that leans on the host fails on every machine.
 CPU_PROFILES ?= 8MiB:0 32MiB:1 480MiB:1
 
-.PHONY: install demo test test-fast test-profiles test-vllm lint typecheck bench readme
+.PHONY: install demo test test-fast test-profiles test-vllm test-gpu lint typecheck bench bench-gpu readme
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,13 @@ test-profiles: install
 	    $(PY) -m pytest -q -m cpu_profile; \
 	done
 
+# The tests marked gpu (the CUDA paths: publishing from a CUDA tensor, the SDK's pinned-memory
+# fetch, the budget from device memory, bf16 forwards batched vs alone), on a GPU machine (install
+# a CUDA build of torch: TORCH above). Elsewhere they skip; here VITSERVE_REQUIRE_GPU=1 makes a
+# missing or broken GPU fail them instead (tests/gpu.py).
+test-gpu: install
+	VITSERVE_REQUIRE_GPU=1 $(PY) -m pytest -q -m gpu
+
 # vLLM's CPU build in its own venv (it pins its own torch and transformers), with vitserve's
 # client installed into it; tests/vllm runs real vLLM servers from it beside `vitserve serve`.
 VLLM_VENV ?= .venv-vllm
@@ -85,6 +92,14 @@ typecheck: install
 BENCH_ARGS ?= --run-time 20
 bench: install
 	RAY_AUTH_MODE=disabled flock /tmp/vitserve-heavy.lock $(PY) -m loadtest.harness $(BENCH_ARGS)
+
+# Bucketed vs per-image throughput on a real-size random-weight tower (Qwen2-VL's published
+# ViT by default), on the GPU; writes loadtest/results/gpu-<card>.md. Refuses without CUDA
+# (BENCH_GPU_ARGS='--device cpu --tiny' is a smoke run of the script). The first run builds and
+# caches the model (~2.7 GB, under $$VITSERVE_CACHE or ~/.cache/vitserve).
+BENCH_GPU_ARGS ?=
+bench-gpu: install
+	$(PY) loadtest/bench_gpu.py $(BENCH_GPU_ARGS)
 
 # The README's generated sections (its performance and reliability figures) from the results
 # pages under loadtest/results/; tests/loadtest/test_readme_tables.py fails when they are stale.

@@ -5,6 +5,9 @@
   (AVX512-BF16 or AMX-BF16); fp32 on other CPUs, where bf16 matmul is emulated and slow (on an
   AVX2-only CPU measured here: fp32 ~135 GFLOP/s, bf16 ~1.3 GFLOP/s for a 512x512 matmul).
 * Budget: a fraction of the device memory that is free when the engine starts.
+* CUDA readiness: :func:`probe_cuda` says whether CUDA works here (a device is visible and a
+  first op on it computes), or what is missing or broken, in words: the ``gpu`` tests and
+  ``loadtest/bench_gpu.py`` decide from it whether to run, skip or refuse.
 * CPU batch cap: on a CPU, a batch's tokens are capped so that its MLP intermediate fits the
   last-level cache. One image of a few hundred patches already keeps the cores' matmul units
   busy, so bigger batches gain nothing there, while the elementwise ops between the matmuls
@@ -28,8 +31,11 @@ import ctypes.util
 import os
 import re
 import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from vitserve.errors import ConfigError
 
@@ -254,6 +260,78 @@ def describe_cpu() -> str:
     cache = f"{llc / 2**20:g} MiB last-level cache" if llc else "last-level cache unknown"
     bf16 = "native bf16" if cpu_has_native_bf16() else "no native bf16"
     return f"{cache}{source(LLC_ENV)}, {bf16}{source(BF16_ENV)}"
+
+
+@dataclass(frozen=True, slots=True)
+class CudaProbe:
+    """What :func:`probe_cuda` found. ``state``: ``ok`` (a device is visible and a first op on
+    it computed), ``absent`` (torch sees no CUDA device) or ``broken`` (torch reports a device,
+    but using it failed). ``detail`` says what was seen, in words (torch's build, the error,
+    ``CUDA_VISIBLE_DEVICES``); ``name`` is the device's name when ``ok``."""
+
+    state: Literal["ok", "absent", "broken"]
+    detail: str
+    name: str | None = None
+
+
+def _first_cuda_op() -> None:
+    """A first op on the current CUDA device, checked: raises when it fails or computes wrong."""
+    import torch  # heavy: deployments/common/config imports this module for its names
+
+    got = torch.ones(8, device="cuda").mul_(2).sum().item()
+    torch.cuda.synchronize()
+    if got != 16.0:
+        raise RuntimeError(f"torch.ones(8).mul_(2).sum() on cuda gave {got}, not 16.0")
+
+
+def _torch_build() -> str:
+    import torch  # heavy: deployments/common/config imports this module for its names
+
+    built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a build without CUDA"
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return f"torch {torch.__version__}, {built}" + (
+        f"; CUDA_VISIBLE_DEVICES={seen!r}" if seen is not None else ""
+    )
+
+
+def probe_cuda(cuda: Any = None, first_op: Callable[[], object] | None = None) -> CudaProbe:
+    """Whether CUDA works in this process: ``cuda.is_available()``, then a first op on the
+    device (``first_op``; by default a small computation checked on the host) and its name.
+
+    ``cuda`` defaults to ``torch.cuda`` (tests pass a stand-in). Never raises: an exception of
+    torch's becomes a ``broken`` probe naming it, and a warning torch gives while looking for
+    a device (an old driver, say) is part of an ``absent`` probe's detail. Initializes CUDA
+    when a device is visible (seconds, once per process).
+    """
+    import torch  # heavy: deployments/common/config imports this module for its names
+
+    cuda = torch.cuda if cuda is None else cuda
+    op = _first_cuda_op if first_op is None else first_op
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            visible = bool(cuda.is_available())
+    except Exception as exc:  # a driver or runtime that fails when asked at all
+        return CudaProbe("broken", f"torch.cuda.is_available() raised {_named(exc)}")
+    if not visible:
+        warned = "".join(f"; torch warned: {w.message}" for w in said)
+        return CudaProbe("absent", f"torch.cuda.is_available() is False ({_torch_build()}{warned})")
+    try:
+        op()
+        name = str(cuda.get_device_name(cuda.current_device()))
+    except Exception as exc:
+        return CudaProbe(
+            "broken",
+            f"torch.cuda.is_available() is True but a first CUDA op failed: {_named(exc)} "
+            f"({_torch_build()})",
+        )
+    return CudaProbe("ok", f"{name} ({_torch_build()})", name=name)
+
+
+def _named(exc: BaseException) -> str:
+    """``Type: message`` of an exception, on one line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def default_budget_bytes(device: Any) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests import gpu
 from tests.redis_process import RedisServer
 
 # tests/vllm runs against real vLLM servers from vLLM's own venv: `make test-vllm` runs it (and
@@ -500,6 +501,13 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 # comes from SLOW_TESTS: tests that need none of them but take seconds of CPU. ``make test-fast``
 # runs ``-m "not heavy and not slow"``; ``make test`` runs everything.
 #
+# ``gpu`` is written by hand on the tests that run a CUDA path (it cannot be read from their
+# fixtures). It adds neither ``heavy`` nor ``slow``: such a test needs no server or process,
+# so it stays in the fast tier unless its fixtures make it heavy, and without a GPU it is
+# skipped at setup, before its fixtures, in milliseconds. On a GPU machine the tier runs it.
+# When it runs, skips or fails is tests/gpu.py's rule (``make test-gpu``: ``-m gpu`` with
+# ``VITSERVE_REQUIRE_GPU=1``, where a missing GPU fails instead of skipping).
+#
 # Invariants:
 # - A run that selects no heavy test runs under FastTierGuard: ``ray.init``, a Redis connection
 #   and a new process raise TierViolation, and the test that tried fails even if it caught it.
@@ -507,6 +515,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 # - Marks only add: a hand-written ``ray``/``redis``/``subprocess`` mark makes a test heavy, a
 #   hand-written ``slow`` stays.
 # - Every fixture and test named below exists (tests/test_fast_tier.py checks).
+# - A ``gpu`` test is skipped, or failed in its call, without any of its fixtures set up when
+#   CUDA is not usable (tests/test_gpu_tier.py checks); its mark alone makes it neither heavy
+#   nor slow.
 
 FIXTURE_NEEDS: dict[str, tuple[str, ...]] = {
     "ray_cluster": ("ray",),  # serve_url, deploy, main_app, family_apps, deploy_prefill over it
@@ -720,12 +731,37 @@ def pytest_runtestloop(session: pytest.Session) -> Iterator[None]:
 
 _VIOLATIONS_BEFORE = pytest.StashKey[int]()
 _FAILED = pytest.StashKey[bool]()
+_GPU_FAILURE = pytest.StashKey[str]()  # why a gpu test fails (tests/gpu.py), set at its setup
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if (guard := item.config.stash.get(_GUARD, None)) is not None:
         item.stash[_VIOLATIONS_BEFORE] = len(guard.violations)
+    if item.get_closest_marker("gpu"):
+        _gpu_gate(item)
+
+
+def _gpu_gate(item: pytest.Item) -> None:
+    """tests/gpu.py's rule for a ``gpu`` test, before its fixtures: skip it here, or note the
+    failure that its call reports (a FAILED test, not an error in setup) and leave its
+    fixtures unset: pytest sets up only the fixtures missing from ``item.funcargs``, and a
+    model built or a device touched for a test that fails anyway costs time or hides why."""
+    try:
+        reason = gpu.gpu_precondition(gpu.probe(), os.environ.get(gpu.REQUIRE_ENV))
+    except gpu.GpuPreconditionError as exc:
+        item.stash[_GPU_FAILURE] = str(exc)
+        if isinstance(item, pytest.Function):
+            item.funcargs.update(dict.fromkeys(item.fixturenames, None))
+        return
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    if (failure := item.stash.get(_GPU_FAILURE, None)) is not None:
+        pytest.fail(failure, pytrace=False)
 
 
 @pytest.hookimpl(wrapper=True)
