@@ -60,12 +60,16 @@ def _serve(args: argparse.Namespace) -> None:
     cfg = local.local_config(_overrides(args))
     local.check_exposure(cfg, insecure=args.insecure)
     print(f"effective config: {cfg.effective_json()}", flush=True)  # secrets masked
+    # The stop signals are caught before anything starts: one that comes while the cluster and
+    # the applications start (a health check answers before start_local returns) stops them
+    # once they are up, instead of raising KeyboardInterrupt into Ray's start-up, which may
+    # swallow it and leave the server running with nobody to stop it.
+    stop = threading.Event()
+    for sig in local.STOP_SIGNALS:
+        signal.signal(sig, lambda *_: stop.set())
     url = local.start_local(cfg, prefill=args.prefill, vllm=bool(cfg.vllm.urls))
     for line in serving_lines(cfg, url, prefill=args.prefill):
         print(line, flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     print(
         f"stopping: new requests get 503, those in flight have {args.grace:g} s to finish",

@@ -25,7 +25,9 @@ anyway. Measured on a 2-vCPU EPYC: ``ray.shutdown`` of the demo's cluster ~1.4 s
 from __future__ import annotations
 
 import ipaddress
+import signal
 import socket
+import threading
 import time
 from typing import Any
 
@@ -55,6 +57,8 @@ LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0}
 # imported, before start_ray (build_application imports Serve), so start_ray turns the constant
 # off while ray.init starts the node; the node's processes get its address on their command line.
 LOCAL_NODE_ONLY = "ENABLE_RAY_CLUSTER"
+#: the signals that stop ``vitserve serve`` (its handlers survive ray.init: ``start_ray``)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 #: how long a stop lets the requests in flight finish before answering them 503
 DEFAULT_GRACE_S = 5.0
 # What this process started: its own cluster (True) or joined one, and the stop signal.
@@ -106,6 +110,10 @@ def start_ray(num_cpus: int | None = None) -> None:
         # (LOCAL_NODE_ONLY). getattr first: a Ray without the constant fails here, not silently.
         cluster = getattr(ray_constants, LOCAL_NODE_ONLY)
         setattr(ray_constants, LOCAL_NODE_ONLY, False)
+        # ray.init replaces the driver's SIGTERM handler with sys.exit: the caller's (``vitserve
+        # serve`` catches SIGINT and SIGTERM to drain) is put back once the node is up.
+        main = threading.current_thread() is threading.main_thread()
+        handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if main else {}
         try:
             # address="local": always a new cluster of this process, never someone else's.
             ray.init(
@@ -118,6 +126,9 @@ def start_ray(num_cpus: int | None = None) -> None:
             )
         finally:
             setattr(ray_constants, LOCAL_NODE_ONLY, cluster)
+            for sig, handler in handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
 
 
 def start_serve(host: str, port: int, *, access_log: bool = False) -> str:
