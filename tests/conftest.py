@@ -559,6 +559,10 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "ray",
         "subprocess",
     ),
+    # the harness's driver, locust and the open-loop generator against a stand-in server
+    "tests/loadtest/test_harness_run.py": ("subprocess",),
+    # matplotlib's first use on a machine runs `fc-list` (a process) for its font cache
+    "tests/loadtest/test_report.py::test_plots_are_written": ("subprocess",),
     "tests/client/test_adapters.py::test_importing_the_adapters_loads_no_torch": ("subprocess",),
     "tests/client/test_client.py::test_importing_the_client_loads_no_heavy_dependency": (
         "subprocess",

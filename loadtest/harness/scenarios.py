@@ -1,5 +1,10 @@
 """The requests each scenario sends (pure: no locust, no server).
 
+Encode scenarios (``random``, ``cache_off``, ``step``, ``open``) send K images to
+``POST /v1/encode``; ``agent`` sends a conversation's images through the SDK; ``chat`` sends an
+OpenAI chat completions body whose turn t carries the conversation's t images (t-1 re-sent, one
+new), as ``data:`` URLs.
+
 Images are a small pool of JPEGs per resolution, generated once per process. A *new* image is
 a pool image with a unique JPEG comment (COM segment) after the SOI marker: different bytes, so
 a different content key and a new encode, while the pixels decode the same, at no cost to the
@@ -8,12 +13,14 @@ load generator. A *duplicate* is an image this generator sent before (its exact 
 
 from __future__ import annotations
 
+import base64
 import io
 import itertools
 import random
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 # 224px to 720p.
 SIZES: tuple[tuple[int, int], ...] = ((224, 224), (448, 448), (640, 480), (1280, 720))
@@ -158,3 +165,94 @@ class AgentConversation:
         return Request(
             [b for _, b in self._images], [s for s, _ in self._images], len(self._images) - 1
         )
+
+
+def encode_files(req: Request) -> list[tuple[str, tuple[str, bytes, str]]]:
+    """``req``'s images as the multipart ``images`` fields of ``POST /v1/encode``."""
+    return [("images", (f"{i}.jpg", b, "image/jpeg")) for i, b in enumerate(req.images)]
+
+
+def encode_error(status: int, text: str, payload: Any, k: int) -> str | None:
+    """Why an answer of ``POST /v1/encode`` to ``k`` images failed (``None``: it did not).
+    ``payload``: the parsed JSON body (``None`` when it was not JSON)."""
+    if status != 200:
+        return f"HTTP {status}: {text[:200]}"
+    items = payload.get("items", []) if isinstance(payload, dict) else []
+    bad = [it["error"] for it in items if "error" in it]
+    if len(items) != k or bad:
+        return f"{len(items)} items for {k} images; errors: {bad[:2]}"
+    return None
+
+
+# What the chat's user says with each image; the assistant's turns between them are one fixed
+# reply, so the prompt of turn t is the same whatever a server answered before (and the same
+# on every server the scenario is pointed at).
+CHAT_QUESTIONS = (
+    "What is in this picture?",
+    "And how does this one differ?",
+    "Which of the pictures so far is brightest?",
+    "Describe the colours of the last one.",
+    "Which two look most alike?",
+    "Summarize all the pictures.",
+)
+CHAT_REPLY = "Noted."
+CHAT_SIZES: tuple[tuple[int, int], ...] = ((224, 224), (448, 448), (640, 480))
+
+
+@dataclass
+class ChatTurn:
+    body: dict[str, Any]  # an OpenAI chat completions request (no ``model`` unless given)
+    turn: int  # 1-based
+    k: int  # images in the request (= turn)
+
+
+@dataclass
+class ChatConversation:
+    """A chat with images: turn t sends the user messages 1..t (each one image and a question;
+    image t new, images 1..t-1 re-sent as before) with :data:`CHAT_REPLY` between them, as a
+    streaming OpenAI chat completions request; after ``turns`` turns a new conversation starts.
+    ``model``: the ``model`` field (``None``: left out, the server's one model)."""
+
+    pool: ImagePool
+    turns: int = 4
+    seed: int = 0
+    model: str | None = None
+    max_tokens: int = 8
+    _rng: random.Random = field(init=False, repr=False)
+    _urls: list[str] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.turns <= len(CHAT_QUESTIONS):
+            raise ValueError(f"turns is in [1, {len(CHAT_QUESTIONS)}], got {self.turns}")
+        self._rng = random.Random(self.seed)
+
+    @property
+    def turn(self) -> int:
+        """The turn the next request is (1-based)."""
+        return len(self._urls) % self.turns + 1
+
+    def next_request(self) -> ChatTurn:
+        if len(self._urls) >= self.turns:
+            self._urls = []
+        _, jpeg = self.pool.new(self._rng)
+        self._urls.append("data:image/jpeg;base64," + base64.b64encode(jpeg).decode())
+        messages: list[dict[str, Any]] = []
+        for i, url in enumerate(self._urls):
+            if i:
+                messages.append({"role": "assistant", "content": CHAT_REPLY})
+            content = [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": CHAT_QUESTIONS[i]},
+            ]
+            messages.append({"role": "user", "content": content})
+        body: dict[str, Any] = {
+            "messages": messages,
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.model:
+            body["model"] = self.model
+        t = len(self._urls)
+        return ChatTurn(body, t, t)

@@ -54,6 +54,11 @@ def main(argv: list[str]) -> int:
     path = os.environ.get("LOADTEST_REPLICAS_LOG")
     stop = threading.Event()
     if path:
+        # Ray imported here, before the thread: a thread's first `import ray` racing the CLI's
+        # own (ray.serve) in the main thread failed with a partially initialized
+        # ray._private.worker (seen 2026-11-26)
+        import ray  # noqa: F401
+
         threading.Thread(target=_poll_replicas, args=(path, stop), daemon=True).start()
     try:
         return cli_main(argv)

@@ -1,10 +1,13 @@
-"""The report builder from a canned locust CSV and canned /metrics pages (no server)."""
+"""The report builder from canned records, a canned locust CSV and canned /metrics pages (no
+server)."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from loadtest.harness import promtext, report
+from loadtest.harness.measures import OVERFLOW, Record
 
 STATS_CSV = """\
 Type,Name,Request Count,Failure Count,Median Response Time,Average Response Time,\
@@ -75,18 +78,121 @@ def test_metrics_deltas() -> None:
     assert "batch_images_mean" not in m  # Ray's _sum is not the observed sum
 
 
-def test_markdown_table_row() -> None:
-    run = report.run_summary(
-        STATS_CSV, BEFORE, AFTER, users=4, duration_s=20.0, cpu={"generator": 0.1, "service": 1.5}
+def records(n: int, *, spacing_s: float, latency_s: float, k: int = 2) -> list[Record]:
+    """``n`` requests ``spacing_s`` apart, every tenth one 4x slower, the 7th failed."""
+    return [
+        Record(
+            start=1000 + i * spacing_s,
+            latency_s=latency_s * (4 if i % 10 == 9 else 1),
+            ok=i != 6,
+            k=k,
+            name=f"/v1/encode k={k}",
+            error=None if i != 6 else "HTTP 503: busy",
+        )
+        for i in range(n)
+    ]
+
+
+def test_markdown_points_table_marks_the_rule_and_goodput() -> None:
+    short = report.run_summary(
+        records(20, spacing_s=1.0, latency_s=0.5),
+        BEFORE,
+        AFTER,
+        load="4 users",
+        users=4,
+        slos_ms=[1000, 5000],
+        cpu={"generator": 0.1, "service": 1.5},
+        locust_csv=STATS_CSV,
     )
-    assert run["images_per_s"] == 25 / 20
-    text = report.markdown({"scenario": "random", "runs": [run], "machine": {"cpus": "2"}})
-    assert "| 4 | 15 | 1 | 0.75 | 1.25 | 200 | 600 | 900 | 0.25 | 23 | 12 | 1.92 |" in text
-    assert "| 4 | 3 | 5 | 400 | 800 | 900 |" in text
+    long = report.run_summary(
+        records(1200, spacing_s=0.06, latency_s=0.5),
+        BEFORE,
+        AFTER,
+        load="8 users",
+        users=8,
+        slos_ms=[1000, 5000],
+    )
+    stats = {
+        "scenario": "random",
+        "runs": [short, long],
+        "machine": {"cpus": "2"},
+        "slo_metric": "e2el",
+        "slos_ms": [1000, 5000],
+    }
+    text = report.markdown(stats)
+    head = next(line for line in text.splitlines() if line.startswith("| load |"))
+    assert "goodput req/s (share), e2el <= 1 s" in head and "e2el <= 5 s" in head
+    assert "publishing rule" in head
+    # 20 requests from 1000 s to 1021 s (the last one slow): 19 succeeded, 17 within 1 s (two
+    # slow), all 19 within 5 s; p90 of 17 x 500 ms and 2 x 2000 ms interpolates to 800 ms
+    assert (
+        "| 4 users | 20 | 1 | 21 | 0.90 | 1.90 | 500 | 800 | 2000 | 0.81 (85%) | 0.90 (95%) "
+        "| **below**: 21 s < 60 s; 20 < 1000 requests | 0.25 | 23 | 12 | 1.92 |" in text
+    )
+    row = next(line for line in text.splitlines() if line.startswith("| 8 users |"))
+    assert "| met |" in row
+    assert "**1 of 2 points are below it** (4 users)" in text
+    assert "| 4 users | 2 | 20 | 1 | 500 | 800 | 2000 |" in text  # by images per request
     assert "224x224: 4, 448x448: 8" in text
     assert "<=1: 4, <=2: 8" in text
-    assert "| 4 | 0.10 | 1.50 |" in text
+    assert "| 4 users | 0.10 | 1.50 |" in text
+    assert "- 4 users: 1 x `HTTP 503: busy`" in text
+    assert "locust counted" not in text  # it counted fewer (the CSV is written at the stop)
+    lost = report.markdown({**stats, "runs": [{**short, "locust_requests": 25}]})
+    assert "4 users: locust counted 25 requests, the records only 20." in lost
     assert "- cpus: 2" in text
+
+
+def test_every_point_meeting_the_rule_says_so() -> None:
+    run = report.run_summary(
+        records(1000, spacing_s=0.07, latency_s=0.2), "", "", load="1 users", slos_ms=[300, 900]
+    )
+    text = report.markdown({"scenario": "agent", "runs": [run], "slos_ms": [300, 900]})
+    assert "Every point meets it." in text and "below" not in text
+
+
+def test_chat_and_open_loop_tables() -> None:
+    chat = [
+        Record(start=i, latency_s=2.0, ok=True, k=1 + i % 3, ttft_s=0.5 + i / 100, name="c")
+        for i in range(30)
+    ]
+    run = report.run_summary(chat, "", "", load="2 users", slos_ms=[600, 2000], metric="ttft")
+    assert run["goodput"][0]["good"] == 11  # TTFT 0.50 .. 0.60 s
+    text = report.markdown(
+        {"scenario": "chat", "runs": [run], "slo_metric": "ttft", "slos_ms": [600, 2000]}
+    )
+    assert "ttft <= 600 ms" in text and "(time to first token)" in text
+    assert "| 2 users | 645 | 761 | 787 | 2000 | 2000 |" in text  # TTFT 500 .. 790 ms
+
+    arrivals = records(10, spacing_s=1.0, latency_s=0.5)
+    arrivals.append(Record(start=1011, latency_s=None, ok=False, k=2, error=OVERFLOW))
+    opened = report.run_summary(arrivals, "", "", load="0.5 req/s", rate=0.5, slos_ms=[1000, 5000])
+    opened["open_loop"] = {"max_in_flight": 4, "max_in_flight_seen": 4, "in_flight": [[0, 1]]}
+    text = report.markdown({"scenario": "open", "runs": [opened], "slos_ms": [1000, 5000]})
+    assert "| 0.5 req/s | 11 | 1 | 4 (4) | - | - |" in text
+
+
+def test_plots_are_written(tmp_path: Path) -> None:
+    run = report.run_summary(
+        records(50, spacing_s=0.5, latency_s=0.3),
+        BEFORE,
+        AFTER,
+        load="1 users",
+        users=1,
+        slos_ms=[500, 2000],
+    )
+    run2 = {**run, "load": "2 users", "users": 2}
+    stats = {"scenario": "random", "runs": [run, run2], "slos_ms": [500, 2000]}
+    made = report.plots(stats, tmp_path)
+    assert {
+        "latency_percentiles.png",
+        "goodput.png",
+        "latency_cdf.png",
+        "latency_vs_images.png",
+        "throughput_vs_concurrency.png",
+    } <= set(made)
+    for name in made:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_hit_rate_series_and_empty_metrics() -> None:

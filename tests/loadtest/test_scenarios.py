@@ -7,10 +7,13 @@ import io
 from PIL import Image
 
 from loadtest.harness.scenarios import (
+    CHAT_REPLY,
     AgentConversation,
+    ChatConversation,
     ImagePool,
     RandomMultimodal,
     cache_off,
+    encode_error,
     tag_jpeg,
 )
 
@@ -71,3 +74,34 @@ def test_agent_turns_resend_conversation() -> None:
             assert req.images[:-1] == prev
         assert req.images[-1] not in prev
         prev = req.images
+
+
+def test_chat_turns_resend_the_conversations_images() -> None:
+    conv = ChatConversation(pool(), turns=3, seed=2, model="m", max_tokens=5)
+    prev: list[str] = []
+    for i in range(7):
+        turn = i % 3 + 1
+        assert conv.turn == turn
+        req = conv.next_request()
+        assert (req.turn, req.k) == (turn, turn)
+        body = req.body
+        assert body["model"] == "m" and body["max_tokens"] == 5 and body["stream"] is True
+        users = [m for m in body["messages"] if m["role"] == "user"]
+        replies = [m for m in body["messages"] if m["role"] == "assistant"]
+        assert len(users) == turn and len(replies) == turn - 1
+        assert all(m["content"] == CHAT_REPLY for m in replies)
+        urls = [m["content"][0]["image_url"]["url"] for m in users]
+        assert all(u.startswith("data:image/jpeg;base64,") for u in urls)
+        if turn > 1:
+            assert urls[:-1] == prev  # the earlier images again, byte for byte
+        assert urls[-1] not in prev
+        prev = urls
+    assert "model" not in ChatConversation(pool(), model=None).next_request().body
+
+
+def test_encode_answers_are_checked() -> None:
+    ok = {"items": [{"key": "a"}, {"key": "b"}]}
+    assert encode_error(200, "", ok, 2) is None
+    assert encode_error(200, "", ok, 3) == "2 items for 3 images; errors: []"
+    assert "decode" in (encode_error(200, "", {"items": [{"error": "decode"}]}, 1) or "")
+    assert encode_error(429, "slow down", None, 1) == "HTTP 429: slow down"
