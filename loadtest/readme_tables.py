@@ -264,8 +264,9 @@ def autoscaling(root: Path) -> str:
     sim_text, real_text = page(root, sim), page(root, real)
     return "\n".join(
         [
-            "Simulated, the work policy against the request-count policy (step and sawtooth "
-            "loads of mixed sizes):",
+            "Simulated, the work policy and vitserve's router against the request-count "
+            "policy and Serve's router (step and sawtooth loads of mixed sizes, five runs "
+            "pooled):",
             "",
             *table_after(sim_text, "Requests, each", sim),
             "",

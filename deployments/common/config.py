@@ -117,6 +117,15 @@ class DeploymentConfig(_Strict):
     max_queued_requests: int = Field(256, ge=-1)  # -1: unbounded (not recommended)
 
 
+class EncoderDeploymentConfig(DeploymentConfig):
+    """The encoder deployment's: also how its callers' calls are routed to its replicas.
+    ``work``: vitserve's router (``vitserve.deployments.encoder.routing``: by queued patches,
+    each image key kept on a stable replica while its load allows); ``serve-default``: Serve's
+    power of two choices on ongoing calls."""
+
+    routing: Literal["work", "serve-default"] = "work"
+
+
 class EncoderAccessConfig(DeploymentConfig):
     """How an application that calls the encoder application through the client SDK (the
     prefill application, the vLLM front) reaches it, and its store."""
@@ -319,7 +328,9 @@ class VitserveConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()
     admission: AdmissionConfig = AdmissionConfig()
     single_flight: SingleFlightConfig = SingleFlightConfig()
-    encoder: DeploymentConfig = DeploymentConfig(num_cpus=1.0, max_ongoing_requests=256)
+    encoder: EncoderDeploymentConfig = EncoderDeploymentConfig(
+        num_cpus=1.0, max_ongoing_requests=256
+    )
     preprocess: DeploymentConfig = DeploymentConfig(num_cpus=0.5)
     ingress: DeploymentConfig = DeploymentConfig(num_cpus=0.25, max_ongoing_requests=128)
     prefill: PrefillConfig = PrefillConfig(num_cpus=0.5, max_ongoing_requests=16)

@@ -21,6 +21,9 @@ Invariants:
 
 * ``patches <= capacity.max_patches`` and ``nbytes <= capacity.max_bytes`` after every call;
   a take that would pass either raises and takes nothing.
+* ``by_caller`` splits ``patches`` by the caller each take named (the encoder router's
+  bookkeeping: the work a router sent itself is told from other routers'); its values sum to
+  ``patches`` and a caller with none left is dropped.
 * A :class:`Ticket` gives back exactly what it took, each part once, in any order
   (``release``, ``release_decode``, ``close``); ``close`` gives back what is left.
 * Bookkeeping only: no I/O, no clock, no awaits (one event loop calls it; its turns serialize
@@ -76,21 +79,25 @@ class WorkBudget:
         self.patches = 0
         self.nbytes = 0
         self.refused = 0  # takes refused for want of room now (429)
+        self.by_caller: dict[str, int] = {}  # patches by the caller that sent them
 
-    def take(self, works: Mapping[int, ImageWork], *, decoding: bool) -> Ticket:
-        """Admit ``works`` (one request's images to encode here, by index); ``decoding``: the
-        request decodes them here (their decodings' bytes are taken too). Raises
-        LimitExceededError if they exceed the capacity alone, BackpressureError if they do not
-        fit now; takes nothing then."""
-        self._check(*request_cost(works.values(), decoding=decoding))
+    def take(self, works: Mapping[int, ImageWork], *, decoding: bool, caller: str = "") -> Ticket:
+        """Admit ``works`` (one request's images to encode here, by index) sent by ``caller``;
+        ``decoding``: the request decodes them here (their decodings' bytes are taken too).
+        Raises LimitExceededError if they exceed the capacity alone, BackpressureError if they
+        do not fit now; takes nothing then."""
+        patches, nbytes = request_cost(works.values(), decoding=decoding)
+        self._check(patches, nbytes)
+        if patches:
+            self.by_caller[caller] = self.by_caller.get(caller, 0) + patches
         decode = sum(w.decode_bytes for w in works.values()) if decoding else 0
-        return Ticket(self, works, decode)
+        return Ticket(self, works, decode, caller)
 
     def take_decoding(self, nbytes: int) -> Ticket:
         """Admit one more decoding of ``nbytes`` (an image a request must encode after all,
         whose decoding it did not count); raises as ``take``."""
         self._check(0, nbytes)
-        return Ticket(self, {}, nbytes)
+        return Ticket(self, {}, nbytes, "")
 
     def _check(self, patches: int, nbytes: int) -> None:
         """Take ``patches`` and ``nbytes``, or raise and take nothing."""
@@ -107,32 +114,41 @@ class WorkBudget:
         self.patches += patches
         self.nbytes += nbytes
 
-    def _give_back(self, patches: int, nbytes: int) -> None:
+    def _give_back(self, patches: int, nbytes: int, caller: str) -> None:
         self.patches -= patches
         self.nbytes -= nbytes
         assert self.patches >= 0 and self.nbytes >= 0, "a ticket gave back more than it took"
+        if patches:
+            left = self.by_caller[caller] - patches
+            if left:
+                self.by_caller[caller] = left
+            else:
+                del self.by_caller[caller]
 
 
 class Ticket:
     """What one request took from a :class:`WorkBudget`: per image its patches and prepared
     bytes, and its decoding's bytes."""
 
-    def __init__(self, budget: WorkBudget, works: Mapping[int, ImageWork], decode: int) -> None:
+    def __init__(
+        self, budget: WorkBudget, works: Mapping[int, ImageWork], decode: int, caller: str
+    ) -> None:
         self._budget = budget
         self._works: dict[int, ImageWork] = dict(works)
         self._decode = decode
+        self._caller = caller
 
     def release(self, i: int) -> None:
         """Give back image ``i``'s patches and prepared bytes (once; later calls do nothing)."""
         work = self._works.pop(i, None)
         if work is not None:
-            self._budget._give_back(work.patches, work.prepared_bytes)
+            self._budget._give_back(work.patches, work.prepared_bytes, self._caller)
 
     def release_decode(self) -> None:
         """Give back the decoding's bytes (once)."""
         decode, self._decode = self._decode, 0
         if decode:
-            self._budget._give_back(0, decode)
+            self._budget._give_back(0, decode, self._caller)
 
     def close(self) -> None:
         """Give back whatever is left."""

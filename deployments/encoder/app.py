@@ -14,7 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vitserve.deployments.common.config import VitserveConfig
+from ray.serve.config import RequestRouterConfig
+
+from vitserve.deployments.common.config import EncoderDeploymentConfig, VitserveConfig
 from vitserve.deployments.common.serving import (
     as_deployment,
     check_model,
@@ -24,12 +26,34 @@ from vitserve.deployments.common.serving import (
 from vitserve.deployments.encoder.ingress import Ingress
 from vitserve.deployments.encoder.preprocessing import PreprocessDeployment
 from vitserve.deployments.encoder.replica import EncoderDeployment
+from vitserve.deployments.encoder.request_router import (
+    BACKOFF_S,
+    ROUTER_PATH,
+    STATS_PERIOD_S,
+    STATS_TIMEOUT_S,
+)
 
 
 def build_app(args: Mapping[str, Any]):
     """The application from ``serve run``/YAML-style args (one parameter, as Serve requires):
     config fields, nested ones by dotted names or nested mappings; values may be strings."""
     return build_application(VitserveConfig.load(args))
+
+
+def routing_options(encoder: EncoderDeploymentConfig) -> dict[str, Any]:
+    """The encoder deployment's Serve options for its ``routing``: vitserve's request router
+    with its replicas' routing stats read every ``STATS_PERIOD_S``, or none (Serve's own)."""
+    if encoder.routing == "serve-default":
+        return {}
+    return {
+        "request_router_config": RequestRouterConfig(
+            request_router_class=ROUTER_PATH,
+            request_routing_stats_period_s=STATS_PERIOD_S,
+            request_routing_stats_timeout_s=STATS_TIMEOUT_S,
+            initial_backoff_s=BACKOFF_S[0],
+            max_backoff_s=BACKOFF_S[1],
+        )
+    }
 
 
 def build_application(cfg: VitserveConfig):
@@ -40,7 +64,9 @@ def build_application(cfg: VitserveConfig):
     cfg.log_effective()
     plain = cfg.model_dump()
     encoder = (
-        as_deployment(EncoderDeployment).options(**deployment_options(cfg.encoder)).bind(plain)
+        as_deployment(EncoderDeployment)
+        .options(**deployment_options(cfg.encoder), **routing_options(cfg.encoder))
+        .bind(plain)
     )
     preprocess = None
     if cfg.preprocess_at == "deployment":  # else no preprocess replicas at all

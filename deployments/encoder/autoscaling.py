@@ -4,8 +4,12 @@ A request can cost 100x another (one 224px thumbnail: 256 patches; 32 720p frame
 Serve's default signal, ongoing requests per replica, sizes the encoder pool by the wrong unit.
 Here each encoder replica reports, through Serve's ``record_autoscaling_stats`` hook
 (``EncoderDeployment.record_autoscaling_stats``), its queued and running patches, its patch
-throughput while busy and its busy fraction (the four names below); Serve averages each over
-``look_back_period_s`` and hands them to :func:`work_policy` in ``ctx.aggregated_metrics``.
+throughput while busy, its busy fraction and the mean patches of the calls it admitted (the five
+names below); Serve averages each over ``look_back_period_s`` and hands them to
+:func:`work_policy` in ``ctx.aggregated_metrics``, with the calls waiting in the routers for a
+replica with room (``ctx.total_queued_requests``: the encoder's router holds a backlog in front
+of the pool, :mod:`~vitserve.deployments.encoder.routing`), counted here at the mean patches
+per call.
 
 :func:`decide` is the whole decision, pure and I/O-free; :func:`work_policy` adapts Serve's
 ``AutoscalingContext`` to it. Its parameters travel in the Serve config's
@@ -28,6 +32,7 @@ QUEUED_PATCHES = "queued_patches"  # patches waiting for the device
 RUNNING_PATCHES = "running_patches"  # patches of the device step now running
 PATCHES_PER_S = "patches_per_s"  # patches per busy device-second, recent window (0: none ran)
 BUSY_FRACTION = "busy_fraction"  # share of the recent window the device was busy
+CALL_PATCHES = "call_patches"  # mean patches of the calls admitted in the recent window
 
 #: The window a replica measures its throughput and busy fraction over.
 STATS_WINDOW_S = 10.0
@@ -50,8 +55,9 @@ class WorkParams:
 @dataclass(frozen=True, slots=True)
 class WorkStats:
     """The pool as the autoscaler sees it: ``target`` replicas wanted now (some may still be
-    starting), patches queued + running on all replicas, the mean measured throughput of one
-    busy replica (patches/s; 0 or None: none measured) and the sum of the busy fractions."""
+    starting), patches queued + running on all replicas plus those waiting in the routers, the
+    mean measured throughput of one busy replica (patches/s; 0 or None: none measured) and the
+    sum of the busy fractions."""
 
     target: int
     backlog_patches: float
@@ -64,8 +70,14 @@ def decide(
 ) -> tuple[int, dict[str, Any]]:
     """The replica count to run, and the state to pass to the next call.
 
-    raw = max(ceil(backlog / (throughput x target_queue_delay_s)),
-              ceil(busy / target_utilization)), clamped to [min_replicas, max_replicas].
+    raw = ceil((arrivals / target_utilization + backlog / target_queue_delay_s) / throughput),
+    clamped to [min_replicas, max_replicas]: enough replicas to keep up with the work arriving
+    at the utilization they may run at, and to work off the backlog within the target delay.
+    ``arrivals`` (patches/s) is the work done (busy x throughput) plus the backlog's growth
+    since the previous call (0 at the first; never below 0 in all), so a pool that falls
+    behind a step in load asks for what the new load needs at once, not only for the backlog
+    it has built so far; with the backlog steady it is ceil(busy / target_utilization) (the
+    pool keeping up only because it is large enough is not scaled down into a backlog).
 
     Invariants:
 
@@ -75,48 +87,70 @@ def decide(
     * A change is applied only after it has been wanted continuously for the delay of its
       direction (``upscale_delay_s`` above the target, ``downscale_delay_s`` below); any tick
       that wants the target itself, or the other direction, restarts the wait.
-    * What is applied is the level that persisted through the whole wait (the smallest raw seen
-      while waiting to go up, the largest while waiting to go down): a one-tick spike or dip
-      never moves the pool by more than what was wanted all along.
+    * What is applied is the level every tick of the last delay wanted (the smallest raw of the
+      last ``upscale_delay_s`` going up, the largest of the last ``downscale_delay_s`` going
+      down): a one-tick spike or dip never moves the pool by more than what was wanted for a
+      whole delay. While the want goes on, the pool follows that level tick by tick, without
+      a new wait for each step (a pool behind a step in load reaches its size one delay after
+      the want reached it, not one delay per level on the way).
+    * ``state`` holds the ticks of the last delay at most (a tick every second or so: a few
+      hundred entries for a 60 s downscale delay).
     * Pure: no clock, no I/O; ``state`` is not mutated (a new dict is returned).
     """
     lo, hi = params.min_replicas, max(params.min_replicas, params.max_replicas)
     target = min(max(stats.target, lo), hi)
     tput = stats.patches_per_s if stats.patches_per_s else state.get("patches_per_s")
+    last = state.get("backlog")  # (time, backlog) at the previous call
+    growth = 0.0
+    if last is not None and now > last[0]:
+        growth = (stats.backlog_patches - last[1]) / (now - last[0])
     if tput:
-        by_queue = math.ceil(stats.backlog_patches / (tput * params.target_queue_delay_s))
-        by_busy = math.ceil(stats.busy / params.target_utilization - 1e-9)
-        raw = min(max(by_queue, by_busy, lo), hi)
+        arrivals = max(0.0, stats.busy * tput + growth)
+        need = arrivals / params.target_utilization
+        need += stats.backlog_patches / params.target_queue_delay_s
+        raw = min(max(math.ceil(need / tput - 1e-9), lo), hi)
     else:
         raw = target
-    new: dict[str, Any] = {"patches_per_s": tput}
+    new: dict[str, Any] = {"patches_per_s": tput, "backlog": (now, stats.backlog_patches)}
     direction = (raw > target) - (raw < target)
     if direction == 0:
         return target, new
+    delay = params.upscale_delay_s if direction > 0 else params.downscale_delay_s
     if state.get("direction") == direction and state.get("since") is not None:
         since = state["since"]
-        pick = min if direction > 0 else max
-        level = pick(state.get("level", raw), raw)
+        wanted = [(t, r) for t, r in state.get("wanted", ()) if t >= now - delay - 1e-9]
     else:
-        since, level = now, raw
-    delay = params.upscale_delay_s if direction > 0 else params.downscale_delay_s
-    if now - since + 1e-9 >= delay:
+        since, wanted = now, []
+    wanted.append((now, raw))
+    new |= {"direction": direction, "since": since, "wanted": wanted}
+    if now - since + 1e-9 < delay:
+        return target, new
+    # the level every call of the last delay wanted (it still wants this direction now)
+    level = (min if direction > 0 else max)(r for _, r in wanted)
+    if (level > target) if direction > 0 else (level < target):
         return level, new
-    new |= {"direction": direction, "since": since, "level": level}
     return target, new
 
 
-def stats_from_metrics(target: int, metrics: Mapping[str, Mapping[Any, float]]) -> WorkStats:
-    """:class:`WorkStats` from Serve's aggregated custom metrics (metric -> replica -> value)."""
+def stats_from_metrics(
+    target: int, metrics: Mapping[str, Mapping[Any, float]], waiting_calls: float = 0.0
+) -> WorkStats:
+    """:class:`WorkStats` from Serve's aggregated custom metrics (metric -> replica -> value)
+    and the calls waiting in the routers (``waiting_calls``, counted at the replicas' mean
+    patches per call; none measured: not counted)."""
 
     def total(name: str) -> float:
         return float(sum(metrics.get(name, {}).values()))
 
-    rates = [v for v in metrics.get(PATCHES_PER_S, {}).values() if v > 0]
+    def mean(name: str) -> float | None:
+        values = [v for v in metrics.get(name, {}).values() if v > 0]
+        return sum(values) / len(values) if values else None
+
+    waiting = max(0.0, waiting_calls) * (mean(CALL_PATCHES) or 0.0)
     return WorkStats(
         target=target,
-        backlog_patches=total(QUEUED_PATCHES) + total(RUNNING_PATCHES),
-        patches_per_s=sum(rates) / len(rates) if rates else None,
+        backlog_patches=total(QUEUED_PATCHES) + total(RUNNING_PATCHES) + waiting,
+        patches_per_s=mean(PATCHES_PER_S),
         busy=total(BUSY_FRACTION),
     )
 
@@ -137,6 +171,10 @@ def work_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
     params = params_from(
         kwargs, ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
     )
-    stats = stats_from_metrics(ctx.target_num_replicas, ctx.aggregated_metrics or {})
+    stats = stats_from_metrics(
+        ctx.target_num_replicas,
+        ctx.aggregated_metrics or {},
+        getattr(ctx, "total_queued_requests", None) or 0.0,
+    )
     state = {k: v for k, v in (ctx.policy_state or {}).items() if not k.startswith("__")}
     return decide(stats, state, params, ctx.current_time)

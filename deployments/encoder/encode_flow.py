@@ -52,6 +52,7 @@ from vitserve.cache.codec import Header
 from vitserve.deployments.common import metrics
 from vitserve.deployments.common.config import VitserveConfig
 from vitserve.deployments.encoder.preprocessing import ImagePreparer, prepare_all
+from vitserve.deployments.encoder.routing import THIS_CALLER
 from vitserve.deployments.encoder.single_flight import ClaimState, Role, SingleFlight
 from vitserve.deployments.encoder.wire import (
     EncodeBatch,
@@ -155,16 +156,25 @@ class EncodeFlow:
         self.flights = SingleFlight(hook=metrics.flight_hook("ingress"))
 
     async def encode(
-        self, items: list[bytes | str], keys: list[str], store: EmbeddingStore | None = None
+        self,
+        items: list[bytes | str],
+        keys: list[str],
+        store: EmbeddingStore | None = None,
+        patches: Sequence[int] | None = None,
     ) -> list[EncodedItem | ErrorItem]:
         """``items``: image bytes, or a key the caller believes held; ``keys`` their keys (in
-        ``store``'s namespace; ``store`` None: this flow's store, the config's namespace). Runs
-        as a task of its own: cancelling the caller leaves it to finish (module)."""
-        work = asyncio.create_task(self._encode(items, keys, store))
+        ``store``'s namespace; ``store`` None: this flow's store, the config's namespace);
+        ``patches`` each item's work (the encoder router's hint; None: unknown, 0). Runs as a
+        task of its own: cancelling the caller leaves it to finish (module)."""
+        work = asyncio.create_task(self._encode(items, keys, store, patches))
         return await asyncio.shield(work)
 
     async def _encode(
-        self, items: list[bytes | str], keys: list[str], store: EmbeddingStore | None = None
+        self,
+        items: list[bytes | str],
+        keys: list[str],
+        store: EmbeddingStore | None = None,
+        patches: Sequence[int] | None = None,
     ) -> list[EncodedItem | ErrorItem]:
         store = self.store if store is None else store
         assert store is not None, "a flow without a store of its own is given each request's"
@@ -175,6 +185,7 @@ class EncodeFlow:
         answers = await self._lookup_or_claim(store, distinct, token)
         answer_of = dict(zip(distinct, answers, strict=True))
         data_of = {k: i for k, i in zip(keys, items, strict=True) if isinstance(i, bytes)}
+        patches_of = dict(zip(keys, patches or [0] * len(keys), strict=True))
         index_of: dict[str, int] = {}
         for i, key in enumerate(keys):
             index_of.setdefault(key, i)
@@ -202,6 +213,7 @@ class EncodeFlow:
                 states,
                 data_of,
                 index_of,
+                patches_of,
                 token,
                 store,
                 results,
@@ -217,6 +229,7 @@ class EncodeFlow:
         states: list[ClaimState],
         data_of: dict[str, bytes],
         index_of: dict[str, int],
+        patches_of: dict[str, int],
         token: str,
         store: EmbeddingStore,
         results: dict[str, EncodedItem | ErrorItem],
@@ -243,6 +256,8 @@ class EncodeFlow:
                     token=token,
                     images=[data_of[new[i]] for i in send],
                     namespace=store.namespace,
+                    patches=[patches_of[new[i]] for i in send],
+                    caller=THIS_CALLER,
                 )
                 answers = await self._call_encoder(batch, store)
                 for i, answer in zip(send, answers, strict=True):

@@ -214,15 +214,18 @@ class Ingress:
         try:
             tenant = self.gate.tenant_of_header(request.headers.get("authorization"))
             terms = await self._work_terms()
-            items = await self._read_images(request, terms)
-            response = JSONResponse(await self._encode_answer(items, tenant))
+            items, patches = await self._read_images(request, terms)
+            response = JSONResponse(await self._encode_answer(items, tenant, patches))
         except VitserveError as exc:
             response = error_response(exc)
         metrics.inc("requests_total", route="encode", status=str(response.status_code))
         return response
 
-    async def _read_images(self, request: Request, terms: Terms) -> list[bytes | str]:
-        """The request's items: image bytes or keys; request-level limits checked, the body
+    async def _read_images(
+        self, request: Request, terms: Terms
+    ) -> tuple[list[bytes | str], list[int]]:
+        """The request's items (image bytes or keys) and each one's patches (0 for a key);
+        request-level limits checked, the body
         refused while it is read once it passes ``max_request_bytes`` or takes longer than
         ``body_timeout_s``; the JSON parsed and the limits checked off the event loop."""
         limits = self.cfg.limits
@@ -235,20 +238,17 @@ class Ingress:
         ctype = request.headers.get("content-type", "")
         if ctype.startswith("multipart/form-data"):
             items = await self._form_items(request, body)
-            await self._off_loop(self._check_request, items, terms)
-        elif parse.is_json_type(ctype):
-            items = await self._off_loop(self._json_items, body, terms)
-        else:
-            raise MalformedRequestError(
-                f"unsupported content type {ctype[:80]!r}; use multipart/form-data or JSON", 415
-            )
-        return items
+            return items, await self._off_loop(self._check_request, items, terms)
+        if parse.is_json_type(ctype):
+            return await self._off_loop(self._json_items, body, terms)
+        raise MalformedRequestError(
+            f"unsupported content type {ctype[:80]!r}; use multipart/form-data or JSON", 415
+        )
 
-    def _json_items(self, body: bytearray, terms: Terms) -> list[bytes | str]:
-        """A JSON encode body's items, checked (a worker thread)."""
+    def _json_items(self, body: bytearray, terms: Terms) -> tuple[list[bytes | str], list[int]]:
+        """A JSON encode body's items and their patches, checked (a worker thread)."""
         items = parse.encode_json_bytes(body, self.cfg.limits.max_images_per_request)
-        self._check_request(items, terms)
-        return items
+        return items, self._check_request(items, terms)
 
     async def _form_items(self, request: Request, body: bytes | bytearray) -> list[bytes | str]:
         """The image files of a multipart ``body`` (already read), at most the image limit
@@ -282,13 +282,14 @@ class Ingress:
             raise MalformedRequestError(f"unknown multipart fields: {sorted(unknown)}")
         return items
 
-    def _check_request(self, items: list[bytes | str], terms: Terms) -> None:
+    def _check_request(self, items: list[bytes | str], terms: Terms) -> list[int]:
         """The request-level limits: image count, total bytes, each image's bytes and pixels,
-        and the work of its images against what one encoder replica admits."""
+        and the work of its images against what one encoder replica admits; each item's
+        patches (0 for a key), the encoder router's hint."""
         parse.check_items(items, self.cfg.limits)
-        self._check_images(items, terms)
+        return self._check_images(items, terms)
 
-    def _check_images(self, items: list[bytes | str], terms: Terms) -> None:
+    def _check_images(self, items: list[bytes | str], terms: Terms) -> list[int]:
         """Byte and pixel limits of each image, and the request's work (patches, and bytes:
         prepared arrays plus its decodings) against one encoder replica's capacity, all from
         the images' headers (no decode), as the encoder's admission counts them: a request no
@@ -297,14 +298,17 @@ class Ingress:
             max_image_bytes=self.cfg.limits.max_image_bytes,
             max_image_pixels=self.cfg.limits.max_image_pixels,
         )
-        works = [
-            image_work(terms.rule, item, i, limits)
+        works = {
+            i: image_work(terms.rule, item, i, limits)
             for i, item in enumerate(items)
             if isinstance(item, bytes)
-        ]
-        check_fits(terms.capacity, *request_cost(works, decoding=True))
+        }
+        check_fits(terms.capacity, *request_cost(works.values(), decoding=True))
+        return [works[i].patches if i in works else 0 for i in range(len(items))]
 
-    async def _encode_answer(self, items: list[bytes | str], tenant: Tenant) -> dict[str, Any]:
+    async def _encode_answer(
+        self, items: list[bytes | str], tenant: Tenant, patches: list[int]
+    ) -> dict[str, Any]:
         model = await self._describe()
 
         def keys() -> list[str]:  # hashing up to max_request_bytes: off the loop
@@ -314,7 +318,8 @@ class Ingress:
             ]
 
         store = self._store_for(tenant)
-        return {"items": await self.flow.encode(items, await self._off_loop(keys), store)}
+        keyed = await self._off_loop(keys)
+        return {"items": await self.flow.encode(items, keyed, store, patches)}
 
     # -- probe and fetch -------------------------------------------------------------------------
     @api.post(
@@ -469,8 +474,8 @@ class Ingress:
 
     async def _encode_payload(self, payload: Any, tenant: Tenant) -> dict[str, Any]:
         images = parse.encode_payload(payload, self.cfg.limits.max_images_per_request)
-        await self._off_loop(self._check_request, images, await self._work_terms())
-        return await self._encode_answer(images, tenant)
+        patches = await self._off_loop(self._check_request, images, await self._work_terms())
+        return await self._encode_answer(images, tenant, patches)
 
     @api.post(
         "/v1/rows",

@@ -50,7 +50,7 @@ from vitserve.cache.codec import EmbeddingRecord, encode_record, read_header
 from vitserve.cache.views import StoreViews
 from vitserve.deployments.common import metrics
 from vitserve.deployments.common.config import VitserveConfig
-from vitserve.deployments.encoder import autoscaling
+from vitserve.deployments.encoder import autoscaling, routing
 from vitserve.deployments.encoder.admission import Ticket, WorkBudget, image_work
 from vitserve.deployments.encoder.device_queue import DeviceQueue, Work
 from vitserve.deployments.encoder.preprocessing import make_preprocessor, prepare_all
@@ -173,6 +173,7 @@ class EncoderDeployment:
         # recent steps as (end, device seconds, patches), appended on the event loop only.
         self._running_patches, self._running_since = 0, 0.0
         self._steps: deque[tuple[float, float, int]] = deque(maxlen=4096)
+        self._calls: deque[tuple[float, int]] = deque(maxlen=4096)  # (admitted, patches)
 
     # -- queries -----------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -215,12 +216,16 @@ class EncoderDeployment:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's hook (called every few hundred ms; its values reach the autoscaling policy
         as custom metrics): patches queued and running, and over the last
-        ``STATS_WINDOW_S`` the patches per busy device-second (0 when nothing ran) and the
-        busy fraction. See vitserve.deployments.encoder.autoscaling. Runs on the event loop, like
+        ``STATS_WINDOW_S`` the patches per busy device-second (0 when nothing ran), the busy
+        fraction and the mean patches of the calls admitted (0: none). See
+        vitserve.deployments.encoder.autoscaling. Runs on the event loop, like
         the queue's updates, so it reads them without locks."""
         now = time.perf_counter()
         while self._steps and self._steps[0][0] < now - autoscaling.STATS_WINDOW_S:
             self._steps.popleft()
+        while self._calls and self._calls[0][0] < now - autoscaling.STATS_WINDOW_S:
+            self._calls.popleft()
+        calls = sum(p for _, p in self._calls) / len(self._calls) if self._calls else 0.0
         done = sum(p for _, _, p in self._steps)
         rate_busy = sum(s for _, s, _ in self._steps)  # the finished steps' device time
         busy = rate_busy + (now - self._running_since if self._running_patches else 0.0)
@@ -229,6 +234,20 @@ class EncoderDeployment:
             autoscaling.RUNNING_PATCHES: float(self._running_patches),
             autoscaling.PATCHES_PER_S: done / rate_busy if rate_busy > 0 else 0.0,
             autoscaling.BUSY_FRACTION: min(1.0, busy / autoscaling.STATS_WINDOW_S),
+            autoscaling.CALL_PATCHES: calls,
+        }
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's hook (every ``request_router.STATS_PERIOD_S``; the values reach the encoder's
+        request router, :mod:`~vitserve.deployments.encoder.routing`): the patches admitted here
+        and not yet done, in all and by caller, and the room the router fills this replica to:
+        half the patches admission allows (two full forwards by default: one running, one
+        ready), so the rest of a backlog waits in the router for whichever replica frees first.
+        Runs on the event loop, like admission, so it reads the budget without locks."""
+        return {
+            routing.ADMITTED_PATCHES: self.budget.patches,
+            routing.BY_CALLER: dict(self.budget.by_caller),
+            routing.ROOM_PATCHES: max(1, self.budget.capacity.max_patches // 2),
         }
 
     # -- encoding ------------------------------------------------------------------------------
@@ -252,7 +271,8 @@ class EncoderDeployment:
         # the cost of each image this request may encode here (a joined one costs nothing)
         works = self._works(batch, prepared, [i for i, r in enumerate(roles) if r is not Role.JOIN])
         try:
-            ticket = self.budget.take(works, decoding=prepared is None)
+            ticket = self.budget.take(works, decoding=prepared is None, caller=batch.caller)
+            self._calls.append((time.perf_counter(), sum(w.patches for w in works.values())))
         except VitserveError as exc:
             metrics.inc("admission_refused_total", limit=type(exc).__name__)
             raise

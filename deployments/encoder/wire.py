@@ -10,7 +10,8 @@ another's (``tests/test_layering.py``).
 Invariants:
 
 * One call per request: an :class:`EncodeBatch` holds all of a request's images that the
-  ingress found missing, in request order, its lists of one length.
+  ingress found missing, in request order, its lists of one length (``patches`` may be empty:
+  no route hint).
 * One answer item per image, in the batch's order: an :class:`EncodedItem` (what the API
   answers for a stored embedding, read from the record header the replica published) or an
   :class:`ErrorItem` (that image's error; a bad image fails alone). Items are plain dicts on
@@ -21,7 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # typing's NotRequired is Python 3.11's and TypeIs 3.13's; vitserve runs on 3.10 (pydantic, a
@@ -29,6 +30,7 @@ from typing import Any
 from typing_extensions import NotRequired, TypedDict, TypeIs
 
 from vitserve.cache.codec import Header
+from vitserve.deployments.encoder.routing import RouteHint
 from vitserve.deployments.encoder.single_flight import ClaimState
 from vitserve.errors import VitserveError
 
@@ -37,8 +39,10 @@ from vitserve.errors import VitserveError
 class EncodeBatch:
     """One request's images for the encoder: keys, positions in the request (for errors), each
     image's claim state and the token the won claims are held under, the image bytes when
-    the encoder preprocesses them (``None`` when ``prepared`` comes with the call), and the
-    namespace the keys are in (the request's tenant; ``None``: the config's namespace)."""
+    the encoder preprocesses them (``None`` when ``prepared`` comes with the call), the
+    namespace the keys are in (the request's tenant; ``None``: the config's namespace), and
+    each image's patches as the ingress read them from its header (the encoder router's hint;
+    the replica's admission reads the headers itself)."""
 
     keys: list[str]
     indices: list[int]
@@ -46,6 +50,14 @@ class EncodeBatch:
     token: str
     images: list[bytes] | None = None
     namespace: str | None = None
+    patches: list[int] = field(default_factory=list)
+    caller: str = ""  # the calling process's name (``routing.THIS_CALLER``): its router's work
+
+    def route_hint(self) -> RouteHint:
+        """What the encoder's request router reads: the keys and their patches (an unknown
+        image's patches count 0)."""
+        patches = self.patches if len(self.patches) == len(self.keys) else [0] * len(self.keys)
+        return RouteHint(tuple(self.keys), tuple(patches))
 
 
 class EncodedItem(TypedDict):

@@ -76,7 +76,8 @@ def test_the_budget_never_passes_its_capacity_and_gives_back_what_it_took(ops) -
         if op == "take":
             works = {i: w(patches // (i + 1), prepared // (i + 1), decode) for i in range(n)}
             with contextlib.suppress(BackpressureError, LimitExceededError):
-                tickets.append(budget.take(works, decoding=bool(decode % 2)))
+                caller = f"ingress-{n % 2}"
+                tickets.append(budget.take(works, decoding=bool(decode % 2), caller=caller))
         elif tickets and op == "decode":
             tickets[n % len(tickets)].release_decode()
         elif tickets and op == "release":
@@ -87,9 +88,23 @@ def test_the_budget_never_passes_its_capacity_and_gives_back_what_it_took(ops) -
         held = [t.held for t in tickets]
         assert budget.patches == sum(p for p, _ in held)
         assert budget.nbytes == sum(b for _, b in held)
+        assert sum(budget.by_caller.values()) == budget.patches  # split by caller, exactly
+        assert all(v > 0 for v in budget.by_caller.values())
     for t in tickets:
         t.close()
-    assert (budget.patches, budget.nbytes) == (0, 0)
+    assert (budget.patches, budget.nbytes, budget.by_caller) == (0, 0, {})
+
+
+def test_admitted_patches_are_split_by_the_caller_that_sent_them() -> None:
+    budget = WorkBudget(CAP)
+    a = budget.take({0: w(300, 10), 1: w(100, 10)}, decoding=False, caller="ingress-1")
+    b = budget.take({0: w(50, 10)}, decoding=False, caller="ingress-2")
+    assert budget.by_caller == {"ingress-1": 400, "ingress-2": 50}
+    a.release(0)
+    assert budget.by_caller == {"ingress-1": 100, "ingress-2": 50}
+    b.close()
+    a.close()
+    assert budget.by_caller == {}
 
 
 def test_queued_images_run_when_their_caller_goes_away() -> None:

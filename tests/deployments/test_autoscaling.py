@@ -53,6 +53,37 @@ def test_a_dip_restarts_the_upscale_wait_and_the_persistent_level_is_applied():
     assert run(ticks) == [1, 1, 1, 1, 1, 1, 1, 1, 3]
 
 
+def test_a_step_in_arrivals_asks_for_what_the_new_load_needs_not_only_its_backlog():
+    # 1 replica (1000 patches/s, busy) and the backlog growing 2000 patches/s: 3000/s arrive.
+    # By the backlog alone (2000, 4000, ... at a 2 s target) it would ask for 1, 2, 3, ...;
+    # by arrivals it asks for ceil((3000 / 0.9 + backlog / 2) / 1000) from the second tick.
+    ticks = [(float(t), WorkStats(1, 2000.0 * t, P, busy=1.0)) for t in range(8)]
+    # with the upscale delay: at t=5 the level wanted all along (2 at t=0, when no growth was
+    # known yet), then at once the level of the last 5 s (5 and more, clamped to 4), with no
+    # second wait
+    assert run(ticks, params=PARAMS) == [1, 1, 1, 1, 1, 2, 4, 4]
+    params = WorkParams(upscale_delay_s=0, max_replicas=16)
+    wanted = [
+        decide(stats, {"backlog": (now - 1, stats.backlog_patches - 2000)}, params, now)[0]
+        for now, stats in ticks[1:]
+    ]
+    assert wanted == [5, 6, 7, 8, 9, 10, 11]
+    # a steady backlog of a pool that keeps up: the busy replicas only
+    assert decide(WorkStats(3, 500, P, busy=2.4), {"backlog": (0.0, 500)}, params, 1.0)[0] == 3
+
+
+def test_a_one_tick_spike_in_a_long_want_moves_the_pool_by_the_level_wanted_throughout():
+    # wanted: 2 for a long time, one tick of 4 at t=7, then 2 again: never more than 2
+    params = WorkParams(upscale_delay_s=5.0, max_replicas=8)
+    backlog = [4000] * 7 + [8000] + [4000] * 6
+    ticks = [(float(t), WorkStats(1, b, P)) for t, b in enumerate(backlog)]
+    out, state, target = [], {"backlog": (-1.0, 4000.0)}, 1
+    for now, stats in ticks:
+        target, state = decide(WorkStats(target, stats.backlog_patches, P), state, params, now)
+        out.append(target)
+    assert max(out) == 2 and out[5] == 2
+
+
 def test_scales_down_only_after_the_downscale_delay():
     ticks = [(float(t), WorkStats(3, 0, P)) for t in range(0, 61, 10)]
     assert run(ticks) == [3, 3, 3, 3, 3, 3, 1]
@@ -84,7 +115,7 @@ def test_zero_throughput_holds_then_uses_the_remembered_rate():
     assert replicas == 2  # nothing measured yet: no guess
     replicas, state = decide(WorkStats(2, 10**6, 0.0), state, params, 1.0)
     assert replicas == 2
-    _, state = decide(WorkStats(2, 0, P), state, params, 2.0)  # measured once ...
+    _, state = decide(WorkStats(2, 6000, P), state, params, 2.0)  # measured once ...
     replicas, state = decide(WorkStats(1, 6000, None), state, params, 3.0)  # ... then idle
     assert replicas == 3 and state["patches_per_s"] == P
 
@@ -101,9 +132,13 @@ def test_work_policy_adapts_serve_context():
         "running_patches": {"r1": 1000.0},
         "patches_per_s": {"r1": P, "r2": 0.0},
         "busy_fraction": {"r1": 1.0, "r2": 0.0},
+        "call_patches": {"r1": 500.0, "r2": 0.0},
     }
     stats = stats_from_metrics(2, metrics)
     assert stats == WorkStats(2, 6000.0, P, 1.0)
+    # 4 calls waiting in the routers, at the mean patches of a call (500): 2000 more
+    assert stats_from_metrics(2, metrics, 4.0) == WorkStats(2, 8000.0, P, 1.0)
+    assert stats_from_metrics(2, {**metrics, "call_patches": {}}, 4.0).backlog_patches == 6000
     ctx = SimpleNamespace(
         config=SimpleNamespace(
             policy=SimpleNamespace(
@@ -118,11 +153,14 @@ def test_work_policy_adapts_serve_context():
         capacity_adjusted_max_replicas=10,
         target_num_replicas=2,
         aggregated_metrics=metrics,
+        total_queued_requests=4.0,
         policy_state={"__decision_counters": 0},
         current_time=100.0,
     )
     replicas, _ = work_policy(ctx)
-    assert replicas == 6
+    # arrivals 1000/s (busy x throughput) at 0.9 utilization, and 8000 patches of backlog to
+    # work off within 1 s: ceil((1111 + 8000) / 1000)
+    assert replicas == 10
 
 
 # -- config ---------------------------------------------------------------------------------
@@ -182,14 +220,16 @@ def sim():
 
 
 @pytest.mark.slow
-def test_simulation_work_policy_sizes_by_patches(sim):
-    results = sim.run_all()
+def test_simulation_work_policy_and_router_hold_the_target_and_beat_serves(sim):
+    """The must-show of the routing issue, on the published page's runs (5 seeds pooled)."""
+    results = sim.run_all(configs=(sim.OURS, sim.THEIRS))
     for load in sim.LOADS:
-        work, req = results[load, "work"][1], results[load, "requests"][1]
-        # after the first reaction the work policy keeps new images near the target ...
-        assert work["settled_peak_delay_s"] < 4 * sim.TARGET_QUEUE_DELAY_S, (load, work)
-        # ... while counting requests mis-sizes the pool (too few, then a backlog) ...
-        assert req["settled_peak_delay_s"] > 1.5 * work["settled_peak_delay_s"], (load, req)
-        # ... and pays more replica-seconds for it; both scale back down
-        assert work["replica_seconds"] < req["replica_seconds"]
-        assert work["final_replicas"] == sim.MIN_REPLICAS
+        ours, theirs = results[(load, *sim.OURS)].pooled, results[(load, *sim.THEIRS)].pooled
+        # after the first reaction, vitserve's policy and router keep the target ...
+        assert ours["settled_peak_delay_s"] <= 1.5 * sim.TARGET_QUEUE_DELAY_S, (load, ours)
+        # ... over the whole load, transient included, they are no worse than Serve's ...
+        assert ours["peak_delay_s"] <= theirs["peak_delay_s"], (load, ours, theirs)
+        assert ours["p95_delay_s"] <= theirs["p95_delay_s"], (load, ours, theirs)
+        # ... for fewer replica-seconds, and the pool scales back down
+        assert ours["replica_seconds"] < theirs["replica_seconds"], (load, ours, theirs)
+        assert ours["final_replicas"] == sim.MIN_REPLICAS

@@ -1,0 +1,260 @@
+"""The encoder router's policy (vitserve.deployments.encoder.routing), as plain bookkeeping."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vitserve.deployments.encoder.request_router import hint_of
+from vitserve.deployments.encoder.routing import (
+    ADMITTED_PATCHES,
+    BY_CALLER,
+    ROOM_PATCHES,
+    RouteHint,
+    WorkRouting,
+    rendezvous_rank,
+)
+from vitserve.deployments.encoder.single_flight import ClaimState
+from vitserve.deployments.encoder.wire import EncodeBatch
+
+REPLICAS = ["r-a", "r-b", "r-c"]
+THUMB, LARGE = 256, 16_384
+
+
+def owner_of(key: str, replicas: list[str]) -> str:
+    return max(replicas, key=lambda r: rendezvous_rank(key, r))
+
+
+def hint(*keys: str, patches: int = THUMB) -> RouteHint:
+    return RouteHint(keys, (patches,) * len(keys))
+
+
+def test_idle_replicas_send_a_key_to_its_owner_every_time() -> None:
+    routing = WorkRouting()
+    for i in range(50):
+        key = f"k{i}"
+        assert routing.choose(hint(key), REPLICAS)[0] == owner_of(key, REPLICAS)
+        assert routing.choose(hint(key), REPLICAS)[0] == owner_of(key, REPLICAS)
+
+
+def test_keys_spread_over_the_replicas() -> None:
+    routing = WorkRouting()
+    firsts = [routing.choose(hint(f"key-{i}"), REPLICAS)[0] for i in range(300)]
+    assert {r: firsts.count(r) for r in REPLICAS} == pytest.approx(
+        {r: 100 for r in REPLICAS}, abs=30
+    )
+
+
+def test_a_key_keeps_its_owner_when_another_replica_leaves() -> None:
+    routing = WorkRouting()
+    moved = 0
+    for i in range(200):
+        key = f"key-{i}"
+        before = routing.choose(hint(key), REPLICAS)[0]
+        gone = next(r for r in REPLICAS if r != before)
+        after = routing.choose(hint(key), [r for r in REPLICAS if r != gone])[0]
+        moved += after != before
+    assert moved == 0
+
+
+def test_a_thumbnail_does_not_queue_behind_a_large_image_on_its_owner() -> None:
+    routing = WorkRouting()
+    key = "thumb"
+    owner = owner_of(key, REPLICAS[:2])
+    other = next(r for r in REPLICAS[:2] if r != owner)
+    routing.routed("big", owner, LARGE, now=0.0)
+    assert routing.choose(hint(key), REPLICAS[:2]) == [other, owner]
+    routing.completed("big", owner)  # the large image is done: the key goes home again
+    assert routing.choose(hint(key), REPLICAS[:2])[0] == owner
+
+
+def test_the_owner_keeps_its_key_within_the_bound() -> None:
+    routing = WorkRouting(balance=1.25)
+    key = "k"
+    owner = owner_of(key, REPLICAS[:2])
+    other = next(r for r in REPLICAS[:2] if r != owner)
+    routing.routed("c1", owner, 1000, now=0.0)
+    routing.routed("c2", other, 900, now=0.0)
+    # 1000 <= 1.25 * (1900 + 256) / 2 = 1347.5: within the bound
+    assert routing.choose(hint(key), REPLICAS[:2])[0] == owner
+    routing.routed("c3", owner, 400, now=0.0)
+    # 1400 <= 1.25 * (2300 + 256) / 2 = 1597.5: still the owner's
+    assert routing.choose(hint(key), REPLICAS[:2])[0] == owner
+    routing.routed("c4", owner, 1000, now=0.0)
+    # 2400 > 1.25 * (3300 + 256) / 2 = 2222.5: past the bound, the least loaded
+    assert routing.choose(hint(key), REPLICAS[:2]) == [other, owner]
+
+
+def test_a_call_without_keys_goes_to_the_least_loaded() -> None:
+    routing = WorkRouting()
+    routing.routed("c1", "r-a", 500, now=0.0)
+    routing.routed("c2", "r-b", 100, now=0.0)
+    assert routing.choose(RouteHint(), REPLICAS) == ["r-c", "r-b", "r-a"]
+
+
+def test_calls_without_keys_spread_over_idle_replicas_by_their_tie() -> None:
+    routing = WorkRouting()
+    firsts = {routing.choose(RouteHint(), REPLICAS, tie=f"call-{i}")[0] for i in range(30)}
+    assert firsts == set(REPLICAS)
+    assert routing.choose(RouteHint(), REPLICAS, tie="x") == routing.choose(
+        RouteHint(), REPLICAS, tie="x"
+    )
+
+
+def test_the_call_goes_to_the_owner_of_most_of_its_work() -> None:
+    routing = WorkRouting()
+    keys = [f"key-{i}" for i in range(40)]
+    small = next(k for k in keys if owner_of(k, REPLICAS) == "r-a")
+    large = next(k for k in keys if owner_of(k, REPLICAS) == "r-b")
+    call = RouteHint((small, large), (THUMB, LARGE))
+    assert routing.choose(call, REPLICAS)[0] == "r-b"
+    call = RouteHint((small, large), (LARGE, THUMB))
+    assert routing.choose(call, REPLICAS)[0] == "r-a"
+
+
+def test_accounting_counts_a_call_until_it_completes_once() -> None:
+    routing = WorkRouting()
+    routing.routed("c1", "r-a", 300, now=0.0)
+    routing.routed("c2", "r-a", 200, now=0.0)
+    assert routing.load("r-a") == 500
+    routing.completed("c1", "r-a")
+    routing.completed("c1", "r-a")  # twice: counted once
+    routing.completed("unknown", "r-a")
+    assert routing.load("r-a") == 200
+    routing.routed("c2", "r-a", 200, now=1.0)  # routed again: replaces, not adds
+    assert routing.load("r-a") == 200
+    routing.completed("c2", "r-a")
+    assert routing.load("r-a") == 0
+
+
+def test_a_retried_call_counts_where_it_went_last_until_each_attempt_completes() -> None:
+    routing = WorkRouting()
+    routing.routed("c1", "r-a", 300, now=0.0)
+    routing.routed("c1", "r-b", 300, now=0.1)  # the first attempt was refused, retried
+    assert (routing.load("r-a"), routing.load("r-b")) == (300, 300)
+    routing.completed("c1", "r-a")  # the refused attempt's completion
+    assert (routing.load("r-a"), routing.load("r-b")) == (0, 300)
+
+
+def test_reported_load_adds_other_routers_calls_to_this_ones() -> None:
+    routing = WorkRouting(me="ingress-1")
+    routing.routed("c1", "r-a", 100, now=0.0)
+    routing.reported(
+        {
+            # r-a holds 100 of ours (known at once: not counted twice) and 50 of another's
+            "r-a": {ADMITTED_PATCHES: 150, BY_CALLER: {"ingress-1": 100, "ingress-2": 50}},
+            "r-b": {ADMITTED_PATCHES: 900, BY_CALLER: {"ingress-2": 900}},
+            "r-c": {},
+        }
+    )
+    assert [routing.load(r) for r in REPLICAS] == [150, 900, 0]
+    assert routing.choose(RouteHint(), REPLICAS) == ["r-c", "r-a", "r-b"]
+    routing.completed("c1", "r-a")  # ours completed: gone at once, before the next report
+    assert routing.load("r-a") == 50
+    routing.reported({})  # a new report replaces the last
+    assert routing.load("r-b") == 0
+
+
+def test_a_replica_past_its_room_takes_no_call_and_none_with_room_means_wait() -> None:
+    routing = WorkRouting()
+    routing.reported({r: {ROOM_PATCHES: 1000} for r in REPLICAS[:2]})
+    routing.routed("big", "r-a", 5000, now=0.0)  # a call larger than the room still went
+    assert routing.choose(hint("k"), REPLICAS[:2]) == ["r-b"]
+    routing.routed("c2", "r-b", 999, now=0.0)
+    assert routing.choose(hint("k"), REPLICAS[:2]) == ["r-b"]  # 999 < 1000: room left
+    routing.routed("c3", "r-b", 1, now=0.0)
+    assert routing.choose(hint("k"), REPLICAS[:2]) == []  # the call waits in the router
+    assert routing.choose(hint("k"), REPLICAS) == ["r-c"]  # a replica with no report has room
+    routing.completed("big", "r-a")
+    assert routing.choose(hint("k"), REPLICAS[:2]) == ["r-a"]
+
+
+def test_the_owner_without_room_gives_way() -> None:
+    routing = WorkRouting()
+    key = "k"
+    owner = owner_of(key, REPLICAS[:2])
+    other = next(r for r in REPLICAS[:2] if r != owner)
+    routing.reported({owner: {ROOM_PATCHES: 100}})
+    routing.routed("c1", owner, 100, now=0.0)
+    routing.routed("c2", other, 150, now=0.0)  # within the bound, but the owner is full
+    assert routing.choose(hint(key), REPLICAS[:2]) == [other]
+
+
+def test_calls_never_completed_are_forgotten() -> None:
+    routing = WorkRouting(forget_after_s=10.0)
+    routing.routed("old", "r-a", 300, now=0.0)
+    routing.routed("new", "r-a", 100, now=5.0)
+    assert routing.forget_stale(now=12.0) == 1
+    assert routing.load("r-a") == 100
+
+
+def test_bad_settings_and_hints_are_refused() -> None:
+    with pytest.raises(ValueError, match="balance"):
+        WorkRouting(balance=0.9)
+    with pytest.raises(ValueError, match="forget_after_s"):
+        WorkRouting(forget_after_s=0)
+    with pytest.raises(ValueError, match="one patch count per key"):
+        RouteHint(("a", "b"), (1,))
+    with pytest.raises(ValueError, match="not negative"):
+        RouteHint(("a",), (-1,))
+
+
+def test_an_encode_batch_carries_its_hint_to_the_router() -> None:
+    batch = EncodeBatch(
+        keys=["a", "b"], indices=[0, 1], claims=[ClaimState.WON] * 2, token="t", patches=[5, 7]
+    )
+    pending = SimpleNamespace(args=[batch, None], kwargs={})
+    assert hint_of(pending) == RouteHint(("a", "b"), (5, 7))  # type: ignore[arg-type]
+    batch.patches = []  # an older caller: keys without work
+    assert hint_of(pending) == RouteHint(("a", "b"), (0, 0))  # type: ignore[arg-type]
+    assert hint_of(SimpleNamespace(args=[], kwargs={})) == RouteHint()  # type: ignore[arg-type]
+    assert hint_of(None) == RouteHint()
+
+
+loads = st.dictionaries(st.sampled_from(REPLICAS), st.integers(0, 100_000), max_size=3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    loads=loads,
+    reported=loads,
+    rooms=st.dictionaries(st.sampled_from(REPLICAS), st.integers(1, 100_000), max_size=3),
+    keys=st.lists(st.text(min_size=1, max_size=8), max_size=4),
+    patches=st.integers(0, 20_000),
+    n=st.integers(1, 3),
+)
+def test_the_choice_is_a_preference_order_that_keeps_the_rule(
+    loads: dict[str, int],
+    reported: dict[str, int],
+    rooms: dict[str, int],
+    keys: list[str],
+    patches: int,
+    n: int,
+) -> None:
+    routing = WorkRouting()
+    for replica, work in loads.items():
+        routing.routed(f"call-{replica}", replica, work, now=0.0)
+    routing.reported(
+        {r: {ADMITTED_PATCHES: reported.get(r, 0), ROOM_PATCHES: rooms.get(r)} for r in REPLICAS}
+    )
+    candidates = REPLICAS[:n]
+    call = RouteHint(tuple(keys), (patches,) * len(keys))
+    order = routing.choose(call, candidates)
+    roomy = [r for r in candidates if r not in rooms or routing.load(r) < rooms[r]]
+    assert sorted(order) == sorted(roomy)
+    if not order:
+        return
+    first = order[0]
+    least = min(routing.load(r) for r in roomy)
+    total = sum(routing.load(r) for r in candidates) + call.work
+    owner = routing.owner(call, candidates)
+    # the first is the least loaded with room, or the owner within the bound
+    assert routing.load(first) == least or (
+        first == owner and routing.load(first) <= routing.balance * total / n
+    )
+    assert [routing.load(r) for r in order if r != owner] == sorted(
+        routing.load(r) for r in order if r != owner
+    )
