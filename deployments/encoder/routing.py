@@ -32,15 +32,17 @@ Invariants:
 
 * ``choose`` returns each candidate with room exactly once, and no other; a call of any size
   goes to a replica with room (room is judged on the load before the call), so no call waits
-  forever behind its own size.
+  forever behind its own size. A call without keys (no work: a control call) gets every
+  candidate, never waits, and is spread by its ``tie``, not by load: a replica's stale report
+  never keeps it from another.
 * Bookkeeping only: no I/O, no clock of its own (times are passed in), no Ray. The Serve
   adapter (:mod:`~vitserve.deployments.encoder.request_router`) feeds it.
 * A call counts on one replica from ``routed`` until ``completed`` (each once, any order of
   different calls); a call never completed stops counting after ``forget_after_s`` (a caller
   that went away before its call was sent), so nothing grows without bound.
-* Ties (equal load) go to the higher rendezvous rank of the call's first key (of a call without
-  keys, of its ``tie``), so the choice is a function of the keys, the loads and the replica
-  set, never of arrival order or chance.
+* Ties (equal load) go to the higher rendezvous rank of the call's first key, so the choice is
+  a function of the keys, the loads and the replica set (and of a control call's ``tie``),
+  never of arrival order or chance.
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ class WorkRouting:
         """``call`` (an id unique per call) was sent to ``replica``; it counts there until
         :meth:`completed`. Routing the same call to the same replica again replaces it."""
         self.completed(call, replica)
+        if work <= 0:  # nothing to count (a control call)
+            return
         self._routed[call, replica] = _Routed(replica, work, now)
         self._local[replica] = self._local.get(replica, 0) + work
 
@@ -130,9 +134,11 @@ class WorkRouting:
         ignored (a call this router did not count)."""
         done = self._routed.pop((call, replica), None)
         if done is not None:
-            self._local[replica] -= done.work
-            if not self._local[replica]:
-                del self._local[replica]
+            left = self._local.get(replica, 0) - done.work
+            if left > 0:
+                self._local[replica] = left
+            else:
+                self._local.pop(replica, None)
 
     def reported(self, stats: Mapping[str, Mapping[str, object]]) -> None:
         """The replicas' latest routing stats, by replica id: the patches other callers' calls
@@ -177,13 +183,16 @@ class WorkRouting:
         return max(owned, key=owned.__getitem__)  # dicts keep insertion order: ties to first
 
     def choose(self, hint: RouteHint, candidates: Sequence[str], tie: str = "") -> list[str]:
-        """The candidates with room, best first; empty: the call waits (see the rule). ``tie``
-        breaks ties of a call without keys (the adapter passes the call's id, so such calls,
-        a replica's counters say, spread over idle replicas)."""
+        """The candidates with room, best first; empty: the call waits (see the rule). A call
+        without keys carries no work (a replica's ``describe`` or ``counters``): it is never
+        held and goes to any replica, in the order of ``tie``'s rendezvous ranks (the adapter
+        passes the call's id, so such calls spread over the replicas whatever their load)."""
+        if not hint.keys:  # a control call (describe, counters): no work, anywhere, spread
+            return sorted(candidates, key=lambda r: (-rendezvous_rank(tie, r), r))
         roomy = [r for r in candidates if self.has_room(r)]
         if not roomy:
             return []
-        tie_key = hint.keys[0] if hint.keys else tie
+        tie_key = hint.keys[0]
         by_load = sorted(roomy, key=lambda r: (self.load(r), -rendezvous_rank(tie_key, r), r))
         owner = self.owner(hint, candidates)
         if owner is None or owner not in roomy:

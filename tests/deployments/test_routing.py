@@ -88,11 +88,16 @@ def test_the_owner_keeps_its_key_within_the_bound() -> None:
     assert routing.choose(hint(key), REPLICAS[:2]) == [other, owner]
 
 
-def test_a_call_without_keys_goes_to_the_least_loaded() -> None:
+def test_a_control_call_goes_anywhere_never_waits_and_spreads_whatever_the_load() -> None:
     routing = WorkRouting()
-    routing.routed("c1", "r-a", 500, now=0.0)
+    routing.reported({r: {ROOM_PATCHES: 100} for r in REPLICAS})
+    routing.routed("c1", "r-a", 500, now=0.0)  # every replica past its room: encodes wait
     routing.routed("c2", "r-b", 100, now=0.0)
-    assert routing.choose(RouteHint(), REPLICAS) == ["r-c", "r-b", "r-a"]
+    routing.routed("c3", "r-c", 100, now=0.0)
+    assert routing.choose(hint("k"), REPLICAS) == []
+    orders = [routing.choose(RouteHint(), REPLICAS, tie=f"call-{i}") for i in range(30)]
+    assert all(sorted(o) == REPLICAS for o in orders)
+    assert {o[0] for o in orders} == set(REPLICAS)  # the most loaded one too
 
 
 def test_calls_without_keys_spread_over_idle_replicas_by_their_tie() -> None:
@@ -130,6 +135,24 @@ def test_accounting_counts_a_call_until_it_completes_once() -> None:
     assert routing.load("r-a") == 0
 
 
+def test_calls_without_work_interleaved_with_encodes_complete_in_any_order() -> None:
+    # Serve's router logged KeyError from completed() when a control call (no work) completed
+    # on a replica whose count an encode's completion had just emptied
+    routing = WorkRouting()
+    routing.routed("encode", "r-a", 300, now=0.0)
+    routing.routed("counters-1", "r-a", 0, now=0.0)
+    routing.routed("counters-2", "r-a", 0, now=0.0)
+    routing.completed("encode", "r-a")
+    routing.completed("counters-1", "r-a")
+    routing.completed("counters-2", "r-a")
+    assert routing.load("r-a") == 0
+    for i in range(50):  # random interleavings, all settle to nothing
+        routing.routed(f"e{i}", REPLICAS[i % 3], i % 4 * 100, now=0.0)
+    for i in reversed(range(50)):
+        routing.completed(f"e{i}", REPLICAS[i % 3])
+    assert [routing.load(r) for r in REPLICAS] == [0, 0, 0]
+
+
 def test_a_retried_call_counts_where_it_went_last_until_each_attempt_completes() -> None:
     routing = WorkRouting()
     routing.routed("c1", "r-a", 300, now=0.0)
@@ -151,7 +174,7 @@ def test_reported_load_adds_other_routers_calls_to_this_ones() -> None:
         }
     )
     assert [routing.load(r) for r in REPLICAS] == [150, 900, 0]
-    assert routing.choose(RouteHint(), REPLICAS) == ["r-c", "r-a", "r-b"]
+    assert routing.choose(RouteHint(("k",), (THUMB,)), ["r-a", "r-b"])[-1] == "r-b"
     routing.completed("c1", "r-a")  # ours completed: gone at once, before the next report
     assert routing.load("r-a") == 50
     routing.reported({})  # a new report replaces the last
@@ -243,6 +266,9 @@ def test_the_choice_is_a_preference_order_that_keeps_the_rule(
     candidates = REPLICAS[:n]
     call = RouteHint(tuple(keys), (patches,) * len(keys))
     order = routing.choose(call, candidates)
+    if not keys:  # a control call: every candidate, never held
+        assert sorted(order) == sorted(candidates)
+        return
     roomy = [r for r in candidates if r not in rooms or routing.load(r) < rooms[r]]
     assert sorted(order) == sorted(roomy)
     if not order:
