@@ -30,11 +30,12 @@ demo: install
 	$(VENV)/bin/vitserve demo
 
 # The whole suite took 15 minutes on a 2-vCPU AMD EPYC with a 32 MiB L3 and 11 on a 2-vCPU
-# AMX Xeon (measured 2026-11-24).
+# AMX Xeon (measured 2026-11-24, ~850 tests); 21 on a 2-vCPU Intel Xeon (2026-11-26, 1197
+# tests), past the 15-minute budget: --durations names the slowest in every run.
 test: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=30
 
 # The fast tier: every test that needs no Ray, Serve, Redis or process and is not slow (marked
 # from their fixtures by tests/conftest.py), under a minute on 2 vCPUs. A run like this one,

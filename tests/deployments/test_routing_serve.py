@@ -108,21 +108,19 @@ def burst(app: App, n: int, side: int) -> list[int]:
 
 @pytest.mark.parametrize("routing", ["work", "serve-default"])
 def test_a_burst_past_the_replicas_room_waits_in_the_router_not_refused(
-    deploy, routing: str
+    app: App, deploy, routing: str
 ) -> None:
     side = 96
-    probe = deploy(f"room-{routing}", encoder={"num_replicas": REPLICAS, "num_cpus": 0.2})
-    terms = probe.encoder().work_terms.remote().result()
+    terms = app.encoder().work_terms.remote().result()  # the same model's resize rule
     patches = image_work(terms.rule, image(side), 0, ImageLimits()).patches
-    deploy.remove(probe.name)
     # each replica admits 3 such images at once; the work router fills it to half of that
-    app = deploy(
-        f"room-{routing}-small",
+    small = deploy(
+        f"room-{routing}",
         encoder={"num_replicas": REPLICAS, "num_cpus": 0.2, "routing": routing},
         **{"admission.max_patches": 3 * patches, "batching.batch_wait_timeout_s": 0.5},
     )
-    statuses = burst(app, 16, side)
-    deploy.remove(app.name)
+    statuses = burst(small, 16, side)
+    deploy.remove(small.name)
     assert len(statuses) == 16
     if routing == "work":
         assert statuses == [200] * 16, statuses
