@@ -120,10 +120,12 @@ class DeploymentConfig(_Strict):
 class EncoderDeploymentConfig(DeploymentConfig):
     """The encoder deployment's: also how its callers' calls are routed to its replicas.
     ``work``: vitserve's router (``vitserve.deployments.encoder.routing``: by queued patches,
-    each image key kept on a stable replica while its load allows); ``serve-default``: Serve's
-    power of two choices on ongoing calls."""
+    each image key kept on a stable replica while its load allows, a backlog held in the
+    router); ``serve-default`` (the default until a real run shows ``work`` winning, and until
+    its router-held backlog is bounded in time as admission is): Serve's power of two choices
+    on ongoing calls."""
 
-    routing: Literal["work", "serve-default"] = "work"
+    routing: Literal["work", "serve-default"] = "serve-default"
 
 
 class EncoderAccessConfig(DeploymentConfig):

@@ -53,7 +53,7 @@ def post(app: App, images: list[bytes], timeout: float = 120) -> httpx.Response:
 def app(deploy) -> App:
     return deploy(
         "routed",
-        encoder={"num_replicas": REPLICAS, "num_cpus": 0.2},
+        encoder={"num_replicas": REPLICAS, "num_cpus": 0.2, "routing": "work"},
         **{"batching.batch_wait_timeout_s": 1.0},  # an image waits 1 s in its replica's queue
     )
 
