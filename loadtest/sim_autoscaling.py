@@ -349,7 +349,7 @@ def write_report(results: dict[tuple[str, str, str], Result], out_dir: Path) -> 
         )
     lines += [
         "",
-        "Per seed, vitserve's defaults (work policy, work router) against the request-count "
+        "Per seed, vitserve's work policy and work router against the request-count "
         "policy with Serve's router (peak / p95 / settled peak, s):",
         "",
         "| load | seed | work policy, work router | request policy, Serve's router |",
@@ -379,8 +379,9 @@ def write_report(results: dict[tuple[str, str, str], Result], out_dir: Path) -> 
     if worse:
         lines += [
             "",
-            "Runs where vitserve's defaults did worse than the request-count policy with "
-            f"Serve's router on the peak or the p95: {'; '.join(worse)}. One queue in front of "
+            "Runs where vitserve's work policy and router did worse than the request-count "
+            f"policy with Serve's router on the peak or the p95: {'; '.join(worse)}. One queue "
+            "in front of "
             "the pool spreads a transient's wait over every request that arrives in it, where "
             "Serve's router leaves it on the requests queued at the first replica: fewer "
             "requests wait, each longer (the peak).",
@@ -390,7 +391,7 @@ def write_report(results: dict[tuple[str, str, str], Result], out_dir: Path) -> 
     _plot(results, out_dir / "autoscaling-sim.png")
 
 
-#: vitserve's defaults, and what a Serve user runs otherwise: (policy, router)
+#: vitserve's work policy and router, and what a Serve user runs otherwise: (policy, router)
 OURS, THEIRS = ("work", "work"), ("requests", "serve-default")
 
 
