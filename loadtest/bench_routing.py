@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import platform
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -33,6 +31,10 @@ from typing import Any
 import httpx
 
 from vitserve.encoder.testimages import make_image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: loadtest.*
+
+from loadtest.bench_hot_path import machine
 
 _seeds = itertools.count(31_000_000)
 
@@ -50,19 +52,6 @@ class Block:
     def p(self, kind: str, q: float) -> float:
         xs = sorted(self.latencies[kind])
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
-def machine() -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        model = next(
-            (ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if "Model name" in ln), "?"
-        )
-    except (OSError, subprocess.CalledProcessError):
-        model = platform.processor() or "?"
-    import os
-
-    return f"{model}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 
 
 def deploy(routing: str, args: argparse.Namespace, model: str) -> tuple[str, Any]:
@@ -203,7 +192,8 @@ def main() -> int:
     lines = [
         "# Routing: Serve's router vs vitserve's, a mixed load (CPU)",
         "",
-        f"Machine: {machine()}; torch {torch.__version__}. Model: the demo model "
+        f"Machine: {'; '.join(f'{k}: {v}' for k, v in machine().items())}; torch "
+        f"{torch.__version__}. Model: the demo model "
         f"(Qwen2-VL, small tower), {described['dtype']}. Two encoder replicas of one torch "
         "thread each (`encoder.num_cpus` 0.5), the ingress and the node store beside them.",
         "",

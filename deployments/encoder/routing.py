@@ -95,7 +95,6 @@ def rendezvous_rank(key: str, replica: str) -> int:
 
 @dataclass(slots=True)
 class _Routed:
-    replica: str
     work: int
     at: float
 
@@ -126,7 +125,7 @@ class WorkRouting:
         self.completed(call, replica)
         if work <= 0:  # nothing to count (a control call)
             return
-        self._routed[call, replica] = _Routed(replica, work, now)
+        self._routed[call, replica] = _Routed(work, now)
         self._local[replica] = self._local.get(replica, 0) + work
 
     def completed(self, call: str, replica: str) -> None:
