@@ -2,9 +2,14 @@
 
 **The rule.** Callers (one per request; a request brings all its missing images at once) put
 their images on the queue, in arrival order. One device task runs forwards one at a time. When
-the device is free it takes the oldest queued images, as many as fit in ``max_batch_patches``
-(at least one: an image over the cap runs alone), and runs them as one device step (the
-engine's planner splits a step into uniform-bucket forwards under its activation budget).
+the device is free it takes the oldest queued image and, in arrival order, the queued images of
+a like size (patches within ``max_size_ratio`` of the oldest's, either way), as many as fit in
+``max_batch_patches`` (at least one: an image over the cap runs alone), and runs them as one
+device step (the engine's planner splits a step into uniform-bucket forwards under its
+activation budget). Every image of a step waits for the whole step, so a thumbnail never rides
+in a large image's step (on a CPU host a 112px thumbnail that did came back with the 1344px
+image, ten times later: ``loadtest/results/routing-cpu.md``). The images passed over keep their
+order and the oldest always leads the next step, so none is passed over forever.
 Images that arrive while a step runs wait for the next one, so concurrent requests share
 forwards as soon as there is a queue, and an image on an idle device never waits for company:
 ``batch_wait_timeout_s`` (default 0) is the most a free device waits after the first image for
@@ -25,7 +30,9 @@ queue: what it holds is bounded by the replica's work budget, not by this class.
 
 Invariants: every queued image's future is settled exactly once, with its result or with the
 error of its step (a failing step fails its own images only, and the loop goes on), whether or
-not its caller still awaits it; the queue holds no state outside its instance.
+not its caller still awaits it; a step holds the oldest queued image, and no two of its images
+differ in patches by more than ``max_size_ratio`` times the oldest's; the queue holds no state
+outside its instance.
 """
 
 from __future__ import annotations
@@ -51,6 +58,10 @@ class Work:
 
 Step = Callable[[list[Work]], Awaitable[list[Any]]]
 
+#: How far an image's patches may be from the step's oldest image's (either way) and share its
+#: step: 448px and 224px images ride together, a 112px thumbnail and a 1344px image do not.
+DEFAULT_MAX_SIZE_RATIO = 4.0
+
 
 class DeviceQueue:
     """See the module docstring. ``run_step`` runs one device step and returns one result per
@@ -63,9 +74,13 @@ class DeviceQueue:
         max_batch_patches: int | None,
         wait_s: float = 0.0,
         enabled: bool = True,
+        max_size_ratio: float = DEFAULT_MAX_SIZE_RATIO,
     ) -> None:
+        if max_size_ratio < 1.0:
+            raise ValueError(f"max_size_ratio is at least 1, got {max_size_ratio}")
         self._run_step = run_step
         self.max_batch_patches = max_batch_patches
+        self.max_size_ratio = max_size_ratio
         self.wait_s = wait_s
         self.enabled = enabled
         self._queued: list[Work] = []
@@ -102,20 +117,26 @@ class DeviceQueue:
         return cap is not None and self.queued_patches() >= cap
 
     def _take(self) -> list[Work]:
-        """The next step: the oldest queued images up to the patch cap (at least one)."""
+        """The next step: the oldest queued image and the like-sized ones after it, in order,
+        up to the patch cap (see the rule); the others stay queued, in order."""
+        head, *rest = self._queued
         if not self.enabled:
-            take = 1
-        elif self.max_batch_patches is None:
-            take = len(self._queued)
-        else:
-            cap = self.max_batch_patches
-            take, patches = 1, self._queued[0].prepared.patches
-            while take < len(self._queued):
-                patches += self._queued[take].prepared.patches
-                if patches > cap:
-                    break
-                take += 1
-        work, self._queued = self._queued[:take], self._queued[take:]
+            self._queued = rest
+            return [head]
+        cap, ratio = self.max_batch_patches, self.max_size_ratio
+        size = max(head.prepared.patches, 1)
+        work, left, patches = [head], [], head.prepared.patches
+        for i, w in enumerate(rest):
+            p = w.prepared.patches
+            if not size / ratio <= max(p, 1) <= size * ratio:
+                left.append(w)  # not like-sized: a later step
+            elif cap is not None and patches + p > cap:
+                left.extend(rest[i:])  # the step is full: the rest wait, in order
+                break
+            else:
+                work.append(w)
+                patches += p
+        self._queued = left
         return work
 
     async def _loop(self) -> None:
