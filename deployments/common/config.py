@@ -117,15 +117,21 @@ class DeploymentConfig(_Strict):
     max_queued_requests: int = Field(256, ge=-1)  # -1: unbounded (not recommended)
 
 
+#: The longest a call waits in vitserve's encoder router for a replica with room
+#: (``encoder.routing_hold_s``; ``vitserve.deployments.encoder.routing``).
+DEFAULT_ROUTING_HOLD_S = 1.0
+
+
 class EncoderDeploymentConfig(DeploymentConfig):
     """The encoder deployment's: also how its callers' calls are routed to its replicas.
-    ``work``: vitserve's router (``vitserve.deployments.encoder.routing``: by queued patches,
-    each image key kept on a stable replica while its load allows, a backlog held in the
-    router); ``serve-default`` (the default until a real run shows ``work`` winning, and until
-    its router-held backlog is bounded in time as admission is): Serve's power of two choices
+    ``work`` (the default): vitserve's router (``vitserve.deployments.encoder.routing``: by
+    queued patches, each image key kept on a stable replica while its load allows, a call that
+    finds no replica with room held in the router for up to ``routing_hold_s``, then answered
+    by the least loaded replica's admission); ``serve-default``: Serve's power of two choices
     on ongoing calls."""
 
-    routing: Literal["work", "serve-default"] = "serve-default"
+    routing: Literal["work", "serve-default"] = "work"
+    routing_hold_s: float = Field(DEFAULT_ROUTING_HOLD_S, ge=0)
 
 
 class EncoderAccessConfig(DeploymentConfig):

@@ -52,6 +52,7 @@ def routing_options(encoder: EncoderDeploymentConfig) -> dict[str, Any]:
             request_routing_stats_timeout_s=STATS_TIMEOUT_S,
             initial_backoff_s=BACKOFF_S[0],
             max_backoff_s=BACKOFF_S[1],
+            request_router_kwargs={"hold_s": encoder.routing_hold_s},
         )
     }
 

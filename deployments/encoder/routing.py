@@ -11,7 +11,10 @@ running, one ready; a replica that reported none has room). A call goes only to 
 room; while none has, it waits in the router (Serve's queue of the handle, bounded by the
 deployment's ``max_queued_requests``) and goes to the first replica that makes room. So a
 backlog is one queue in front of the pool, which a new replica starts taking from at once, not a
-queue per replica that only its own replica can work off.
+queue per replica that only its own replica can work off. A call waits so at most ``hold_s``:
+then it goes to the least loaded replica, room or not, and that replica's admission answers it
+(admits it, or refuses it with a 429), so the router never adds more than ``hold_s`` to an
+admitted call's latency and an overload is refused, not queued.
 
 Among the replicas with room: each image key has an *owner*, the replica with the highest
 rendezvous hash of (key, replica id), so a key keeps its owner while replicas come and go (only
@@ -25,18 +28,24 @@ the call itself), else to the replica with room and the least load. So a thumbna
 behind a large image while another replica is idler than the bound allows, and an image sent
 again, or by two requests at once, lands where its flight and its replica's local store tier are.
 
-The answer is a preference order over the replicas with room (best first; empty: wait): Serve
-sends the call to the first one whose queue is not full (``max_ongoing_requests``).
+The answer is a preference order over the replicas with room that are within the bound, best
+first (empty: wait); the least loaded replica with room is always in it. Serve sends the call
+to the first one whose queue is not full (``max_ongoing_requests``) and that answers its queue
+probe in time: a replica past the bound is left out because Serve skips a replica whose probe
+is late (a busy replica on a loaded host), and falling through to the replica that holds a large
+image is what puts a thumbnail behind it. Serve backs off and asks again instead.
 
 Invariants:
 
-* ``choose`` returns each candidate with room exactly once, and no other; a call of any size
-  goes to a replica with room (room is judged on the load before the call), so no call waits
-  forever behind its own size. A call without keys (no work: a control call) gets every
-  candidate, never waits, and is spread by its ``tie``, not by load: a replica's stale report
-  never keeps it from another.
-* Bookkeeping only: no I/O, no clock of its own (times are passed in), no Ray. The Serve
-  adapter (:mod:`~vitserve.deployments.encoder.request_router`) feeds it.
+* ``choose`` returns distinct candidates with room, within the bound, and always the least
+  loaded one with room; a call of any size goes to a replica with room (room is judged on the
+  load before the call), so no call waits forever behind its own size. A call that has waited
+  ``hold_s`` gets the candidates by load, room or not. A call without keys (no work: a control
+  call) gets every candidate, never waits, and is spread by its ``tie``, not by load: a
+  replica's stale report never keeps it from another.
+* Bookkeeping only: no I/O, no clock of its own (times are passed in), no Ray (it imports
+  only its default hold from the config). The Serve adapter
+  (:mod:`~vitserve.deployments.encoder.request_router`) feeds it.
 * A call counts on one replica from ``routed`` until ``completed`` (each once, any order of
   different calls); a call never completed stops counting after ``forget_after_s`` (a caller
   that went away before its call was sent), so nothing grows without bound.
@@ -53,6 +62,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from vitserve.deployments.common.config import DEFAULT_ROUTING_HOLD_S
+
 #: Serve-side names of a replica's routing stats (``EncoderDeployment.record_routing_stats``).
 ADMITTED_PATCHES = "admitted_patches"
 BY_CALLER = "by_caller"  # admitted patches by the caller (router) that sent them
@@ -66,6 +77,8 @@ THIS_CALLER = uuid.uuid4().hex
 DEFAULT_BALANCE = 1.25
 #: A routed call that never completes stops counting after this long.
 DEFAULT_FORGET_AFTER_S = 600.0
+#: The longest a call waits in the router for a replica with room (see the rule).
+DEFAULT_HOLD_S = DEFAULT_ROUTING_HOLD_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +119,7 @@ class WorkRouting:
 
     balance: float = DEFAULT_BALANCE
     forget_after_s: float = DEFAULT_FORGET_AFTER_S
+    hold_s: float = DEFAULT_HOLD_S
     me: str = ""  # this router's name as a caller (its process's ``THIS_CALLER``)
     _routed: dict[tuple[str, str], _Routed] = field(default_factory=dict)
     _local: dict[str, int] = field(default_factory=dict)
@@ -117,6 +131,8 @@ class WorkRouting:
             raise ValueError(f"balance is at least 1 (the mean load), got {self.balance}")
         if self.forget_after_s <= 0:
             raise ValueError("forget_after_s is positive")
+        if self.hold_s < 0:
+            raise ValueError("hold_s is not negative")
 
     # -- what the router learns ----------------------------------------------------------------
     def routed(self, call: str, replica: str, work: int, now: float) -> None:
@@ -181,25 +197,30 @@ class WorkRouting:
             owned[top] = owned.get(top, 0) + patches + 1
         return max(owned, key=owned.__getitem__)  # dicts keep insertion order: ties to first
 
-    def choose(self, hint: RouteHint, candidates: Sequence[str], tie: str = "") -> list[str]:
-        """The candidates with room, best first; empty: the call waits (see the rule). A call
-        without keys carries no work (a replica's ``describe`` or ``counters``): it is never
-        held and goes to any replica, in the order of ``tie``'s rendezvous ranks (the adapter
-        passes the call's id, so such calls spread over the replicas whatever their load)."""
+    def choose(
+        self, hint: RouteHint, candidates: Sequence[str], tie: str = "", waited_s: float = 0.0
+    ) -> list[str]:
+        """The replicas to try, best first; empty: the call waits (see the rule). ``waited_s``
+        is how long the call has waited so far. A call without keys carries no work (a
+        replica's ``describe`` or ``counters``): it is never held and goes to any replica, in
+        the order of ``tie``'s rendezvous ranks (the adapter passes the call's id, so such
+        calls spread over the replicas whatever their load)."""
         if not hint.keys:  # a control call (describe, counters): no work, anywhere, spread
             return sorted(candidates, key=lambda r: (-rendezvous_rank(tie, r), r))
         roomy = [r for r in candidates if self.has_room(r)]
         if not roomy:
-            return []
+            if waited_s < self.hold_s:
+                return []
+            roomy = list(candidates)  # held long enough: the least loaded's admission answers
         tie_key = hint.keys[0]
         by_load = sorted(roomy, key=lambda r: (self.load(r), -rendezvous_rank(tie_key, r), r))
-        owner = self.owner(hint, candidates)
-        if owner is None or owner not in roomy:
-            return by_load
         total = sum(self.load(r) for r in candidates) + hint.work
-        if self.load(owner) <= self.balance * total / len(candidates):
-            return [owner, *(r for r in by_load if r != owner)]
-        return by_load
+        bound = self.balance * total / len(candidates)
+        within = [by_load[0], *(r for r in by_load[1:] if self.load(r) <= bound)]
+        owner = self.owner(hint, candidates)
+        if owner is not None and owner in within and self.load(owner) <= bound:
+            return [owner, *(r for r in within if r != owner)]
+        return within
 
 
 __all__ = [
@@ -207,6 +228,7 @@ __all__ = [
     "BY_CALLER",
     "DEFAULT_BALANCE",
     "DEFAULT_FORGET_AFTER_S",
+    "DEFAULT_HOLD_S",
     "ROOM_PATCHES",
     "THIS_CALLER",
     "RouteHint",

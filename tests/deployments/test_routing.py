@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -66,7 +67,9 @@ def test_a_thumbnail_does_not_queue_behind_a_large_image_on_its_owner() -> None:
     owner = owner_of(key, REPLICAS[:2])
     other = next(r for r in REPLICAS[:2] if r != owner)
     routing.routed("big", owner, LARGE, now=0.0)
-    assert routing.choose(hint(key), REPLICAS[:2]) == [other, owner]
+    # the owner is past the bound: not even a fallback (Serve would fall to it when the idle
+    # replica's queue probe is late, and the thumbnail would wait for the large image)
+    assert routing.choose(hint(key), REPLICAS[:2]) == [other]
     routing.completed("big", owner)  # the large image is done: the key goes home again
     assert routing.choose(hint(key), REPLICAS[:2])[0] == owner
 
@@ -84,8 +87,8 @@ def test_the_owner_keeps_its_key_within_the_bound() -> None:
     # 1400 <= 1.25 * (2300 + 256) / 2 = 1597.5: still the owner's
     assert routing.choose(hint(key), REPLICAS[:2])[0] == owner
     routing.routed("c4", owner, 1000, now=0.0)
-    # 2400 > 1.25 * (3300 + 256) / 2 = 2222.5: past the bound, the least loaded
-    assert routing.choose(hint(key), REPLICAS[:2]) == [other, owner]
+    # 2400 > 1.25 * (3300 + 256) / 2 = 2222.5: past the bound, the least loaded only
+    assert routing.choose(hint(key), REPLICAS[:2]) == [other]
 
 
 def test_a_control_call_goes_anywhere_never_waits_and_spreads_whatever_the_load() -> None:
@@ -174,7 +177,7 @@ def test_reported_load_adds_other_routers_calls_to_this_ones() -> None:
         }
     )
     assert [routing.load(r) for r in REPLICAS] == [150, 900, 0]
-    assert routing.choose(RouteHint(("k",), (THUMB,)), ["r-a", "r-b"])[-1] == "r-b"
+    assert routing.choose(RouteHint(("k",), (THUMB,)), ["r-a", "r-b"]) == ["r-a"]
     routing.completed("c1", "r-a")  # ours completed: gone at once, before the next report
     assert routing.load("r-a") == 50
     routing.reported({})  # a new report replaces the last
@@ -190,6 +193,7 @@ def test_a_replica_past_its_room_takes_no_call_and_none_with_room_means_wait() -
     assert routing.choose(hint("k"), REPLICAS[:2]) == ["r-b"]  # 999 < 1000: room left
     routing.routed("c3", "r-b", 1, now=0.0)
     assert routing.choose(hint("k"), REPLICAS[:2]) == []  # the call waits in the router
+    assert routing.choose(hint("k"), REPLICAS[:2], waited_s=0.99) == []  # for up to hold_s
     assert routing.choose(hint("k"), REPLICAS) == ["r-c"]  # a replica with no report has room
     routing.completed("big", "r-a")
     assert routing.choose(hint("k"), REPLICAS[:2]) == ["r-a"]
@@ -206,6 +210,17 @@ def test_the_owner_without_room_gives_way() -> None:
     assert routing.choose(hint(key), REPLICAS[:2]) == [other]
 
 
+def test_a_call_held_for_hold_s_goes_to_the_least_loaded_replica_whose_admission_answers() -> None:
+    routing = WorkRouting(hold_s=1.0)
+    routing.reported({r: {ROOM_PATCHES: 100} for r in REPLICAS[:2]})
+    routing.routed("c1", "r-a", 600, now=0.0)
+    routing.routed("c2", "r-b", 100, now=0.0)  # both past their room
+    assert routing.choose(hint("k"), REPLICAS[:2], waited_s=0.5) == []
+    # held long enough: the least loaded (r-b; r-a is past the bound 1.25 * 956 / 2 = 597.5)
+    assert routing.choose(hint("k"), REPLICAS[:2], waited_s=1.0) == ["r-b"]
+    assert WorkRouting(hold_s=0).choose(hint("k"), ["r-a"]) == ["r-a"]  # no room known: room
+
+
 def test_calls_never_completed_are_forgotten() -> None:
     routing = WorkRouting(forget_after_s=10.0)
     routing.routed("old", "r-a", 300, now=0.0)
@@ -219,6 +234,8 @@ def test_bad_settings_and_hints_are_refused() -> None:
         WorkRouting(balance=0.9)
     with pytest.raises(ValueError, match="forget_after_s"):
         WorkRouting(forget_after_s=0)
+    with pytest.raises(ValueError, match="hold_s"):
+        WorkRouting(hold_s=-1)
     with pytest.raises(ValueError, match="one patch count per key"):
         RouteHint(("a", "b"), (1,))
     with pytest.raises(ValueError, match="not negative"):
@@ -248,6 +265,7 @@ loads = st.dictionaries(st.sampled_from(REPLICAS), st.integers(0, 100_000), max_
     keys=st.lists(st.text(min_size=1, max_size=8), max_size=4),
     patches=st.integers(0, 20_000),
     n=st.integers(1, 3),
+    hold=st.booleans(),
 )
 def test_the_choice_is_a_preference_order_that_keeps_the_rule(
     loads: dict[str, int],
@@ -256,6 +274,7 @@ def test_the_choice_is_a_preference_order_that_keeps_the_rule(
     keys: list[str],
     patches: int,
     n: int,
+    hold: bool,
 ) -> None:
     routing = WorkRouting()
     for replica, work in loads.items():
@@ -265,22 +284,69 @@ def test_the_choice_is_a_preference_order_that_keeps_the_rule(
     )
     candidates = REPLICAS[:n]
     call = RouteHint(tuple(keys), (patches,) * len(keys))
-    order = routing.choose(call, candidates)
+    waited = 2.0 if hold else 0.0
+    order = routing.choose(call, candidates, waited_s=waited)
     if not keys:  # a control call: every candidate, never held
         assert sorted(order) == sorted(candidates)
         return
     roomy = [r for r in candidates if r not in rooms or routing.load(r) < rooms[r]]
-    assert sorted(order) == sorted(roomy)
-    if not order:
+    if not roomy and hold:  # held past hold_s: room no longer counts
+        roomy = list(candidates)
+    assert len(set(order)) == len(order) and set(order) <= set(roomy)
+    if not roomy:
+        assert order == []
         return
-    first = order[0]
-    least = min(routing.load(r) for r in roomy)
     total = sum(routing.load(r) for r in candidates) + call.work
+    bound = routing.balance * total / n
+    least = min(routing.load(r) for r in roomy)
+    # the least loaded with room is always there, and every one within the bound
+    assert least in [routing.load(r) for r in order]
+    assert {r for r in roomy if routing.load(r) <= bound} <= set(order)
+    assert all(routing.load(r) <= bound or routing.load(r) == least for r in order)
+    first = order[0]
     owner = routing.owner(call, candidates)
     # the first is the least loaded with room, or the owner within the bound
-    assert routing.load(first) == least or (
-        first == owner and routing.load(first) <= routing.balance * total / n
-    )
+    assert routing.load(first) == least or (first == owner and routing.load(first) <= bound)
     assert [routing.load(r) for r in order if r != owner] == sorted(
         routing.load(r) for r in order if r != owner
     )
+
+
+def test_a_replica_goes_to_the_oldest_waiting_call_the_policy_would_send_there() -> None:
+    """The Serve adapter's FIFO (Serve's routing tasks race for a freed slot; the oldest call
+    that may take it gets it), on Serve's own queue of waiting calls, without a Serve."""
+    from collections import deque
+
+    from vitserve.deployments.encoder.request_router import EncoderRequestRouter
+
+    def waiting(call: str, *keys: str, work: int = THUMB, done: bool = False) -> SimpleNamespace:
+        batch = EncodeBatch(
+            keys=list(keys),
+            indices=list(range(len(keys))),
+            claims=[ClaimState.WON] * len(keys),
+            token="t",
+            patches=[work] * len(keys),
+        )
+        future = SimpleNamespace(done=lambda: done)
+        metadata = SimpleNamespace(internal_request_id=call)
+        return SimpleNamespace(
+            args=[batch], metadata=metadata, created_at=time.time(), future=future
+        )
+
+    router = object.__new__(EncoderRequestRouter)  # no Serve: only the policy and the queue
+    router.initialize_state(hold_s=60.0)
+    router._candidates = ["r-a", "r-b"]
+    router.routing.reported({"r-a": {ROOM_PATCHES: 1000}, "r-b": {ROOM_PATCHES: 1000}})
+    router.routing.routed("big", "r-a", 1000, now=0.0)  # r-a has no room left
+    router._pending_requests_to_fulfill = deque(
+        [
+            waiting("answered", "k0", done=True),  # routed already: passed over
+            waiting("oldest", "k1"),
+            waiting("newer", "k2"),
+        ]
+    )
+    assert router._oldest_pending_for("r-b").metadata.internal_request_id == "oldest"
+    assert router._oldest_pending_for("r-a") is None  # no call may go to a replica past its room
+    control = waiting("control")  # no keys: anywhere, never held
+    router._pending_requests_to_fulfill.appendleft(control)
+    assert router._oldest_pending_for("r-a") is control

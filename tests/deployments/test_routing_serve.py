@@ -1,8 +1,9 @@
 """vitserve's encoder router in a real Serve application (two encoder replicas, real HTTP): each
 image goes to its key's replica while the pool is idle, a thumbnail does not queue behind a
-large image on its key's replica, and a burst past the replicas' room waits in the router
-instead of being refused; with ``encoder.routing: serve-default`` the same burst is refused in
-part (429). The policy itself is tested as plain bookkeeping in test_routing.py."""
+large image on its key's replica, and a burst past the replicas' room waits in the router (for
+up to ``encoder.routing_hold_s``) instead of being refused; with no hold, or with
+``encoder.routing: serve-default``, the same burst is refused in part (429). The policy itself
+is tested as plain bookkeeping in test_routing.py."""
 
 from __future__ import annotations
 
@@ -106,23 +107,28 @@ def burst(app: App, n: int, side: int) -> list[int]:
     return statuses
 
 
-@pytest.mark.parametrize("routing", ["work", "serve-default"])
-def test_a_burst_past_the_replicas_room_waits_in_the_router_not_refused(
-    app: App, deploy, routing: str
+@pytest.mark.parametrize(
+    ("routing", "hold_s"), [("work", 120.0), ("work", 0.0), ("serve-default", None)]
+)
+def test_a_burst_past_the_replicas_room_waits_in_the_router_for_its_hold(
+    app: App, deploy, routing: str, hold_s: float | None
 ) -> None:
     side = 96
     terms = app.encoder().work_terms.remote().result()  # the same model's resize rule
     patches = image_work(terms.rule, image(side), 0, ImageLimits()).patches
     # each replica admits 3 such images at once; the work router fills it to half of that
+    encoder = {"num_replicas": REPLICAS, "num_cpus": 0.2, "routing": routing}
+    if hold_s is not None:
+        encoder["routing_hold_s"] = hold_s
     small = deploy(
-        f"room-{routing}",
-        encoder={"num_replicas": REPLICAS, "num_cpus": 0.2, "routing": routing},
+        f"room-{routing}-{hold_s}".replace(".", "-"),
+        encoder=encoder,
         **{"admission.max_patches": 3 * patches, "batching.batch_wait_timeout_s": 0.5},
     )
     statuses = burst(small, 16, side)
     deploy.remove(small.name)
     assert len(statuses) == 16
-    if routing == "work":
+    if hold_s:  # every call waits in the router until a replica has room
         assert statuses == [200] * 16, statuses
-    else:  # Serve's router sends past the admission: the rest is refused, retryable
+    else:  # sent at once past the admission (Serve's router, or no hold): refused, retryable
         assert set(statuses) == {200, 429} and statuses.count(429) >= 4, statuses
