@@ -9,7 +9,9 @@ A time-stepped model (``DT`` s): requests of mixed sizes arrive (Poisson); a rep
 * ``work``: vitserve's router, :class:`vitserve.deployments.encoder.routing.WorkRouting` itself,
   fed each replica's queued patches and room (``ROOM``): a request goes to a replica with room
   (by load; every request is a new image, so its key's owner is a random replica, kept while
-  within the bound), and while none has room it waits in the router, oldest first.
+  within the bound), and while none has room it waits in the router, oldest first, for at most
+  the router's ``hold_s``; then it goes to the least loaded replica (this model has no
+  admission to refuse it there: it queues).
 
 A new replica is ready ``STARTUP_S`` after it is asked for. Every ``TICK_S`` the autoscaler
 sees the metrics averaged over ``LOOK_BACK_S`` and decides:
@@ -41,6 +43,7 @@ from pathlib import Path
 from vitserve.deployments.encoder.autoscaling import WorkParams, WorkStats, decide
 from vitserve.deployments.encoder.routing import (
     ADMITTED_PATCHES,
+    DEFAULT_HOLD_S,
     ROOM_PATCHES,
     RouteHint,
     WorkRouting,
@@ -141,7 +144,8 @@ def simulate(
             routing.reported(
                 {n: {ADMITTED_PATCHES: r.backlog(), ROOM_PATCHES: ROOM} for n, r in by_name.items()}
             )
-            order = routing.choose(RouteHint((held[0][3],), (int(held[0][0]),)), list(by_name))
+            call_hint = RouteHint((held[0][3],), (int(held[0][0]),))
+            order = routing.choose(call_hint, list(by_name), waited_s=t - held[0][1])
             if not order:
                 break
             call = held.popleft()
@@ -317,7 +321,9 @@ def write_report(results: dict[tuple[str, str, str], Result], out_dir: Path) -> 
         "the router as Serve does. Routers: `work` is vitserve's "
         "(`vitserve.deployments.encoder.routing.WorkRouting`): a replica takes calls while "
         f"its queued patches are below its room ({ROOM:,} patches, two forwards), the rest "
-        "wait in the router, oldest first, for the first replica with room; the work policy "
+        "wait in the router, oldest first, for the first replica with room, each for at most "
+        f"the router's hold ({DEFAULT_HOLD_S:g} s), then go to the least loaded replica (this "
+        "model has no admission to refuse them there: they queue); the work policy "
         "sees them as Serve's context gives them, a count, at the mean patches of a call. "
         "`serve-default` is Serve's power of two choices on ongoing requests, each request "
         "queued at the replica it was sent to.",
@@ -366,7 +372,13 @@ def write_report(results: dict[tuple[str, str, str], Result], out_dir: Path) -> 
             ]
             lines.append(f"| {load_name} | {seed} | {cells[0]} | {cells[1]} |")
     worse = [
-        f"{load_name} seed {seed} (p95 {a['p95_delay_s']:.1f} s vs {b['p95_delay_s']:.1f} s)"
+        f"{load_name} seed {seed} ("
+        + ", ".join(
+            f"{label} {a[k]:.1f} s vs {b[k]:.1f} s"
+            for label, k in (("peak", "peak_delay_s"), ("p95", "p95_delay_s"))
+            if a[k] > b[k]
+        )
+        + ")"
         for load_name in LOADS
         for seed, a, b in zip(
             SEEDS,
