@@ -20,8 +20,8 @@ floor of the same hops; the overhead above the floor (target <= 5 ms)::
         python loadtest/bench_floor.py --out loadtest/results/floor-cpu.md
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: FastAPI reads the handlers' annotations, and
+# behind ``serve.ingress`` a string ``Request`` made the request a required field (every call 422).
 import argparse
 import itertools
 import os

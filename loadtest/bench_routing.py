@@ -5,8 +5,12 @@ one torch thread each, deployed with ``encoder.routing: serve-default``, then ``
 ``serve-default`` again (A-B-A: the two A blocks show the machine's drift), each block for
 ``--seconds`` after a warm-up. In each block, closed-loop clients send one new image per request
 (never seen before, so every request is encoded): ``--thumb-clients`` send ``--thumb-px``
-thumbnails, ``--large-clients`` send ``--large-px`` images. Per block: each kind's p50 and p99
-latency, the images and patches encoded per second, and the refusals (429) and failures.
+thumbnails, ``--large-clients`` send ``--large-px`` images. A new image is a JPEG made once per
+kind with a unique comment segment (``loadtest.harness.scenarios.tag_jpeg``): new bytes and key,
+the same pixels, and no image made while the servers share the cores with the clients. Per
+block: each kind's p50 and p99 latency, the images and patches answered per second, and the
+refusals (429) and failures. A large image takes seconds here, so a block must be long enough
+for many of them: patches/s counts an image when it is answered.
 
 The figures the issue asks for (thumbnail p99 of vitserve's router <= 0.5x Serve's, overall
 throughput >= 1.0x) are printed against the mean of the two Serve blocks; ``--out`` writes the
@@ -24,19 +28,21 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from vitserve.encoder.testimages import make_image
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: loadtest.*
 
 from loadtest.bench_hot_path import machine
+from loadtest.harness.scenarios import make_jpeg, tag_jpeg
 
-_seeds = itertools.count(31_000_000)
+#: The routers compared, in order (A-B-A: the two A blocks show the machine's drift).
+ROUTINGS = ("serve-default", "work", "serve-default")
+_tags = itertools.count()
 
 
 @dataclass
@@ -54,7 +60,11 @@ class Block:
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def deploy(routing: str, args: argparse.Namespace, model: str) -> tuple[str, Any]:
+def deploy(
+    routing: str, args: argparse.Namespace, model: str, ingress_replicas: int = 1
+) -> tuple[str, Any]:
+    """A vitserve application with two encoder replicas of one torch thread each on
+    ``routing``, under a new name (and namespace: nothing cached from another block)."""
 
     from vitserve.deployments.common.config import VitserveConfig
     from vitserve.deployments.encoder.app import build_application
@@ -67,31 +77,62 @@ def deploy(routing: str, args: argparse.Namespace, model: str) -> tuple[str, Any
             "namespace": name,
             "torch_threads": 1,
             "encoder": {"num_replicas": 2, "num_cpus": 0.5, "routing": routing},
-            "ingress.num_cpus": 0.25,
+            "ingress": {"num_replicas": ingress_replicas, "num_cpus": 0.25},
         }
     )
     serve_app(build_application(cfg), name=name, route_prefix=f"/{name}")
     return name, cfg
 
 
-def run_block(url: str, routing: str, args: argparse.Namespace, rule: Any) -> Block:
+def abab(
+    args: argparse.Namespace, run: Callable[[str, str, str], Any], ingress_replicas: int = 1
+) -> list[Any]:
+    """Start Ray and Serve here, then per router of :data:`ROUTINGS`, one application at a time:
+    deploy it, ``run(url, app name, routing)``, delete it; the runs' results in order."""
+    from ray import serve
+
+    from vitserve.deployments.common.serving import resolve_model
+    from vitserve.deployments.runner.local import free_port, start_ray, start_serve
+
+    model = resolve_model("demo")
+    start_ray(num_cpus=4)  # logical CPUs: one application's replicas at a time
+    base = start_serve("127.0.0.1", free_port())
+    results = []
+    for routing in ROUTINGS:
+        name, _ = deploy(routing, args, model, ingress_replicas)
+        results.append(run(f"{base}/{name}", name, routing))
+        serve.delete(name)
+    return results
+
+
+def write_page(lines: list[str], out: Path | None) -> None:
+    print("\n".join(lines))
+    if out:
+        out.write_text("\n".join(lines))
+
+
+def run_block(url: str, app: str, routing: str, args: argparse.Namespace) -> Block:
+    from ray import serve
+
     from vitserve.deployments.encoder.admission import image_work
     from vitserve.encoder.images import ImageLimits
 
+    handle = serve.get_deployment_handle("EncoderDeployment", app_name=app)
+    rule = handle.work_terms.remote().result().rule
     block = Block(routing)
     lock = threading.Lock()
     stop = threading.Event()
     measuring = threading.Event()
-    sizes = {"thumb": args.thumb_px, "large": args.large_px}
+    base = {"thumb": make_jpeg(args.thumb_px, args.thumb_px, seed=1)}
+    base["large"] = make_jpeg(args.large_px, args.large_px, seed=2)
     patches = {
-        kind: image_work(rule, make_image(px, px, fmt="JPEG", seed=1), 0, ImageLimits()).patches
-        for kind, px in sizes.items()
+        kind: image_work(rule, data, 0, ImageLimits()).patches for kind, data in base.items()
     }
 
     def client(kind: str) -> None:
         with httpx.Client(timeout=600) as c:
             while not stop.is_set():
-                data = make_image(sizes[kind], sizes[kind], fmt="JPEG", seed=next(_seeds))
+                data = tag_jpeg(base[kind], f"bench-routing {app} {next(_tags)}")
                 started = time.perf_counter()
                 try:
                     r = c.post(
@@ -151,7 +192,7 @@ def table(blocks: list[Block], args: argparse.Namespace) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=60.0, help="measured, per block")
+    parser.add_argument("--seconds", type=float, default=150.0, help="measured, per block")
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--thumb-clients", type=int, default=3)
     parser.add_argument("--large-clients", type=int, default=1)
@@ -161,24 +202,13 @@ def main() -> int:
     args = parser.parse_args()
 
     import torch
-    from ray import serve
 
-    from vitserve.deployments.common.serving import resolve_model
-    from vitserve.deployments.runner.local import free_port, start_ray, start_serve
+    def run(url: str, app: str, routing: str) -> Block:
+        block = run_block(url, app, routing, args)
+        print(table([block], args)[-1], flush=True)
+        return block
 
-    model = resolve_model("demo")
-    start_ray(num_cpus=4)  # logical CPUs: one application's replicas at a time
-    base = start_serve("127.0.0.1", free_port())
-    blocks: list[Block] = []
-    for routing in ("serve-default", "work", "serve-default"):
-        name, _ = deploy(routing, args, model)
-        handle = serve.get_deployment_handle("EncoderDeployment", app_name=name)
-        terms = handle.work_terms.remote().result()
-        described = handle.describe.remote().result()
-        print(f"{routing}: {described['dtype']} on {described['device']}", flush=True)
-        blocks.append(run_block(f"{base}/{name}", routing, args, terms.rule))
-        print("\n".join(table(blocks, args)[-1:]), flush=True)
-        serve.delete(name)
+    blocks = abab(args, run)
     a = [b for b in blocks if b.routing == "serve-default"]
     ours = next(b for b in blocks if b.routing == "work")
     thumb_p99 = ours.p("thumb", 0.99) / statistics.mean(b.p("thumb", 0.99) for b in a)
@@ -194,7 +224,7 @@ def main() -> int:
         "",
         f"Machine: {'; '.join(f'{k}: {v}' for k, v in machine().items())}; torch "
         f"{torch.__version__}. Model: the demo model "
-        f"(Qwen2-VL, small tower), {described['dtype']}. Two encoder replicas of one torch "
+        "(Qwen2-VL, small tower). Two encoder replicas of one torch "
         "thread each (`encoder.num_cpus` 0.5), the ingress and the node store beside them.",
         "",
         f"Command: `python loadtest/bench_routing.py {' '.join(sys.argv[1:])}`",
@@ -210,9 +240,7 @@ def main() -> int:
         *verdict,
         "",
     ]
-    print("\n".join(lines))
-    if args.out:
-        args.out.write_text("\n".join(lines))
+    write_page(lines, args.out)
     return 0
 
 

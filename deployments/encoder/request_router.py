@@ -10,15 +10,18 @@ first one whose queue is not full, retrying with backoff while all are. This cla
   patches; any other call has an empty hint and goes by load);
 * reads each replica's reported load from its routing stats
   (``EncoderDeployment.record_routing_stats``, every :data:`STATS_PERIOD_S`);
-* gives a replica that takes a call to the oldest waiting call the policy would send there
-  (FIFO among the calls it may take, as Serve's own router is FIFO): Serve's routing tasks
-  race for a freed slot, and without this a call that keeps losing the race waits through
-  slot after slot (an overload's admitted p99 went from ~5 s to ~18 s);
+* gives a replica that takes a call to the oldest waiting call whose first choice it is, else
+  to the call it was found for (FIFO among the calls that prefer it, as Serve's own router is
+  FIFO): Serve's routing tasks race for a freed slot, and without this a call that keeps
+  losing the race waits through slot after slot (an overload's admitted p99 went from ~12 s
+  to ~18 s); a call is not given a replica it only takes as a fallback while another call
+  prefers it, so a key stays with its owner when calls wait;
 * counts a call on its replica from the moment Serve assigns it until Serve reports it
   completed (``on_request_completed``, which Serve fires exactly once per dispatched call).
 
 Invariants: the order returned names only candidates, each once (the policy's invariant); a
-replica goes to the oldest waiting call whose own choice names it; a call whose assignment
+replica goes to the oldest waiting call whose own choice names it first, else to the call it
+was found for (whose choice names it); a call whose assignment
 Serve never dispatches stops counting after the policy's ``forget_after_s``; the router never
 blocks (no I/O of its own: Serve probes queue lengths).
 
@@ -106,14 +109,15 @@ class EncoderRequestRouter(RequestRouter):
         return [[by_id[r]] for r in routing.choose(hint, self._candidates, tie, waited_s)]
 
     def _oldest_pending_for(self, replica: str) -> PendingRequest | None:
-        """The oldest waiting call that the policy would send to ``replica`` now (FIFO among
-        the calls it may take, as Serve's own router is FIFO), or None."""
+        """The oldest waiting call whose first choice now is ``replica`` (FIFO among the calls
+        that prefer it, as Serve's own router is FIFO), or None."""
         routing, now = self._state(), time.time()
         for pending in self._pending_requests_to_fulfill:
             if pending.future.done():
                 continue
             tie, waited_s = pending.metadata.internal_request_id, now - pending.created_at
-            if replica in routing.choose(hint_of(pending), self._candidates, tie, waited_s):
+            order = routing.choose(hint_of(pending), self._candidates, tie, waited_s)
+            if order and order[0] == replica:
                 return pending
         return None
 

@@ -312,9 +312,9 @@ def test_the_choice_is_a_preference_order_that_keeps_the_rule(
     )
 
 
-def test_a_replica_goes_to_the_oldest_waiting_call_the_policy_would_send_there() -> None:
+def test_a_replica_goes_to_the_oldest_waiting_call_that_prefers_it() -> None:
     """The Serve adapter's FIFO (Serve's routing tasks race for a freed slot; the oldest call
-    that may take it gets it), on Serve's own queue of waiting calls, without a Serve."""
+    that prefers it gets it), on Serve's own queue of waiting calls, without a Serve."""
     from collections import deque
 
     from vitserve.deployments.encoder.request_router import EncoderRequestRouter
@@ -347,6 +347,15 @@ def test_a_replica_goes_to_the_oldest_waiting_call_the_policy_would_send_there()
     )
     assert router._oldest_pending_for("r-b").metadata.internal_request_id == "oldest"
     assert router._oldest_pending_for("r-a") is None  # no call may go to a replica past its room
-    control = waiting("control")  # no keys: anywhere, never held
+    control = waiting("control")  # no keys: anywhere, never held, spread by its id
     router._pending_requests_to_fulfill.appendleft(control)
-    assert router._oldest_pending_for("r-a") is control
+    first = router.routing.choose(RouteHint(), ["r-a", "r-b"], tie="control")[0]
+    assert router._oldest_pending_for(first) is control
+    router.routing.completed("big", "r-a")  # r-a idle again: each key's call to its owner first
+    router._pending_requests_to_fulfill.popleft()
+    keys = [f"key-{i}" for i in range(20)]
+    on_a = next(k for k in keys if owner_of(k, ["r-a", "r-b"]) == "r-a")
+    on_b = next(k for k in keys if owner_of(k, ["r-a", "r-b"]) == "r-b")
+    router._pending_requests_to_fulfill = deque([waiting("to-b", on_b), waiting("to-a", on_a)])
+    assert router._oldest_pending_for("r-a").metadata.internal_request_id == "to-a"
+    assert router._oldest_pending_for("r-b").metadata.internal_request_id == "to-b"
