@@ -216,7 +216,7 @@ def main() -> int:
     verdict = [
         f"Thumbnail p99, vitserve's router / Serve's (mean of its two blocks): "
         f"**{thumb_p99:.2f}x** (target <= 0.5: {'met' if thumb_p99 <= 0.5 else 'missed'}).",
-        f"Throughput (patches/s), vitserve's router / Serve's: **{tput:.2f}x** "
+        f"Throughput (patches/s), vitserve's router / Serve's: **{tput:.3f}x** "
         f"(target >= 1.0: {'met' if tput >= 1.0 else 'missed'}).",
     ]
     lines = [

@@ -286,6 +286,55 @@ def autoscaling(root: Path) -> str:
     )
 
 
+def floor(root: Path) -> str:
+    name = "floor-cpu.md"
+    text = page(root, name)
+    verdict = next(
+        (line for line in text.splitlines() if line.startswith("vitserve's HTTP p50 minus")), None
+    )
+    if verdict is None:
+        raise TableError(f"{name}: no 'vitserve's HTTP p50 minus' line")
+    return "\n".join(
+        [
+            *table_after(text, "Command:", name),
+            "",
+            verdict,
+            "",
+            f"From {link(name)} ({machine(text, name)}; the page also has vitserve's stages).",
+        ]
+    )
+
+
+def routing(root: Path) -> str:
+    mixed, repeats = "routing-cpu.md", "repeats-cpu.md"
+    mixed_text, repeats_text = page(root, mixed), page(root, repeats)
+    verdicts = [
+        line for line in mixed_text.splitlines() if line.startswith(("Thumbnail p99", "Throughput"))
+    ]
+    if len(verdicts) != 2:
+        raise TableError(f"{mixed}: no 'Thumbnail p99' and 'Throughput' lines")
+    return "\n".join(
+        [
+            "Serve's router vs vitserve's on two encoder replicas, thumbnails beside large "
+            "images, A-B-A blocks in one run (`loadtest/bench_routing.py`):",
+            "",
+            *table_after(mixed_text, "Blocks in order", mixed),
+            "",
+            *(f"- {v}" for v in verdicts),
+            "",
+            f"From {link(mixed)} ({machine(mixed_text, mixed)}).",
+            "",
+            "30% repeated images over two encoder and two ingress replicas "
+            "(`loadtest/bench_repeats.py`):",
+            "",
+            *table_after(repeats_text, "Blocks in order", repeats),
+            "",
+            f"From {link(repeats)} ({machine(repeats_text, repeats)}; the page says how each "
+            "column is counted).",
+        ]
+    )
+
+
 def reliability(root: Path) -> str:
     lines = []
     for name, what in (
@@ -331,11 +380,13 @@ def results_index(root: Path) -> str:
 
 SECTIONS: dict[str, Callable[[Path], str]] = {
     "hot-path": hot_path,
+    "floor": floor,
     "vllm": vllm,
     "encoder-batching": encoder_batching,
     "client": client,
     "load-test": load_test,
     "autoscaling": autoscaling,
+    "routing": routing,
     "reliability": reliability,
     "results-index": results_index,
 }
