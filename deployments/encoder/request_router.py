@@ -1,5 +1,5 @@
 """Serve's request router for the encoder deployment: :mod:`~vitserve.deployments.encoder.routing`
-fed from Serve's ``RequestRouter`` hooks (``encoder.routing: work``, the default).
+fed from Serve's ``RequestRouter`` hooks (``encoder.routing: work``).
 
 Serve makes one router per handle (the ingress's handle to the encoder, in each ingress
 replica) and asks it, per call, for a preference order of replicas; it sends the call to the
