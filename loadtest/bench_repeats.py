@@ -45,7 +45,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: loadtest.*
 
 from loadtest.bench_hot_path import machine
-from loadtest.bench_routing import abab, write_page
+from loadtest.bench_routing import abab, quantile, write_page
 from loadtest.harness.scenarios import ImagePool
 
 SIZES = ((112, 112), (224, 224))
@@ -62,8 +62,7 @@ class Block:
     counters: dict[str, float] = field(default_factory=dict)
 
     def p(self, kind: str, q: float) -> float:
-        xs = sorted(self.latencies[kind])
-        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+        return quantile(self.latencies[kind], q)
 
     @property
     def repeats(self) -> int:
@@ -161,19 +160,21 @@ def table(blocks: list[Block]) -> list[str]:
         "| repeat p50 / p99 (ms) | failures |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for i, b in enumerate(blocks, 1):
-        c = b.counters
-        requests = c["hits"] + c["misses"]
-        joins = " / ".join(f"{c[f'joins_{s}']:.0f}" for s in JOIN_SCOPES)
-        lines.append(
-            f"| {i} | {b.routing} | {requests:.0f} | {len(b.sent)} | {b.repeats} "
-            f"| {c['encoded']:.0f} | {c['encoded'] - len(b.sent):.0f} "
-            f"| {c['hits'] / max(b.repeats, 1):.1%} | {joins} "
-            f"| {b.p('new', 0.5) * 1e3:.0f} / {b.p('new', 0.99) * 1e3:.0f} "
-            f"| {b.p('repeat', 0.5) * 1e3:.0f} / {b.p('repeat', 0.99) * 1e3:.0f} "
-            f"| {len(b.failures)} |"
-        )
-    return lines
+    return lines + [row(i, b) for i, b in enumerate(blocks, 1)]
+
+
+def row(i: int, b: Block) -> str:
+    c = b.counters
+    requests = c["hits"] + c["misses"]
+    joins = " / ".join(f"{c[f'joins_{s}']:.0f}" for s in JOIN_SCOPES)
+    return (
+        f"| {i} | {b.routing} | {requests:.0f} | {len(b.sent)} | {b.repeats} "
+        f"| {c['encoded']:.0f} | {c['encoded'] - len(b.sent):.0f} "
+        f"| {c['hits'] / max(b.repeats, 1):.1%} | {joins} "
+        f"| {b.p('new', 0.5) * 1e3:.0f} / {b.p('new', 0.99) * 1e3:.0f} "
+        f"| {b.p('repeat', 0.5) * 1e3:.0f} / {b.p('repeat', 0.99) * 1e3:.0f} "
+        f"| {len(b.failures)} |"
+    )
 
 
 def main() -> int:
@@ -188,12 +189,9 @@ def main() -> int:
 
     import torch
 
-    def run(url: str, app: str, routing: str) -> Block:
-        block = run_block(url, app, routing, args)
-        print(table([block])[-1], flush=True)
-        return block
-
-    blocks = abab(args, run, ingress_replicas=2)
+    blocks = abab(
+        args, lambda url, app, routing: run_block(url, app, routing, args), row, ingress_replicas=2
+    )
     lines = [
         "# Routing: Serve's router vs vitserve's, 30% repeated images (CPU)",
         "",

@@ -45,6 +45,12 @@ ROUTINGS = ("serve-default", "work", "serve-default")
 _tags = itertools.count()
 
 
+def quantile(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (nearest rank; NaN when empty)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
 @dataclass
 class Block:
     routing: str
@@ -56,8 +62,7 @@ class Block:
     seconds: float = 0.0
 
     def p(self, kind: str, q: float) -> float:
-        xs = sorted(self.latencies[kind])
-        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+        return quantile(self.latencies[kind], q)
 
 
 def deploy(
@@ -85,10 +90,14 @@ def deploy(
 
 
 def abab(
-    args: argparse.Namespace, run: Callable[[str, str, str], Any], ingress_replicas: int = 1
+    args: argparse.Namespace,
+    run: Callable[[str, str, str], Any],
+    row: Callable[[int, Any], str],
+    ingress_replicas: int = 1,
 ) -> list[Any]:
     """Start Ray and Serve here, then per router of :data:`ROUTINGS`, one application at a time:
-    deploy it, ``run(url, app name, routing)``, delete it; the runs' results in order."""
+    deploy it, ``run(url, app name, routing)``, print ``row(block number, result)``, delete it;
+    the runs' results in order."""
     from ray import serve
 
     from vitserve.deployments.common.serving import resolve_model
@@ -101,6 +110,7 @@ def abab(
     for routing in ROUTINGS:
         name, _ = deploy(routing, args, model, ingress_replicas)
         results.append(run(f"{base}/{name}", name, routing))
+        print(row(len(results), results[-1]), flush=True)
         serve.delete(name)
     return results
 
@@ -179,15 +189,17 @@ def table(blocks: list[Block], args: argparse.Namespace) -> list[str]:
         "patches/s | 429 | failures |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for i, b in enumerate(blocks, 1):
-        refused = b.statuses.get(429, 0)
-        other = sum(n for s, n in b.statuses.items() if s != 429) + len(b.failures)
-        lines.append(
-            f"| {i} | {b.routing} | {b.p('thumb', 0.5) * 1e3:.0f} / {b.p('thumb', 0.99) * 1e3:.0f} "
-            f"| {b.p('large', 0.5) * 1e3:.0f} / {b.p('large', 0.99) * 1e3:.0f} "
-            f"| {b.images / b.seconds:.2f} | {b.patches / b.seconds:,.0f} | {refused} | {other} |"
-        )
-    return lines
+    return lines + [row(i, b) for i, b in enumerate(blocks, 1)]
+
+
+def row(i: int, b: Block) -> str:
+    refused = b.statuses.get(429, 0)
+    other = sum(n for s, n in b.statuses.items() if s != 429) + len(b.failures)
+    return (
+        f"| {i} | {b.routing} | {b.p('thumb', 0.5) * 1e3:.0f} / {b.p('thumb', 0.99) * 1e3:.0f} "
+        f"| {b.p('large', 0.5) * 1e3:.0f} / {b.p('large', 0.99) * 1e3:.0f} "
+        f"| {b.images / b.seconds:.2f} | {b.patches / b.seconds:,.0f} | {refused} | {other} |"
+    )
 
 
 def main() -> int:
@@ -203,12 +215,7 @@ def main() -> int:
 
     import torch
 
-    def run(url: str, app: str, routing: str) -> Block:
-        block = run_block(url, app, routing, args)
-        print(table([block], args)[-1], flush=True)
-        return block
-
-    blocks = abab(args, run)
+    blocks = abab(args, lambda url, app, routing: run_block(url, app, routing, args), row)
     a = [b for b in blocks if b.routing == "serve-default"]
     ours = next(b for b in blocks if b.routing == "work")
     thumb_p99 = ours.p("thumb", 0.99) / statistics.mean(b.p("thumb", 0.99) for b in a)

@@ -7,9 +7,9 @@ a like size (patches within ``max_size_ratio`` of the oldest's, either way), as 
 ``max_batch_patches`` (at least one: an image over the cap runs alone), and runs them as one
 device step (the engine's planner splits a step into uniform-bucket forwards under its
 activation budget). Every image of a step waits for the whole step, so a thumbnail never rides
-in a large image's step (on a CPU host a 112px thumbnail that did came back with the 1344px
-image, ten times later: ``loadtest/results/routing-cpu.md``). The images passed over keep their
-order and the oldest always leads the next step, so none is passed over forever.
+in a large image's step (one that did came back with the large image, not after its own
+short forward). The images passed over keep their order and the oldest always leads the next
+step, so none is passed over forever.
 Images that arrive while a step runs wait for the next one, so concurrent requests share
 forwards as soon as there is a queue, and an image on an idle device never waits for company:
 ``batch_wait_timeout_s`` (default 0) is the most a free device waits after the first image for

@@ -13,8 +13,8 @@ first one whose queue is not full, retrying with backoff while all are. This cla
 * gives a replica that takes a call to the oldest waiting call whose first choice it is, else
   to the call it was found for (FIFO among the calls that prefer it, as Serve's own router is
   FIFO): Serve's routing tasks race for a freed slot, and without this a call that keeps
-  losing the race waits through slot after slot (an overload's admitted p99 went from ~12 s
-  to ~18 s); a call is not given a replica it only takes as a fallback while another call
+  losing the race waits through slot after slot (the overload test's admitted p99 is where
+  it shows); a call is not given a replica it only takes as a fallback while another call
   prefers it, so a key stays with its owner when calls wait;
 * counts a call on its replica from the moment Serve assigns it until Serve reports it
   completed (``on_request_completed``, which Serve fires exactly once per dispatched call).
