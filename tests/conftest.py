@@ -692,17 +692,24 @@ class FastTierGuard:
         return refuse
 
     def __enter__(self) -> FastTierGuard:
+        import importlib.util
         import subprocess
 
-        import ray
-        import redis.asyncio.connection
-        import redis.connection
-
         patch = self._patch.setattr
-        patch(ray, "init", self._refuse("ray.init", "ray"))
-        patch(ray._private.worker, "init", self._refuse("ray.init", "ray"))
-        for module in (redis.connection, redis.asyncio.connection):
-            patch(module.AbstractConnection, "connect", self._refuse("a Redis connection", "redis"))
+        # Ray or redis-py not installed (a GPU machine running only `-m gpu`, without the
+        # server extra): nothing in the run can start Ray or connect, so nothing to refuse.
+        if importlib.util.find_spec("ray") is not None:
+            import ray
+
+            patch(ray, "init", self._refuse("ray.init", "ray"))
+            patch(ray._private.worker, "init", self._refuse("ray.init", "ray"))
+        if importlib.util.find_spec("redis") is not None:
+            import redis.asyncio.connection
+            import redis.connection
+
+            for module in (redis.connection, redis.asyncio.connection):
+                refuse = self._refuse("a Redis connection", "redis")
+                patch(module.AbstractConnection, "connect", refuse)
         refuse_process = self._refuse("a subprocess", "subprocess")
         execute_child = subprocess.Popen._execute_child
 

@@ -1,7 +1,8 @@
 """The encoder application: ``POST /v1/encode`` and friends, down to the device.
 
 Lives here: the HTTP ingress (``ingress``) and its hash-first encode flow (``encode_flow``), the
-encoder replicas (``replica``), the preprocess replicas and preprocessing wherever it runs
+encoder replicas (``replica``) and the store record they publish (``records``, Ray-free so the
+GPU tests run without Ray), the preprocess replicas and preprocessing wherever it runs
 (``preprocessing``), what crosses a process between them (``wire``: the ingress, the preprocess
 and the encoder replicas import it, never each other), the one queue in front of the device
 (``device_queue``), admission by work (``admission``), single flight across requests and

@@ -40,13 +40,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from ray import serve
 
 from vitserve.cache import open_connection
 from vitserve.cache.base import EmbeddingStore
-from vitserve.cache.codec import EmbeddingRecord, encode_record, read_header
+from vitserve.cache.codec import encode_record, read_header
 from vitserve.cache.views import StoreViews
 from vitserve.deployments.common import metrics
 from vitserve.deployments.common.config import VitserveConfig
@@ -54,6 +53,7 @@ from vitserve.deployments.encoder import autoscaling, routing
 from vitserve.deployments.encoder.admission import Ticket, WorkBudget, image_work
 from vitserve.deployments.encoder.device_queue import DeviceQueue, Work
 from vitserve.deployments.encoder.preprocessing import make_preprocessor, prepare_all
+from vitserve.deployments.encoder.records import embedding_record
 from vitserve.deployments.encoder.single_flight import ClaimState, Role, SingleFlight
 from vitserve.deployments.encoder.wire import (
     EncodeBatch,
@@ -78,28 +78,6 @@ class Publish:
 
     store: EmbeddingStore
     release: tuple[str, str] | None
-
-
-def embedding_record(embedding: Any, fingerprint: str) -> Any:
-    """The store record of an engine ``Embedding``: numpy views of its tensors (bf16 as raw
-    16-bit words); tensors on a GPU are copied to host memory first (a store holds bytes)."""
-
-    def host(t: torch.Tensor) -> np.ndarray:
-        t = t.detach().to("cpu")  # no copy when already on the CPU
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(np.uint16)
-        return t.numpy()
-
-    tensors = {"embedding": host(embedding.tensor)}
-    tensors |= {name: host(t) for name, t in embedding.extras.items()}
-    return EmbeddingRecord(
-        key=embedding.key,
-        fingerprint=fingerprint,
-        dtype=dtype_name(embedding.tensor.dtype),
-        num_tokens=embedding.num_tokens,
-        grid=embedding.grid,
-        tensors=tensors,
-    )
 
 
 def _release_on_done(ticket: Ticket, i: int, _: asyncio.Future) -> None:

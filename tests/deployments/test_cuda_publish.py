@@ -2,9 +2,10 @@
 see tests/gpu.py).
 
 The encoder replica turns each engine ``Embedding`` (tensors on the device) into a store record
-with ``embedding_record`` and the codec's ``encode_record``, as its publish path does; nothing
-else of the replica is needed, so no Ray cluster is started and an in-process memory store
-stands in for the replica's. The record read back from a store holds the device's
+with ``embedding_record`` (``deployments/encoder/records.py``, which imports no Ray) and the
+codec's ``encode_record``, as its publish path does; nothing else of the replica is needed, so
+the test runs on a GPU machine without Ray, and an in-process memory store stands in for the
+replica's. The record read back from a store holds the device's
 values bit for bit (bf16 as its raw words, fp16 and fp32 as they are), with the header's dtype,
 token count and grid, and the SDK's ``device="cuda"`` path turns it back into a tensor equal to
 the one the encoder produced.
@@ -43,9 +44,7 @@ def test_a_cuda_embedding_is_published_bit_for_bit(
 
     from vitserve.cache.codec import encode_record
     from vitserve.client.device import as_tensor
-
-    # heavy (Ray Serve), and only here: this module is collected on every machine
-    from vitserve.deployments.encoder.replica import embedding_record
+    from vitserve.deployments.encoder.records import embedding_record
     from vitserve.encoder.device import dtype_name
     from vitserve.encoder.engine import EncoderEngine
 

@@ -380,7 +380,7 @@ def test_corrupted_entries_are_misses_and_re_encoded(
     from vitserve.cache.codec import encode_record, unpack_records
     from vitserve.cache.node import NodeStore
     from vitserve.client import EncoderClient
-    from vitserve.deployments.encoder.replica import embedding_record
+    from vitserve.deployments.encoder.records import embedding_record
 
     engine = engines["qwen2_vl"]
     requests = 0
