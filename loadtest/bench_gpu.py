@@ -13,7 +13,8 @@ once on the CPU (not timed). Two strategies of vitserve's own engine (``EncoderE
 
 Prints images/s and patches/s (median over rounds), forwards, peak device memory and how far
 the bucketed embeddings lie from the per-image ones (ulps of their scale), and writes a results
-page, ``loadtest/results/gpu-<card>.md``, that names the card.
+page, ``loadtest/results/gpu-<card>.md`` (``gpu-<card>-<family>.md`` for another family than
+the default), that names the card.
 
 Invariants:
 
@@ -51,6 +52,7 @@ STRATEGIES = ("per-image", "bucketed")
 # (count, width, height) of the image set: many thumbnails, fewer large images, as a chat load.
 GPU_SET = ((16, 224, 224), (8, 448, 448), (4, 640, 480), (2, 1280, 720), (2, 1920, 1080))
 TINY_SET = ((3, 64, 64), (2, 200, 120), (1, 333, 517))
+DEFAULT_FAMILY = "qwen2_vl"
 
 
 @dataclass
@@ -67,10 +69,11 @@ class Measured:
         return statistics.median(self.seconds)
 
 
-def page_name(card: str) -> str:
-    """The results page of a card: ``NVIDIA H100 80GB HBM3`` -> ``gpu-nvidia-h100-80gb-hbm3.md``."""
-    slug = re.sub(r"[^a-z0-9]+", "-", card.lower()).strip("-")
-    return f"gpu-{slug or 'unknown'}.md"
+def page_name(card: str, family: str = DEFAULT_FAMILY) -> str:
+    """The results page of a card and family: ``NVIDIA H100 80GB HBM3`` ->
+    ``gpu-nvidia-h100-80gb-hbm3.md`` for the default family, ``...-<family>.md`` for another."""
+    slug = re.sub(r"[^a-z0-9]+", "-", card.lower()).strip("-") or "unknown"
+    return f"gpu-{slug}.md" if family == DEFAULT_FAMILY else f"gpu-{slug}-{family}.md"
 
 
 def image_set(sizes: tuple[tuple[int, int, int], ...]) -> list[tuple[str, bytes]]:
@@ -163,7 +166,8 @@ def render(run: dict[str, Any]) -> str:
     per, bucketed = res["per-image"], res["bucketed"]
     n, patches = run["images"], run["patches"]
     lines = [
-        f"# Bucketed vs per-image encoding on {info['card']} ({run['date']})",
+        f"# Bucketed vs per-image encoding, {run['family']} tower, on {info['card']} "
+        f"({run['date']})",
         "",
         f"Card: {info['card']}"
         + (f" ({info['memory']}, CUDA {info['cuda']})" if "cuda" in info else "")
@@ -204,7 +208,7 @@ def render(run: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--family", default="qwen2_vl", help="test-model family (%(default)s)")
+    parser.add_argument("--family", default=DEFAULT_FAMILY, help="test-model family (%(default)s)")
     parser.add_argument("--model", help="a model folder instead of the family's test model")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument(
@@ -216,7 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="default: 5 (--tiny: 1)")
     parser.add_argument("--budget-bytes", type=int, default=None)
     parser.add_argument(
-        "--out", type=Path, help="the page (default on CUDA: loadtest/results/gpu-<card>.md)"
+        "--out",
+        type=Path,
+        help="the page (default on CUDA: loadtest/results/gpu-<card>[-<family>].md)",
     )
     args = parser.parse_args(argv)
     if args.device == "cpu" and not args.tiny:
@@ -285,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + text)
     out = args.out
     if out is None and engine.device.type == "cuda":
-        out = RESULTS / page_name(info["card"])
+        out = RESULTS / page_name(info["card"], engine.family)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)

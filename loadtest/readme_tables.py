@@ -211,6 +211,35 @@ def encoder_batching(root: Path) -> str:
     )
 
 
+def gpu(root: Path) -> str:
+    """Every ``gpu-*.md`` page of ``loadtest/bench_gpu.py``: one row per card and family."""
+    rows = [
+        "| family | card | per-image images/s | bucketed images/s | bucketed / per-image "
+        "| forwards | bucketed vs per-image | page |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    names = sorted(p.name for p in (root / RESULTS).glob("gpu-*.md"))
+    if not names:
+        return "No GPU run yet: `make bench-gpu` on a GPU machine writes the first page."
+    for name in names:
+        text = page(root, name)
+        head = re.search(r"^# .*?, (\S+) tower, on (.+) \(\d{4}-\d\d-\d\d\)$", text, re.M)
+        ratio = re.search(r"^bucketed / per-image throughput: ([0-9.]+x)", text, re.M)
+        ulps = re.search(r"at most ([0-9.e+-]+) ulps of their scale", text)
+        if not (head and ratio and ulps):
+            raise TableError(f"{name}: no title, throughput ratio or ulps line")
+        found = tables(text)
+        by = rows_by(found[0], 0) if found else {}
+        if {("per-image",), ("bucketed",)} - set(by):
+            raise TableError(f"{name}: no per-image or bucketed row")
+        per, bucketed = by[("per-image",)], by[("bucketed",)]
+        rows.append(
+            f"| {head.group(1)} | {head.group(2)} | {per[2]} | {bucketed[2]} | {ratio.group(1)} "
+            f"| {per[4]} -> {bucketed[4]} | {ulps.group(1)} ulps | {link(name)} |"
+        )
+    return "\n".join(rows)
+
+
 CLIENT_PAGES = (
     ("client-turns-cpu.md", "multi-turn probe"),
     ("client-cached-cpu.md", "all-cached encode"),
@@ -383,6 +412,7 @@ SECTIONS: dict[str, Callable[[Path], str]] = {
     "floor": floor,
     "vllm": vllm,
     "encoder-batching": encoder_batching,
+    "gpu": gpu,
     "client": client,
     "load-test": load_test,
     "autoscaling": autoscaling,

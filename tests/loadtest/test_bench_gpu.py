@@ -42,7 +42,7 @@ def test_the_smoke_run_measures_both_strategies_and_writes_its_page(
     bench.main([*argv, "--model", str(tiny_models["qwen2_vl"]), "--out", str(out)])
     page = out.read_text()
     images = sum(count for count, _, _ in bench.TINY_SET)
-    assert page.startswith("# Bucketed vs per-image encoding on cpu (smoke run) (")
+    assert page.startswith("# Bucketed vs per-image encoding, qwen2_vl tower, on cpu (smoke run) (")
     assert f"Workload: {images} images (" in page and "; 1 round." in page
     per, bucketed = _row(page, "per-image"), _row(page, "bucketed")
     assert int(per[4]) == images  # one forward per image
@@ -96,3 +96,4 @@ def test_the_page_is_named_after_the_card(bench: ModuleType) -> None:
     assert bench.page_name("NVIDIA H100 80GB HBM3") == "gpu-nvidia-h100-80gb-hbm3.md"
     assert bench.page_name("NVIDIA H200") == "gpu-nvidia-h200.md"
     assert bench.page_name("Tesla T4 (PCIe)") == "gpu-tesla-t4-pcie.md"
+    assert bench.page_name("NVIDIA H200", "qwen3_vl") == "gpu-nvidia-h200-qwen3_vl.md"

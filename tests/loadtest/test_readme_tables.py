@@ -112,3 +112,28 @@ def test_a_page_missing_what_a_section_reads_is_an_error(tmp_path: Path) -> None
     page.write_text(page.read_text().replace("## Targets", "## Aims"))
     with pytest.raises(readme_tables.TableError, match=re.escape("vllm-cpu.md: no section")):
         readme_tables.generate(root)
+
+
+def test_the_gpu_table_has_a_row_per_page_and_refuses_a_page_it_cannot_read(
+    tmp_path: Path,
+) -> None:
+    root = copy_of_repo(tmp_path)
+    results = root / readme_tables.RESULTS
+    source = results / "gpu-nvidia-h100-80gb-hbm3.md"
+    text = source.read_text()
+    assert "| bucketed | 0.298 | 107.4 |" in text, "the H100 page changed: update this test"
+    other = text.replace("NVIDIA H100 80GB HBM3", "NVIDIA H200").replace(
+        "| bucketed | 0.298 | 107.4 |", "| bucketed | 0.250 | 128.0 |"
+    )
+    (results / "gpu-nvidia-h200.md").write_text(other)
+    section = readme_tables.gpu(root)
+    assert "| qwen2_vl | NVIDIA H200 | 45.2 | 128.0 |" in section
+    assert "| qwen2_vl | NVIDIA H100 80GB HBM3 | 45.2 | 107.4 |" in section
+
+    (results / "gpu-nvidia-h200.md").write_text(other.replace("throughput:", "speed:"))
+    with pytest.raises(readme_tables.TableError, match=re.escape("gpu-nvidia-h200.md: no title")):
+        readme_tables.gpu(root)
+
+    for page in results.glob("gpu-*.md"):
+        page.unlink()
+    assert readme_tables.gpu(root).startswith("No GPU run yet")
