@@ -78,17 +78,21 @@ def ray_cluster():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
+    from vitserve.deployments.runner.local import LOCAL_SYSTEM_CONFIG
+
     if not ray.is_initialized():
         # address="local": a new cluster of this session, never one left running on the
         # machine (ray.init() alone would join a `ray start` cluster). Metrics reach the
         # node's endpoint every second (default 10 s), so tests of /metrics wait briefly.
+        # Workers at the embedded runner's niceness (0, not Ray's 15): else the test's own
+        # client threads, at nice 0, take the CPU from the replicas they load.
         ray.init(
             address="local",
             num_cpus=2,
             include_dashboard=False,
             namespace="vitserve-tests",
             logging_level="warning",
-            _system_config={"metrics_report_interval_ms": 1000},
+            _system_config={"metrics_report_interval_ms": 1000, **LOCAL_SYSTEM_CONFIG},
         )
     yield ray
     ray.shutdown()
