@@ -12,6 +12,7 @@ every image answered 200 is there.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -26,6 +27,9 @@ from tests.conftest import RedisServer
 from vitserve.encoder.testimages import make_image
 
 STOP_LIMIT_S = 10.0  # the brief: Kubernetes and systemd wait 30 s; we promise 10
+# From the signal to the drain's start, and from its report to the exit (the teardown of torch's
+# and Ray's modules, skipped, took seconds on a loaded 2-vCPU machine).
+EXIT_SLACK_S = 2.0
 IN_FLIGHT = 6  # new 448px images, each its own request: several seconds of work on a CPU
 RESET = ("ConnectError", "ReadError", "RemoteProtocolError")
 
@@ -124,16 +128,21 @@ def test_serve_stops_within_10s_answering_every_request_in_flight(
             proc.send_signal(signal.SIGTERM)
         else:  # Ctrl-C: the terminal signals the whole foreground process group
             os.killpg(proc.pid, signal.SIGINT)
+        # The process's exit, timed as it happens: the loop below may be inside a request
+        # (up to its timeout) when the process exits, and that wait is the test's, not the stop's.
+        exited: list[float] = []
+        watcher = threading.Thread(
+            target=lambda: (proc.wait(), exited.append(time.monotonic())), daemon=True
+        )
+        watcher.start()
 
         late: list[tuple[str, httpx.Response | None]] = []  # sent after the signal
-        while proc.poll() is None and time.monotonic() - signalled < STOP_LIMIT_S + 5:
+        while not exited and time.monotonic() - signalled < STOP_LIMIT_S + 5:
             late.append(_post(url, make_image(32, 32, seed=8_100_100 + len(late)), timeout=10))
             time.sleep(0.3)
-        try:
-            code = proc.wait(timeout=max(0.1, signalled + STOP_LIMIT_S + 5 - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            code = None
-        stopped_s = time.monotonic() - signalled
+        watcher.join(timeout=max(0.1, signalled + STOP_LIMIT_S + 5 - time.monotonic()))
+        code = proc.returncode if exited else None
+        stopped_s = (exited[0] if exited else time.monotonic()) - signalled
         for t in threads:
             t.join(timeout=30)
         after = _post(url, make_image(32, 32, seed=8_100_099), timeout=5)
@@ -145,7 +154,10 @@ def test_serve_stops_within_10s_answering_every_request_in_flight(
 
     assert code == 0, out[-3000:]
     assert stopped_s < STOP_LIMIT_S, (stopped_s, out[-3000:])
-    assert "stopped in" in out, out[-3000:]
+    # The exit follows the stop's own report at once: the interpreter's teardown is skipped.
+    reported = re.search(r"stopped in ([0-9.]+) s", out)
+    assert reported, out[-3000:]
+    assert stopped_s - float(reported.group(1)) < EXIT_SLACK_S, (stopped_s, reported.group(0))
     # Every request in flight got an answer: its own (200) or a 503 in the error shape.
     assert len(in_flight) == IN_FLIGHT
     statuses = [r.status_code if r is not None else status for status, r, _ in in_flight]
