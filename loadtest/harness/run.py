@@ -77,8 +77,8 @@ AGENT_NOTE = (
     "the reuse shows as images sent (images/s) vs images encoded."
 )
 # Autoscaling on work (vitserve.deployments.encoder.autoscaling) on the embedded default (2 CPUs:
-# ingress + encoders of 0.5 CPU each), short delays so the step shows both directions, unless
-# --set overrides.
+# ingress + encoders of 0.5 CPU each), short delays so the step shows both directions; --set
+# adds to them (and overrides a setting it names).
 STEP_SET = [
     "encoder.autoscaling.policy=work",
     "encoder.autoscaling.min_replicas=1",
@@ -184,9 +184,10 @@ def run_scenario(name: str, args: argparse.Namespace, progress: Any) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     srv = None
     url = args.url
-    extra = [f for s in (args.set or []) for f in ("--set", s)]
-    if name == "step" and not args.set:
-        extra = [f for s in STEP_SET for f in ("--set", s)]
+    # the step load's autoscaling settings first, so that --set (a model, say) adds to them
+    # and overrides what it names
+    settings = [*(STEP_SET if name == "step" else []), *(args.set or [])]
+    extra = [f for s in settings for f in ("--set", s)]
     chat_url = None
     if name == "chat":
         chat_url = args.chat_url
