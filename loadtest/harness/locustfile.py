@@ -219,4 +219,10 @@ class PointShape(LoadTestShape):
     length: ClassVar = RunLength(*CONF.get("length", [10, 0, 10]))
 
     def tick(self) -> tuple[int, float] | None:
-        return closed_loop_tick(self.stages, self.length, self.get_run_time(), _counted["requests"])
+        # the length counts from the first request's start (the window the report measures),
+        # not from the shape's start: users take a moment to send their first requests
+        first = _counted["first"]
+        window_s = None if first is None else time.time() - first
+        return closed_loop_tick(
+            self.stages, self.length, self.get_run_time(), _counted["requests"], window_s
+        )
