@@ -98,8 +98,9 @@ bench: install
 # requests (the publishing rule); hours on a 2-vCPU machine (a scenario at a time:
 # SCENARIOS='random'). Then `make readme`.
 SCENARIOS ?=
+BENCH_PUBLISH_ARGS ?=
 bench-publish: install
-	RAY_AUTH_MODE=disabled flock /tmp/vitserve-heavy.lock $(PY) -m loadtest.harness $(SCENARIOS)
+	RAY_AUTH_MODE=disabled flock /tmp/vitserve-heavy.lock $(PY) -m loadtest.harness $(SCENARIOS) $(BENCH_PUBLISH_ARGS)
 
 # Bucketed vs per-image throughput on a real-size random-weight tower (Qwen2-VL's published
 # ViT by default), on the GPU; writes loadtest/results/gpu-<card>.md. Refuses without CUDA

@@ -268,22 +268,47 @@ def latest(root: Path, scenario: str) -> str:
     return runs[-1]
 
 
+LOAD_SCENARIOS = ("random", "open", "agent", "cache_off", "step", "chat")
+LOAD_COLUMNS = ("load", "requests", "seconds", "req/s", "p50 ms", "p99 ms")
+
+
 def load_test(root: Path) -> str:
+    """The ``random`` scenario's latest report in full, then one row per point of every
+    scenario's latest run: its load, length, throughput, latency, goodput at both SLOs and
+    whether it meets the publishing rule."""
     run = latest(root, "random")
     name = f"{run}/report.md"
     text = page(root, name)
-    others = []
-    for scenario in ("agent", "cache_off", "step"):
-        other = latest(root, scenario)
-        others.append(f"[`{scenario}`]({RESULTS}/{other}/report.md)")
+    rows = []
+    for scenario in LOAD_SCENARIOS:
+        report = f"{latest(root, scenario)}/report.md"
+        table = table_after(page(root, report), "Started ", report)
+        head = cells(table[0])
+        goodput = [h for h in head if h.startswith("goodput")]
+        missing = [c for c in (*LOAD_COLUMNS, "publishing rule") if c not in head]
+        if missing or len(goodput) != 2:
+            raise TableError(f"{report}: no column {missing or 'goodput (two SLOs)'}")
+        for line in table[2:]:
+            row = dict(zip(head, cells(line), strict=True))
+            slos = "; ".join(f"{h.split(', ', 1)[1]}: {row[h]}" for h in goodput)
+            rows.append(
+                f"| [`{scenario}`]({RESULTS}/{report}) | "
+                + " | ".join(row[c] for c in LOAD_COLUMNS)
+                + f" | {slos} | {row['publishing rule']} |"
+            )
     return "\n".join(
         [
             *table_after(text, "Started ", name),
             "",
             f"![throughput vs concurrency]({RESULTS}/{run}/throughput_vs_concurrency.png)",
             "",
-            f"From {link(name)} (the `random` scenario; {machine(text, name)}). The other "
-            f"scenarios' latest runs: {', '.join(others)}.",
+            f"From {link(name)} (the `random` scenario; {machine(text, name)}). Every "
+            "scenario's latest run, a row per point (goodput: req/s within the SLO, and their "
+            "share):",
+            "",
+            "| scenario | " + " | ".join(LOAD_COLUMNS) + " | goodput | publishing rule |",
+            "|---" * (len(LOAD_COLUMNS) + 3) + "|",
+            *rows,
         ]
     )
 

@@ -87,9 +87,14 @@ def test_the_load_test_table_comes_from_the_newest_run(tmp_path: Path) -> None:
     newer = root / readme_tables.RESULTS / "random-29991231-000000"
     shutil.copytree(root / readme_tables.RESULTS / newest, newer)
     report = newer / "report.md"
-    report.write_text(report.read_text().replace("| 4 | 11 | 0 | 0.55 |", "| 4 | 99 | 0 | 0.55 |"))
+    row = "| 4 users | 2494 | 0 | 61 | 40.94 |"
+    assert row in report.read_text(), "the random run's 4-user row changed: update this test"
+    report.write_text(report.read_text().replace(row, "| 4 users | 9999 | 0 | 61 | 40.94 |"))
     section = readme_tables.load_test(root)
-    assert "| 4 | 99 | 0 | 0.55 |" in section and "random-29991231-000000/report.md" in section
+    assert "| 4 users | 9999 | 0 | 61 | 40.94 |" in section
+    assert "| [`random`](loadtest/results/random-29991231-000000/report.md) | 4 users | 9999 |" in (
+        section
+    )
 
 
 @pytest.mark.parametrize(
