@@ -360,23 +360,39 @@ def floor(root: Path) -> str:
 
 
 def routing(root: Path) -> str:
-    mixed, repeats = "routing-cpu.md", "repeats-cpu.md"
-    mixed_text, repeats_text = page(root, mixed), page(root, repeats)
-    verdicts = [
-        line for line in mixed_text.splitlines() if line.startswith(("Thumbnail p99", "Throughput"))
+    """Every ``routing-cpu*.md`` page (one per machine it ran on: the verdicts differ), then the
+    repeats page."""
+    repeats = "repeats-cpu.md"
+    repeats_text = page(root, repeats)
+    mixed_pages = sorted(p.name for p in (root / RESULTS).glob("routing-cpu*.md"))
+    if not mixed_pages:
+        raise TableError(f"{RESULTS}: no routing-cpu*.md page")
+    lines = [
+        "Serve's router vs vitserve's on two encoder replicas, thumbnails beside large "
+        "images, A-B-A blocks in one run (`loadtest/bench_routing.py`), on each machine it ran on:",
     ]
-    if len(verdicts) != 2:
-        raise TableError(f"{mixed}: no 'Thumbnail p99' and 'Throughput' lines")
-    return "\n".join(
-        [
-            "Serve's router vs vitserve's on two encoder replicas, thumbnails beside large "
-            "images, A-B-A blocks in one run (`loadtest/bench_routing.py`):",
+    for mixed in mixed_pages:
+        mixed_text = page(root, mixed)
+        verdicts = [
+            line
+            for line in mixed_text.splitlines()
+            if line.startswith(("Thumbnail p99", "Throughput"))
+        ]
+        if len(verdicts) != 2:
+            raise TableError(f"{mixed}: no 'Thumbnail p99' and 'Throughput' lines")
+        flags = re.search(r"flags: ([^;\n]+)", mixed_text)
+        cpu = machine(mixed_text, mixed) + (f"; {flags.group(1).strip()}" if flags else "")
+        lines += [
+            "",
+            f"From {link(mixed)} ({cpu}):",
             "",
             *table_after(mixed_text, "Blocks in order", mixed),
             "",
             *(f"- {v}" for v in verdicts),
-            "",
-            f"From {link(mixed)} ({machine(mixed_text, mixed)}).",
+        ]
+    return "\n".join(
+        [
+            *lines,
             "",
             "30% repeated images over two encoder and two ingress replicas "
             "(`loadtest/bench_repeats.py`):",
