@@ -17,7 +17,9 @@ first one whose queue is not full, retrying with backoff while all are. This cla
   it shows); a call is not given a replica it only takes as a fallback while another call
   prefers it, so a key stays with its owner when calls wait;
 * counts a call on its replica from the moment Serve assigns it until Serve reports it
-  completed (``on_request_completed``, which Serve fires exactly once per dispatched call).
+  completed (``on_request_completed``, which Serve fires exactly once per dispatched call),
+  and subtracts its own calls from the replicas' reports by the caller name of the process it
+  runs in (``routing.THIS_CALLER``, read there: Serve ships this class pickled by value).
 
 Invariants: the order returned names only candidates, each once (the policy's invariant); a
 replica goes to the oldest waiting call whose own choice names it first, else to the call it
@@ -40,10 +42,10 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from vitserve.deployments.encoder import routing as routing_module
 from vitserve.deployments.encoder.routing import (
     DEFAULT_BALANCE,
     DEFAULT_HOLD_S,
-    THIS_CALLER,
     RouteHint,
     WorkRouting,
 )
@@ -78,7 +80,12 @@ class EncoderRequestRouter(RequestRouter):
     ) -> None:
         if kwargs:
             raise TypeError(f"unknown request_router_kwargs: {sorted(kwargs)}")
-        self.routing = WorkRouting(balance=balance, hold_s=hold_s, me=THIS_CALLER)
+        # This process's caller name, read from the routing module at run time: Serve ships
+        # this class pickled by value (RequestRouterConfig registers its module with
+        # cloudpickle), so a name imported into this module would be the deploying process's,
+        # never matching the calls' (the module object itself travels by reference).
+        me = routing_module.THIS_CALLER
+        self.routing = WorkRouting(balance=balance, hold_s=hold_s, me=me)
         self._candidates = []
 
     def _state(self) -> WorkRouting:
