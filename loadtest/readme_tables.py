@@ -369,7 +369,7 @@ def routing(root: Path) -> str:
         raise TableError(f"{RESULTS}: no routing-cpu*.md page")
     lines = [
         "Serve's router vs vitserve's on two encoder replicas, thumbnails beside large "
-        "images, A-B-A blocks in one run (`loadtest/bench_routing.py`), on each machine it ran on:",
+        "images, A-B-A blocks in one run (`loadtest/bench_routing.py`):",
     ]
     for mixed in mixed_pages:
         mixed_text = page(root, mixed)
