@@ -127,11 +127,10 @@ class EncoderDeploymentConfig(DeploymentConfig):
     ``work``: vitserve's router (``vitserve.deployments.encoder.routing``: by queued patches,
     each image key kept on a stable replica while its load allows, a call that finds no
     replica with room held in the router for up to ``routing_hold_s``, then answered by the
-    least loaded replica's admission); ``serve-default`` (the default until ``work`` meets the
-    mixed-load run's throughput target and CI's overload bound): Serve's power of two choices
-    on ongoing calls."""
+    least loaded replica's admission; the default); ``serve-default``: Serve's power of two
+    choices on ongoing calls."""
 
-    routing: Literal["work", "serve-default"] = "serve-default"
+    routing: Literal["work", "serve-default"] = "work"
     routing_hold_s: float = Field(DEFAULT_ROUTING_HOLD_S, ge=0)
 
 
