@@ -360,39 +360,26 @@ def floor(root: Path) -> str:
 
 
 def routing(root: Path) -> str:
-    """Every ``routing-cpu*.md`` page (one per machine it ran on: the verdicts differ), then the
-    repeats page."""
-    repeats = "repeats-cpu.md"
-    repeats_text = page(root, repeats)
-    mixed_pages = sorted(p.name for p in (root / RESULTS).glob("routing-cpu*.md"))
-    if not mixed_pages:
-        raise TableError(f"{RESULTS}: no routing-cpu*.md page")
-    lines = [
-        "Serve's router vs vitserve's on two encoder replicas, thumbnails beside large "
-        "images, A-B-A blocks in one run (`loadtest/bench_routing.py`):",
+    mixed, repeats = "routing-cpu.md", "repeats-cpu.md"
+    mixed_text, repeats_text = page(root, mixed), page(root, repeats)
+    verdicts = [
+        line for line in mixed_text.splitlines() if line.startswith(("Thumbnail p99", "Throughput"))
     ]
-    for mixed in mixed_pages:
-        mixed_text = page(root, mixed)
-        verdicts = [
-            line
-            for line in mixed_text.splitlines()
-            if line.startswith(("Thumbnail p99", "Throughput"))
-        ]
-        if len(verdicts) != 2:
-            raise TableError(f"{mixed}: no 'Thumbnail p99' and 'Throughput' lines")
-        flags = re.search(r"flags: ([^;\n]+)", mixed_text)
-        cpu = machine(mixed_text, mixed) + (f"; {flags.group(1).strip()}" if flags else "")
-        lines += [
-            "",
-            f"From {link(mixed)} ({cpu}):",
+    if len(verdicts) != 2:
+        raise TableError(f"{mixed}: no 'Thumbnail p99' and 'Throughput' lines")
+    # the CPU's flags beside its name: pages of this kind of machine differ in them
+    flags = re.search(r"flags: ([^;\n]+)", mixed_text)
+    cpu = machine(mixed_text, mixed) + (f"; {flags.group(1).strip()}" if flags else "")
+    return "\n".join(
+        [
+            "Serve's router vs vitserve's on two encoder replicas, thumbnails beside large "
+            "images, A-B-A blocks in one run (`loadtest/bench_routing.py`):",
             "",
             *table_after(mixed_text, "Blocks in order", mixed),
             "",
             *(f"- {v}" for v in verdicts),
-        ]
-    return "\n".join(
-        [
-            *lines,
+            "",
+            f"From {link(mixed)} ({cpu}).",
             "",
             "30% repeated images over two encoder and two ingress replicas "
             "(`loadtest/bench_repeats.py`):",

@@ -35,9 +35,9 @@ def test_encoder_never_imports_ray_redis_or_http(tiny_models) -> None:
 
 
 def test_the_gpu_tests_need_no_ray_or_redis() -> None:
-    """``make test-gpu`` runs on a GPU machine that may hold torch and no server extra: what its
-    tests import (the engine, the publish path's record, the SDK's device copy, the memory
-    store) loads no Ray or Redis."""
+    """The ``gpu`` tests run, file by file, on a GPU machine that may hold torch and no server
+    extra: what they import (the engine, the publish path's record, the SDK's device copy, the
+    memory store) loads no Ray or Redis."""
     loaded = _modules_after(
         "import vitserve.encoder.engine\n"
         "import vitserve.deployments.encoder.records\n"
