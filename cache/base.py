@@ -43,6 +43,15 @@ Invariants:
   whether someone holds its claim (:class:`Pending`), in one backend round trip for any number
   of keys where the backend allows (node and Redis stores do); it claims nothing and counts no
   miss.
+* **A claimed key is not a miss to a reader.** The encoder answers once an image is encoded and
+  its publish is under way, under the image's claim (``vitserve.deployments.encoder.replica``),
+  so the record reads (``get_many``, ``get``, ``get_value``, ``get_rows_many``, ``get_rows``)
+  wait for a key they miss while someone holds its claim: one ``lookup_states`` of the missed
+  keys, then ``wait_for`` each claimed one, all within the policy's ``read_wait_s``, then one
+  read of those that came. A free key costs that one extra round trip and is a miss at once;
+  a claim released without a value (a failed publish) ends its wait at once; ``read_wait_s=0``
+  reads without waiting. Probes (``headers_many``, ``exists_many``, ``lookup_*``) never wait:
+  they say what is held now. Each key a read waited for counts in ``read_waits``.
 * A store that cannot reach its backend raises ``StoreUnavailableError`` (retryable) within its
   configured timeout; it never hangs.
 """
@@ -50,7 +59,8 @@ Invariants:
 from __future__ import annotations
 
 import enum
-from collections.abc import MutableMapping, Sequence
+import time
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 
 from vitserve.cache.codec import (
@@ -79,7 +89,11 @@ STAT_NAMES = (
     "evictions",
     "expired",
     "errors",
+    "read_waits",
 )
+
+#: how long a record read waits, by default, for a key it missed whose claim someone holds
+DEFAULT_READ_WAIT_S = 5.0
 
 
 class Claim(enum.Enum):
@@ -99,15 +113,19 @@ class Pending(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class StorePolicy:
     """What a store adds to its connection: the namespace its keys live under, the model
-    fingerprint its records must carry (None: any), its default ttl (None: no expiry)."""
+    fingerprint its records must carry (None: any), its default ttl (None: no expiry), and how
+    long a record read waits for a claimed key's publish (0: not at all; module docstring)."""
 
     namespace: str = ""
     fingerprint: str | None = None
     ttl_s: float | None = None
+    read_wait_s: float = DEFAULT_READ_WAIT_S
 
     def __post_init__(self) -> None:
         if self.ttl_s is not None and self.ttl_s <= 0:
             raise ConfigError(f"ttl_s must be positive, got {self.ttl_s}")
+        if not self.read_wait_s >= 0:
+            raise ConfigError(f"read_wait_s may not be negative, got {self.read_wait_s}")
         if ":" in self.namespace or "/" in self.namespace:
             raise ConfigError(f"namespace may not contain ':' or '/': {self.namespace!r}")
 
@@ -238,7 +256,7 @@ class EmbeddingStore:
 
     def get_many(self, keys: Sequence[str]) -> list[EmbeddingRecord | None]:
         """The records of ``keys`` in order; ``None`` where missing or invalid."""
-        values = self._connection.get_values([self.full_key(k) for k in keys])
+        values = self._read_waiting(self._connection.get_values, [self.full_key(k) for k in keys])
         out: list[EmbeddingRecord | None] = []
         for key, value in zip(keys, values, strict=True):
             if value is None:
@@ -263,6 +281,33 @@ class EmbeddingStore:
         self._count("bytes_fetched", record.nbytes)
         return record
 
+    def _read_waiting(
+        self, read: Callable[[list[str]], list[Buffer | None]], full_keys: list[str]
+    ) -> list[Buffer | None]:
+        """``read(full_keys)`` (the connection's ``get_values`` or ``get_heads``), where a key it
+        missed while someone holds its claim is waited for (all within ``read_wait_s``) and read
+        again: see the module docstring."""
+        values = read(full_keys)
+        missed = [i for i, v in enumerate(values) if v is None]
+        if not missed or self._policy.read_wait_s <= 0:
+            return values
+        deadline = time.monotonic() + self._policy.read_wait_s
+        states = self._connection.lookup_states([full_keys[i] for i in missed])
+        came: list[int] = []
+        for i, state in zip(missed, states, strict=True):
+            if state is False:  # nobody holds its claim: a miss
+                continue
+            if state is True:  # claimed: its publish may be under way
+                self._count("read_waits")
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._connection.wait_for(full_keys[i], left):
+                    continue
+            came.append(i)  # held now (published since the read, or after the wait)
+        if came:
+            for i, value in zip(came, read([full_keys[i] for i in came]), strict=True):
+                values[i] = value
+        return values
+
     def _integrity_miss(self, key: str, exc: RecordFormatError) -> None:
         self._count("integrity_misses")
         self._count("misses")
@@ -272,7 +317,7 @@ class EmbeddingStore:
     def get_value(self, key: str) -> Buffer | None:
         """The stored value of ``key`` as it is stored (record format), after the same checks
         as ``get``: for passing a record on (HTTP) without re-encoding it."""
-        value = self._connection.get_values([self.full_key(key)])[0]
+        value = self._read_waiting(self._connection.get_values, [self.full_key(key)])[0]
         if value is None:
             self._count("misses")
             return None
@@ -381,7 +426,9 @@ class EmbeddingStore:
         cache = headers if headers is not None else {}
         if self.head_is_whole_value:
             keys = list(dict.fromkeys(k for k, _, _ in reads))
-            values = self._connection.get_values([self.full_key(k) for k in keys])
+            values = self._read_waiting(
+                self._connection.get_values, [self.full_key(k) for k in keys]
+            )
             heads = {k: (self._header_of(k, v), v) for k, v in zip(keys, values, strict=True)}
         else:
             heads = self._read_heads(
@@ -432,9 +479,9 @@ class EmbeddingStore:
         return out
 
     def _read_heads(self, keys: list[str]) -> dict[str, tuple[Header | None, Buffer | None]]:
-        """Per key its checked header and head bytes, in one batched read; (None, None) for a
-        miss or an invalid value (counted)."""
-        heads = self._connection.get_heads([self.full_key(k) for k in keys])
+        """Per key its checked header and head bytes, in one batched read (a claimed miss
+        waited for); (None, None) for a miss or an invalid value (counted)."""
+        heads = self._read_waiting(self._connection.get_heads, [self.full_key(k) for k in keys])
         return {k: (self._header_of(k, h), h) for k, h in zip(keys, heads, strict=True)}
 
     def _decode_rows(

@@ -283,30 +283,33 @@ WRITER_COMMANDS = (
 )  # fmt: skip
 
 
-def _rules(keys: str, commands: tuple[str, ...]) -> tuple[str, ...]:
-    return ("resetkeys", keys, "resetchannels", "-@all", *(f"+{c}" for c in commands))
+def _rules(keys: tuple[str, ...], commands: tuple[str, ...]) -> tuple[str, ...]:
+    return ("resetkeys", *keys, "resetchannels", "-@all", *(f"+{c}" for c in commands))
 
 
 def reader_acl(namespace: str, prefix: str = DEFAULT_PREFIX) -> tuple[str, ...]:
     """The ACL rules (``ACL SETUSER`` / aclfile words) of a user that may read the record values
     of ``namespace`` and nothing else: its keys only (``%R~{prefix}:v:{namespace}/*``, glob
-    characters escaped, read-only), the read commands only, no channels. Another namespace's
-    key is refused (NOPERM) even to a reader who knows it."""
-    keys = f"{_glob_escape(prefix)}:v:{_glob_escape(namespace)}/*"
-    return _rules(f"%R~{keys}", READER_COMMANDS)
+    characters escaped, read-only), and whether its claims are held (``%R~{prefix}:c:...``,
+    read-only: a read waits for a claimed key's publish, ``vitserve.cache.base``), the read
+    commands only, no channels. Another namespace's key is refused (NOPERM) even to a reader
+    who knows it."""
+    space = f"{_glob_escape(prefix)}:%s:{_glob_escape(namespace)}/*"
+    return _rules((f"%R~{space % 'v'}", f"%R~{space % 'c'}"), READER_COMMANDS)
 
 
 def server_reader_acl(prefix: str = DEFAULT_PREFIX) -> tuple[str, ...]:
     """The rules of the server side's reader (the prefill's direct reads, for every tenant):
-    every namespace's record values, read-only, the read commands only."""
-    return _rules(f"%R~{_glob_escape(prefix)}:v:*", READER_COMMANDS)
+    every namespace's record values and claims, read-only, the read commands only."""
+    p = _glob_escape(prefix)
+    return _rules((f"%R~{p}:v:*", f"%R~{p}:c:*"), READER_COMMANDS)
 
 
 def writer_acl(prefix: str = DEFAULT_PREFIX, ledger: bool = False) -> tuple[str, ...]:
     """The rules of the encoder side's writer: what its store sends, on the prefix's keys only;
     with ``ledger`` (a store URL with ``max_bytes``) also the ledger's commands."""
     return _rules(
-        f"~{_glob_escape(prefix)}:*", WRITER_COMMANDS + (LEDGER_COMMANDS if ledger else ())
+        (f"~{_glob_escape(prefix)}:*",), WRITER_COMMANDS + (LEDGER_COMMANDS if ledger else ())
     )
 
 

@@ -11,8 +11,10 @@ many stores over one connection, :mod:`vitserve.cache.views`).
         &ssl_certfile=/etc/redis/client.pem&ssl_keyfile=/etc/redis/client.key  (TLS, mTLS)
     tiered://?l1=memory%3A%2F%2F%3Fmax_bytes%3D1GiB&l2=redis%3A%2F%2Fhost%3A6379%2F0
 
-Every store takes ``namespace``, ``ttl_s`` and ``fingerprint`` (the policy: they do not reach the
-connection, except that a ``tiered://`` connection promotes values for ``ttl_s``); the other
+Every store takes ``namespace``, ``ttl_s``, ``fingerprint`` and ``read_wait_s`` (how long a record
+read waits for a key whose claim someone holds: :mod:`vitserve.cache.base`) (the policy: they do
+not reach the connection, except that a ``tiered://`` connection promotes values for ``ttl_s``);
+the other
 parameters are the connection's. Unknown parameters are an error
 (a misspelled option must not be ignored). Sizes take an integer or a binary suffix (KiB, MiB,
 GiB; k/m/g mean the same).
@@ -43,7 +45,7 @@ from vitserve.cache.connection import Connection
 from vitserve.errors import ConfigError
 
 _SIZE_UNITS = {"": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
-_COMMON = {"namespace": str, "ttl_s": float, "fingerprint": str}
+_COMMON = {"namespace": str, "ttl_s": float, "fingerprint": str, "read_wait_s": float}
 _MASK = "***"
 _SECRET_PARAMS = frozenset({"password", "ssl_password"})  # masked wherever a URL shows them
 

@@ -206,6 +206,51 @@ def test_wait_for_times_out_cleanly_and_sees_released_claims(make_store) -> None
     assert a.claim(key, ttl_s=5)
 
 
+def test_a_record_read_waits_for_a_claimed_keys_publish_and_not_for_a_free_key(make_store) -> None:
+    """The encoder answers while its publish is under way, under the image's claim: a record read
+    that misses a claimed key waits for the publish; a free key is a miss at once; a claim
+    released without a value ends the wait at once; ``read_wait_s=0`` does not wait."""
+    import dataclasses
+
+    from vitserve.cache.base import EmbeddingStore
+
+    reader = make_store()
+    writer = make_store.peer(reader)
+    record, later, free, abandoned = (
+        make_record(rows=6, seed=51),
+        make_record(seed=52),
+        new_key(),
+        new_key(),
+    )
+    for key in (record.key, later.key, abandoned):
+        assert writer.claim(key, ttl_s=10, token="encoder")
+
+    def publish(r) -> None:
+        writer.put_values([(r.key, encode_record(r))], release=[(r.key, "encoder")])
+
+    threading.Timer(0.3, publish, args=(record,)).start()
+    start = time.monotonic()
+    [rows] = reader.get_rows_many([(record.key, 1, 4)])
+    assert 0.25 <= time.monotonic() - start < 4  # woken by the publish
+    _assert_same(rows, record, slice(1, 4))
+    start = time.monotonic()
+    assert reader.get(free) is None and reader.get_rows_many([(free, 0, 1)]) == [None]
+    assert time.monotonic() - start < 1  # nobody's claim: no wait
+    threading.Timer(0.3, writer.release, args=(abandoned, "encoder")).start()
+    start = time.monotonic()
+    assert reader.get_value(abandoned) is None
+    assert time.monotonic() - start < 4  # the claim went without a value: not its ttl
+    waits = reader.stats()["read_waits"]
+    assert waits >= 2
+
+    hasty = EmbeddingStore(reader.connection, dataclasses.replace(reader.policy, read_wait_s=0))
+    start = time.monotonic()
+    assert hasty.get(later.key) is None and time.monotonic() - start < 1
+    threading.Timer(0.3, publish, args=(later,)).start()
+    _assert_same(reader.get_many([later.key])[0], later)  # get_many waits too
+    assert reader.stats()["read_waits"] == waits + 1
+
+
 def test_lookup_or_claim_answers_headers_or_claims_and_publish_releases(make_store) -> None:
     from vitserve.cache.base import Claim
 

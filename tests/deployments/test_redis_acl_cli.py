@@ -80,7 +80,7 @@ def test_prints_default_off_the_writer_the_reader_and_one_reader_per_tenant(
     assert [r[1:] for r in writer if r.startswith("+")] == list(WRITER_COMMANDS)
     reader = users["vitserve-reader"]
     assert reader[:2] == ["on", _hash(PASSWORDS["reader"])]
-    assert [r for r in reader if "~" in r] == ["%R~vsm:v:*"]
+    assert [r for r in reader if "~" in r] == ["%R~vsm:v:*", "%R~vsm:c:*"]
     assert [r[1:] for r in reader if r.startswith("+")] == list(READER_COMMANDS)
     # each tenant's: its password, then exactly auth.redis_readers' rules
     cfg = VitserveConfig.load({"auth.tokens_file": str(files["tokens"])})
@@ -136,8 +136,11 @@ def test_config_overrides_and_the_prefix_reach_the_rules(
     assert main(_args(files, "--set", "namespace=acme", "--prefix", "p*")) == 0
     users = {line.split()[1]: line.split()[2:] for line in capsys.readouterr().out.splitlines()}
     assert [r for r in users["vitserve-writer"] if "~" in r] == [r"~p\*:*"]
-    assert [r for r in users["vitserve-reader"] if "~" in r] == [r"%R~p\*:v:*"]
-    assert [r for r in users["vitserve-reader-alice"] if "~" in r] == [r"%R~p\*:v:acme.alice/*"]
+    assert [r for r in users["vitserve-reader"] if "~" in r] == [r"%R~p\*:v:*", r"%R~p\*:c:*"]
+    assert [r for r in users["vitserve-reader-alice"] if "~" in r] == [
+        r"%R~p\*:v:acme.alice/*",
+        r"%R~p\*:c:acme.alice/*",
+    ]
 
 
 @pytest.mark.parametrize(

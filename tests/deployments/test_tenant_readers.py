@@ -23,7 +23,7 @@ TOKENS = {"alice": "alice-token-0123456789ab", "bob": "bob-token-0123456789abcd"
 
 def test_a_reader_pattern_holds_its_namespace_literally() -> None:
     rules = reader_acl("ns.a*", prefix="p?")
-    assert [r for r in rules if "~" in r] == [r"%R~p\?:v:ns.a\*/*"]
+    assert [r for r in rules if "~" in r] == [r"%R~p\?:v:ns.a\*/*", r"%R~p\?:c:ns.a\*/*"]
     assert "-@all" in rules and {r[1:] for r in rules if r.startswith("+")} == set(READER_COMMANDS)
 
 

@@ -221,10 +221,10 @@ def test_the_generated_users_allow_only_their_reads_and_writes(manifest: dict[st
         allowed = {rule[1:] for rule in reader if rule.startswith("+")}
         assert allowed and allowed <= READ_COMMANDS, (name, allowed - READ_COMMANDS)
         assert "-@all" in reader, name
-    assert [r for r in users["vitserve-reader"] if "~" in r] == ["%R~vsm:v:*"]
+    assert [r for r in users["vitserve-reader"] if "~" in r] == ["%R~vsm:v:*", "%R~vsm:c:*"]
     for tenant in TENANT_TOKENS:  # its namespace only (no key_secret here: no tag)
         keys = [r for r in users[f"vitserve-reader-{tenant}"] if "~" in r]
-        assert keys == [f"%R~vsm:v:{tenant}/*"], tenant
+        assert keys == [f"%R~vsm:v:{tenant}/*", f"%R~vsm:c:{tenant}/*"], tenant
     writer = users["vitserve-writer"]
     assert writer[0] == "on" and re.fullmatch("#[0-9a-f]{64}", writer[1])
     assert [r for r in writer if "~" in r] == ["~vsm:*"]
