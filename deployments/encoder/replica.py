@@ -20,8 +20,10 @@ ingress found missing (:class:`EncodeBatch`) and answers with their results in o
   an image already being encoded on this replica (from the moment its request arrived) is
   joined; a busy one is awaited on the store without holding a thread, and encoded here only if
   its claimant gave up. Store failures never fail an encode (they are counted).
-* So a new image costs two store round trips on its path (the ingress's lookup-or-claim and
-  the publish), and this replica makes none before its forward.
+* So a new image costs two store round trips (the ingress's lookup-or-claim and the publish),
+  and this replica makes none before its forward; a claimed image's answer does not wait for
+  its publish (readers wait on the claim instead: ``_encode_and_publish``), so its path holds
+  one.
 * Namespaces (tenants, see ``vitserve.deployments.common.auth``): each batch names the namespace its
   images are keyed in; claims, waits and the publish go to that namespace's store over this
   replica's one store connection (a device step that mixes namespaces publishes once per
@@ -143,6 +145,9 @@ class EncoderDeployment:
         # Publishes have a thread of their own: nothing else (single flight's polls, a slow
         # store call) can hold up the device loop's publish.
         self._publish_pool = ThreadPoolExecutor(1, thread_name_prefix="vitserve-publish")
+        # the steps' publishes still running (``_encode_and_publish``), and the latest one
+        self._publishing: set[asyncio.Future] = set()
+        self._last_publish: asyncio.Future | None = None
         self._forwards: deque[dict[str, Any]] = deque(maxlen=256)  # the latest forwards
         self._seconds: defaultdict[str, float] = defaultdict(float)  # device-step time by phase
         self._store_reporter: asyncio.Task | None = None
@@ -447,8 +452,15 @@ class EncoderDeployment:
 
     async def _encode_and_publish(self, work: list[Work]) -> list[EncodedItem]:
         """One device step (the queue's ``run_step``): forward, then one publish per namespace
-        in the step (one, unless tenants share it) that also releases their claims. A failed
-        step releases them too (off the path)."""
+        in the step (one, unless tenants share it) that also releases their claims.
+
+        The step answers once its publishes are handed to the publish thread and the previous
+        step's have ended, while its own still run, if every image in it is claimed: until the
+        publish releases a claim, a reader that misses the key waits for it (the stores' rule,
+        ``vitserve.cache.base``), so the answer need not wait for the record to land. A step
+        with an unclaimed image (its store failed the lookup) answers after its publish. So at
+        most one step's records are in flight past their answers, and ``__del__`` waits for
+        them. A failed step or publish releases its claims (off the path)."""
         items = [w.prepared for w in work]
         # id(store) -> (store, indices of its work, the claims its publish releases)
         groups: dict[int, tuple[Any, list[int], list[tuple[str, str]]]] = {}
@@ -462,8 +474,9 @@ class EncoderDeployment:
             metrics.observe("stage_seconds", start - w.arrived, stage="queue_wait")
         self._running_patches = patches = sum(p.patches for p in items)
         self._running_since = start
+        loop = asyncio.get_running_loop()
         try:
-            results, values, plan = await asyncio.get_running_loop().run_in_executor(
+            results, values, plan = await loop.run_in_executor(
                 self._device_pool, self._forward_and_encode, items
             )
         except Exception:
@@ -479,21 +492,58 @@ class EncoderDeployment:
         metrics.observe("stage_seconds", encoded - start, stage="forward")
         self._record_forwards(items, plan)
         metrics.inc("images_encoded_total", len(items))
-        for store, indices, releases in groups.values():
-            mine = [values[i] for i in indices]
+        # handed to the publish thread now, before any answer leaves
+        puts = [
+            (
+                store,
+                releases,
+                sum(len(values[i][1]) for i in indices),
+                loop.run_in_executor(
+                    self._publish_pool,
+                    store.put_values,
+                    [values[i] for i in indices],
+                    None,
+                    releases,
+                ),
+            )
+            for store, indices, releases in groups.values()
+        ]
+        publishing = asyncio.ensure_future(self._published(puts, encoded))
+        self._publishing.add(publishing)
+        publishing.add_done_callback(self._publishing.discard)
+        previous, self._last_publish = self._last_publish, publishing
+        if previous is not None:
+            await asyncio.shield(previous)
+        if any(w.publish.release is None for w in work):
+            await asyncio.shield(publishing)
+        return results
+
+    async def _published(
+        self, puts: list[tuple[Any, list[tuple[str, str]], int, asyncio.Future]], encoded: float
+    ) -> None:
+        """A step's publishes, awaited: counted and timed; one that failed is logged and its
+        claims are released, so readers waiting on them stop waiting (the embeddings were
+        computed and answered: a reader then misses and the client encodes again)."""
+        for store, releases, nbytes, put in puts:
             try:
                 with metrics.timed("store_round_trip_seconds", op="put"):
-                    await asyncio.get_running_loop().run_in_executor(
-                        self._publish_pool, store.put_values, mine, None, releases
-                    )
-                metrics.inc("bytes_published_total", sum(len(v) for _, v in mine))
-            except StoreError as exc:  # the embeddings are computed; the callers get them
+                    await put
+                metrics.inc("bytes_published_total", nbytes)
+            except Exception as exc:
                 metrics.inc("store_errors_total", op="put")
-                log.warning("publishing %d embeddings failed: %s", len(mine), exc)
+                if isinstance(exc, StoreError):
+                    log.warning("publishing embeddings failed: %s", exc)
+                else:
+                    log.exception("publishing embeddings failed")
+                self.flights.release_later(store, releases)
         published = time.perf_counter() - encoded
         self._seconds["publish"] += published
         metrics.observe("stage_seconds", published, stage="publish")
-        return results
+
+    async def drain_publishes(self) -> None:
+        """Wait until every publish handed to the publish thread has ended (tests, shutdown)."""
+        while self._publishing:
+            await asyncio.gather(*self._publishing, return_exceptions=True)
 
     def _record_forwards(self, items: list[Any], plan: Any) -> None:
         """Metrics and the recent-forwards log: per forward its bucket, the buckets of the
@@ -544,8 +594,13 @@ class EncoderDeployment:
             await asyncio.sleep(period_s)
 
     def __del__(self) -> None:
-        """Serve calls this when it stops the replica (an application deleted, scaled down):
-        end the store reporter, which would otherwise meet the executors' shutdown."""
+        """Serve calls this when it stops the replica (an application deleted, scaled down),
+        once its requests are answered: let the publishes still running end (each is bounded
+        by the store's timeout: nothing answered is left unpublished), and end the store
+        reporter, which would otherwise meet the executors' shutdown."""
+        pool = getattr(self, "_publish_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
         self._stopping = True
         task = getattr(self, "_store_reporter", None)
         if task is not None and not task.done():

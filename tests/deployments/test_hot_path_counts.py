@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import threading
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -196,6 +198,7 @@ class Service:
             answers = await asyncio.gather(*(self._request(r) for r in requests))
             await self.flow.flights.drain()  # the claim releases under way
             await self.encoder.flights.drain()
+            await self.encoder.drain_publishes()  # the publishes run past the answers
             return answers
 
         self.counts.reset()
@@ -324,3 +327,86 @@ def test_a_busy_image_encoding_here_is_joined_when_the_store_fails_the_wait(
     assert loop.run_until_complete(run()) == [joined]
     assert service.images_encoded() == before
     assert service.counts.calls["store.lookup_states"] == 0
+
+
+class HeldPuts:
+    """The encoder's store, with its publishes held until ``go`` (a slow store)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.go, self.started = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def put_values(self, *args: Any, **kwargs: Any) -> None:
+        self.started.set()
+        assert self.go.wait(60), "the test never let the publish go"
+        self._store.put_values(*args, **kwargs)
+
+
+@pytest.fixture
+def held(loop, engine_cfg) -> Iterator[tuple[Service, HeldPuts]]:
+    service = Service(loop, engine_cfg, "node://", "encoder")
+    held = HeldPuts(service.encoder.store)
+    service.encoder.store = held
+    yield service, held
+    held.go.set()
+    loop.run_until_complete(service.encoder.drain_publishes())
+
+
+def test_a_claimed_images_answer_does_not_wait_for_its_publish_and_its_readers_do(held) -> None:
+    """The answer leaves while the record's publish is still under way (the claim is held till
+    it lands), and a reader in another process's place (its own store object) that asks for
+    the rows meanwhile waits for the publish instead of missing."""
+    from vitserve.cache import open_store
+
+    service, puts = held
+    image = _images(1, seed=700)
+    [key] = service.keys(image)
+    reader = open_store("node://", namespace=service.cfg.namespace)
+
+    async def run() -> None:
+        try:
+            [answer] = await asyncio.wait_for(service.flow.encode(image, [key]), 20)
+            assert puts.started.is_set() and not puts.go.is_set()  # answered, publish held
+            rows = answer["num_tokens"]
+            read = asyncio.ensure_future(asyncio.to_thread(reader.get_rows_many, [(key, 0, rows)]))
+            await asyncio.sleep(0.5)
+            assert not read.done()  # the reader waits on the claim
+            puts.go.set()
+            [record] = await asyncio.wait_for(read, 20)
+            assert record is not None and record.num_tokens == rows and record.key == key
+        finally:
+            puts.go.set()
+
+    service.loop.run_until_complete(run())
+    assert reader.stats()["read_waits"] == 1
+
+
+def test_an_unclaimed_images_answer_waits_for_its_publish(held) -> None:
+    """An image encoded without a claim (its store failed the ingress's lookup) has nothing for
+    a reader to wait on: its answer leaves only once its record is published."""
+    from vitserve.deployments.encoder.single_flight import ClaimState
+    from vitserve.deployments.encoder.wire import EncodeBatch
+
+    service, puts = held
+    image = _images(1, seed=701)
+    [key] = service.keys(image)
+    batch = EncodeBatch(
+        keys=[key], indices=[0], claims=[ClaimState.UNCLAIMED], token="t", images=image
+    )
+
+    async def run() -> None:
+        try:
+            task = asyncio.ensure_future(service.encoder.encode(batch))
+            done, _ = await asyncio.wait({task}, timeout=2)
+            assert not done and puts.started.is_set()  # encoded, its publish held: no answer
+            puts.go.set()
+            [answer] = await asyncio.wait_for(task, 20)
+            assert answer["key"] == key
+        finally:
+            puts.go.set()
+
+    service.loop.run_until_complete(run())
+    assert service.encoder.store.get(key) is not None
