@@ -237,6 +237,10 @@ def main() -> int:
             for name, s in sorted(stages.items())
         ),
         "",
+        "A claimed image (every image here) is answered once its publish is handed to the "
+        "encoder's publish thread: the publish and its put run after the answer leaves, off "
+        "the HTTP path (they still share the host's cores with it).",
+        "",
     ]
     print("\n".join(lines))
     if args.out:

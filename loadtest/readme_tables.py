@@ -88,6 +88,13 @@ def rows_by(table: list[str], *keys: int) -> dict[tuple[str, ...], list[str]]:
     return {tuple(cells(line)[k] for k in keys): cells(line) for line in table[2:]}
 
 
+def cpu_flags(text: str) -> str:
+    """``; <the page's CPU flags>`` (pages of this kind of machine differ in them: AVX2 only
+    or AVX512-BF16, and its speed with them), or nothing for a page without them."""
+    flags = re.search(r"flags: ([^;\n]+)", text)
+    return f"; {flags.group(1).strip()}" if flags else ""
+
+
 def machine(text: str, source: str) -> str:
     """The machine a page was measured on, in a few words: its ``Model name`` and ``cpus``
     (the harness's machine lists), or its ``Machine:`` sentence."""
@@ -354,7 +361,8 @@ def floor(root: Path) -> str:
             "",
             verdict,
             "",
-            f"From {link(name)} ({machine(text, name)}; the page also has vitserve's stages).",
+            f"From {link(name)} ({machine(text, name)}{cpu_flags(text)}; the page also has "
+            "vitserve's stages).",
         ]
     )
 
@@ -367,9 +375,7 @@ def routing(root: Path) -> str:
     ]
     if len(verdicts) != 2:
         raise TableError(f"{mixed}: no 'Thumbnail p99' and 'Throughput' lines")
-    # the CPU's flags beside its name: pages of this kind of machine differ in them
-    flags = re.search(r"flags: ([^;\n]+)", mixed_text)
-    cpu = machine(mixed_text, mixed) + (f"; {flags.group(1).strip()}" if flags else "")
+    cpu = machine(mixed_text, mixed) + cpu_flags(mixed_text)
     return "\n".join(
         [
             "Serve's router vs vitserve's on two encoder replicas, thumbnails beside large "
