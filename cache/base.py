@@ -298,9 +298,11 @@ class EmbeddingStore:
             if state is False:  # nobody holds its claim: a miss
                 continue
             if state is True:  # claimed: its publish may be under way
-                self._count("read_waits")
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._connection.wait_for(full_keys[i], left):
+                if left <= 0:
+                    continue
+                self._count("read_waits")
+                if not self._connection.wait_for(full_keys[i], left):
                     continue
             came.append(i)  # held now (published since the read, or after the wait)
         if came:

@@ -38,7 +38,8 @@ import functools
 import logging
 import time
 from collections import defaultdict, deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,9 +146,11 @@ class EncoderDeployment:
         # Publishes have a thread of their own: nothing else (single flight's polls, a slow
         # store call) can hold up the device loop's publish.
         self._publish_pool = ThreadPoolExecutor(1, thread_name_prefix="vitserve-publish")
-        # the steps' publishes still running (``_encode_and_publish``), and the latest one
-        self._publishing: set[asyncio.Future] = set()
+        # The latest step's publish (``_encode_and_publish``): each step waits for the one before
+        # it, so only this one can still run past its answers. Its puts, as the publish thread's
+        # futures, for ``__del__``.
         self._last_publish: asyncio.Future | None = None
+        self._last_puts: list[Future] = []
         self._forwards: deque[dict[str, Any]] = deque(maxlen=256)  # the latest forwards
         self._seconds: defaultdict[str, float] = defaultdict(float)  # device-step time by phase
         self._store_reporter: asyncio.Task | None = None
@@ -459,8 +462,9 @@ class EncoderDeployment:
         publish releases a claim, a reader that misses the key waits for it (the stores' rule,
         ``vitserve.cache.base``), so the answer need not wait for the record to land. A step
         with an unclaimed image (its store failed the lookup) answers after its publish. So at
-        most one step's records are in flight past their answers, and ``__del__`` waits for
-        them. A failed step or publish releases its claims (off the path)."""
+        most one step's records are in flight past their answers (``_last_publish``), and
+        ``__del__`` waits for them. A failed step or publish releases its claims (off the
+        path)."""
         items = [w.prepared for w in work]
         # id(store) -> (store, indices of its work, the claims its publish releases)
         groups: dict[int, tuple[Any, list[int], list[tuple[str, str]]]] = {}
@@ -474,9 +478,8 @@ class EncoderDeployment:
             metrics.observe("stage_seconds", start - w.arrived, stage="queue_wait")
         self._running_patches = patches = sum(p.patches for p in items)
         self._running_since = start
-        loop = asyncio.get_running_loop()
         try:
-            results, values, plan = await loop.run_in_executor(
+            results, values, plan = await asyncio.get_running_loop().run_in_executor(
                 self._device_pool, self._forward_and_encode, items
             )
         except Exception:
@@ -493,24 +496,19 @@ class EncoderDeployment:
         self._record_forwards(items, plan)
         metrics.inc("images_encoded_total", len(items))
         # handed to the publish thread now, before any answer leaves
-        puts = [
-            (
-                store,
-                releases,
-                sum(len(values[i][1]) for i in indices),
-                loop.run_in_executor(
-                    self._publish_pool,
-                    store.put_values,
-                    [values[i] for i in indices],
-                    None,
-                    releases,
-                ),
+        self._last_puts = [
+            self._publish_pool.submit(
+                store.put_values, [values[i] for i in indices], None, releases
             )
             for store, indices, releases in groups.values()
         ]
+        puts = [
+            (store, releases, sum(len(values[i][1]) for i in indices), asyncio.wrap_future(put))
+            for (store, indices, releases), put in zip(
+                groups.values(), self._last_puts, strict=True
+            )
+        ]
         publishing = asyncio.ensure_future(self._published(puts, encoded))
-        self._publishing.add(publishing)
-        publishing.add_done_callback(self._publishing.discard)
         previous, self._last_publish = self._last_publish, publishing
         if previous is not None:
             await asyncio.shield(previous)
@@ -541,9 +539,10 @@ class EncoderDeployment:
         metrics.observe("stage_seconds", published, stage="publish")
 
     async def drain_publishes(self) -> None:
-        """Wait until every publish handed to the publish thread has ended (tests, shutdown)."""
-        while self._publishing:
-            await asyncio.gather(*self._publishing, return_exceptions=True)
+        """Wait until the publishes handed to the publish thread have ended (tests): the
+        latest step's is the only one that can still run (``_encode_and_publish``)."""
+        while self._last_publish is not None and not self._last_publish.done():
+            await asyncio.shield(self._last_publish)
 
     def _record_forwards(self, items: list[Any], plan: Any) -> None:
         """Metrics and the recent-forwards log: per forward its bucket, the buckets of the
@@ -595,12 +594,14 @@ class EncoderDeployment:
 
     def __del__(self) -> None:
         """Serve calls this when it stops the replica (an application deleted, scaled down),
-        once its requests are answered: let the publishes still running end (each is bounded
-        by the store's timeout: nothing answered is left unpublished), and end the store
-        reporter, which would otherwise meet the executors' shutdown."""
-        pool = getattr(self, "_publish_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=True)
+        once its requests are answered: let the puts still running end (the latest step's: the
+        publish thread runs them in order, after any before them), for at most a claim's ttl,
+        after which readers no longer wait on them anyway; and end the store reporter, which
+        would otherwise meet the executors' shutdown. (When the garbage collector calls it,
+        nothing is pending: a running put keeps this object reachable through its step.)"""
+        puts = getattr(self, "_last_puts", [])
+        if puts:
+            wait_all(puts, timeout=self.cfg.single_flight.claim_ttl_s)
         self._stopping = True
         task = getattr(self, "_store_reporter", None)
         if task is not None and not task.done():

@@ -369,7 +369,8 @@ def test_a_claimed_images_answer_does_not_wait_for_its_publish_and_its_readers_d
     async def run() -> None:
         try:
             [answer] = await asyncio.wait_for(service.flow.encode(image, [key]), 20)
-            assert puts.started.is_set() and not puts.go.is_set()  # answered, publish held
+            assert not puts.go.is_set()  # answered while its publish is held
+            assert await asyncio.to_thread(puts.started.wait, 20)  # handed off, not skipped
             rows = answer["num_tokens"]
             read = asyncio.ensure_future(asyncio.to_thread(reader.get_rows_many, [(key, 0, rows)]))
             await asyncio.sleep(0.5)
@@ -400,8 +401,9 @@ def test_an_unclaimed_images_answer_waits_for_its_publish(held) -> None:
     async def run() -> None:
         try:
             task = asyncio.ensure_future(service.encoder.encode(batch))
-            done, _ = await asyncio.wait({task}, timeout=2)
-            assert not done and puts.started.is_set()  # encoded, its publish held: no answer
+            assert await asyncio.to_thread(puts.started.wait, 20)  # encoded, its publish held
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            assert not done  # no answer before the record lands
             puts.go.set()
             [answer] = await asyncio.wait_for(task, 20)
             assert answer["key"] == key
@@ -409,4 +411,22 @@ def test_an_unclaimed_images_answer_waits_for_its_publish(held) -> None:
             puts.go.set()
 
     service.loop.run_until_complete(run())
+    assert service.encoder.store.get(key) is not None
+
+
+def test_a_stopping_encoder_lets_the_publishes_it_handed_off_land(held) -> None:
+    """``__del__`` (Serve's stop, once the requests are answered) returns only after the
+    publishes that ran past their answers have landed: nothing answered is left unpublished."""
+    service, puts = held
+    image = _images(1, seed=702)
+    [key] = service.keys(image)
+    [answer] = service.loop.run_until_complete(service.flow.encode(image, [key]))
+    assert "error" not in answer and puts.started.wait(20)
+    stopping = threading.Thread(target=service.encoder.__del__)
+    stopping.start()
+    stopping.join(timeout=0.5)
+    assert stopping.is_alive()  # waits for the held publish
+    puts.go.set()
+    stopping.join(timeout=20)
+    assert not stopping.is_alive()
     assert service.encoder.store.get(key) is not None
