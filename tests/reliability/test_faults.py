@@ -35,6 +35,7 @@ from tests.reliability.faults import (
     check_answers,
     fresh_image,
     kill_while_busy,
+    landed_value,
     redis_value_key,
     replicas,
     wait_for_replacement,
@@ -308,6 +309,8 @@ def test_prefill_store_reads_failing_mid_prefill(
             raw = redis.Redis.from_url(server.url)
 
             def evict() -> None:
+                for k in keys:  # published, not only handed off: else the eviction comes first
+                    landed_value(raw, redis_value_key(ns, k))
                 raw.delete(*(redis_value_key(ns, k) for k in keys))
 
             FaultyReads(client.core.store, evict if kind == "evicted" else server.kill)
@@ -397,6 +400,7 @@ def test_corrupted_entries_are_misses_and_re_encoded(
         want = engine.encode([image])[0]
         key = app.encode([image]).json()["items"][0]["key"]
         raw = redis.Redis.from_url(server.url)
+        landed_value(raw, redis_value_key(app.config.namespace, key))  # both tiers hold it
         before(key)
         corrupt(raw, redis_value_key(app.config.namespace, key))
         raw.close()
@@ -424,8 +428,9 @@ def test_corrupted_entries_are_misses_and_re_encoded(
     with EncoderClient(tiered_app.url, registry=registry) as client:
         image = fresh_image()
         [handle] = client.encode([image])
-        node.delete(handle.key)
         raw = redis.Redis.from_url(redis_a.url)
+        landed_value(raw, redis_value_key(ns, handle.key))  # both tiers hold it
+        node.delete(handle.key)
         CORRUPTIONS["payload byte flipped"](raw, redis_value_key(ns, handle.key))
         raw.close()
         [record] = client.fetch([handle])
