@@ -303,13 +303,19 @@ def vitserve_families(prometheus_text: str) -> str:
     return "\n".join(out) + "\n"
 
 
+#: how long the node's Ray metrics endpoint may take to answer: Prometheus's default scrape
+#: timeout. Its page carries every application's series (megabytes late in a long run) and took
+#: over 5 s on a loaded 2-vCPU host (a 503 in CI).
+NODE_PAGE_TIMEOUT_S = 10.0
+
+
 async def node_page() -> str:
     """The ``vitserve_*`` families of this node's Ray metrics endpoint (what the ``/metrics``
     routes serve); StoreUnavailableError when the endpoint does not answer. The endpoint is
     looked up once per process, off the event loop (``ray.nodes()`` is a blocking GCS call)."""
     url = await asyncio.to_thread(node_metrics_url)
     try:
-        async with httpx.AsyncClient(timeout=5) as client:
+        async with httpx.AsyncClient(timeout=NODE_PAGE_TIMEOUT_S) as client:
             page = await client.get(url)
     except httpx.HTTPError as exc:
         raise StoreUnavailableError("metrics", f"node metrics endpoint: {exc}") from None
