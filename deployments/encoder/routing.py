@@ -7,7 +7,9 @@ and not done: what this router sent it and has not seen complete (known at once)
 other routers' calls hold there as the replica last reported (its admitted patches by caller,
 every ``STATS_PERIOD_S``: one ingress replica, one router, or several). A replica has
 *room* while its load is below the room it reports (two device steps' worth of patches: one
-running, one ready; a replica that reported none has room). A call goes only to a replica with
+running, one ready; a replica that has not reported its room yet, new or late, has room only
+while its load is 0: a burst sent at a pool whose first reports are late on a loaded host would
+otherwise all go at once, past admission, as 429s). A call goes only to a replica with
 room; while none has, it waits in the router (Serve's queue of the handle, bounded by the
 deployment's ``max_queued_requests``) and goes to the first replica that makes room. So a
 backlog is one queue in front of the pool, which a new replica starts taking from at once, not a
@@ -158,7 +160,8 @@ class WorkRouting:
     def reported(self, stats: Mapping[str, Mapping[str, object]]) -> None:
         """The replicas' latest routing stats, by replica id: the patches other callers' calls
         hold there (all admitted patches, less this router's own, which it counts itself), and
-        the room (a replica with none reported holds nothing of others' and has room)."""
+        the room (a replica with none reported holds nothing of others' and has room while
+        nothing of this router's is on it)."""
         self._reported, self._room = {}, {}
         for replica, s in stats.items():
             value, room, mine = s.get(ADMITTED_PATCHES), s.get(ROOM_PATCHES), 0
@@ -182,7 +185,7 @@ class WorkRouting:
 
     def has_room(self, replica: str) -> bool:
         room = self._room.get(replica)
-        return room is None or self.load(replica) < room
+        return self.load(replica) < (1 if room is None else room)
 
     # -- the choice ----------------------------------------------------------------------------
     def owner(self, hint: RouteHint, candidates: Sequence[str]) -> str | None:

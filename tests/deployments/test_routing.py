@@ -23,6 +23,7 @@ from vitserve.deployments.encoder.wire import EncodeBatch
 
 REPLICAS = ["r-a", "r-b", "r-c"]
 THUMB, LARGE = 256, 16_384
+ROOMY = 10**9  # a room no test fills
 
 
 def owner_of(key: str, replicas: list[str]) -> str:
@@ -76,6 +77,7 @@ def test_a_thumbnail_does_not_queue_behind_a_large_image_on_its_owner() -> None:
 
 def test_the_owner_keeps_its_key_within_the_bound() -> None:
     routing = WorkRouting(balance=1.25)
+    routing.reported({r: {ROOM_PATCHES: ROOMY} for r in REPLICAS})
     key = "k"
     owner = owner_of(key, REPLICAS[:2])
     other = next(r for r in REPLICAS[:2] if r != owner)
@@ -171,8 +173,12 @@ def test_reported_load_adds_other_routers_calls_to_this_ones() -> None:
     routing.reported(
         {
             # r-a holds 100 of ours (known at once: not counted twice) and 50 of another's
-            "r-a": {ADMITTED_PATCHES: 150, BY_CALLER: {"ingress-1": 100, "ingress-2": 50}},
-            "r-b": {ADMITTED_PATCHES: 900, BY_CALLER: {"ingress-2": 900}},
+            "r-a": {
+                ADMITTED_PATCHES: 150,
+                BY_CALLER: {"ingress-1": 100, "ingress-2": 50},
+                ROOM_PATCHES: ROOMY,
+            },
+            "r-b": {ADMITTED_PATCHES: 900, BY_CALLER: {"ingress-2": 900}, ROOM_PATCHES: ROOMY},
             "r-c": {},
         }
     )
@@ -195,6 +201,11 @@ def test_a_replica_past_its_room_takes_no_call_and_none_with_room_means_wait() -
     assert routing.choose(hint("k"), REPLICAS[:2]) == []  # the call waits in the router
     assert routing.choose(hint("k"), REPLICAS[:2], waited_s=0.99) == []  # for up to hold_s
     assert routing.choose(hint("k"), REPLICAS) == ["r-c"]  # a replica with no report has room
+    routing.routed("c4", "r-c", 1, now=0.0)  # while it is idle: its room is not known yet
+    assert routing.choose(hint("k"), REPLICAS) == []
+    routing.reported({r: {ROOM_PATCHES: 1000} for r in REPLICAS})  # until it reports
+    assert routing.choose(hint("k"), REPLICAS) == ["r-c"]
+    routing.completed("c4", "r-c")
     routing.completed("big", "r-a")
     assert routing.choose(hint("k"), REPLICAS[:2]) == ["r-a"]
 
@@ -204,7 +215,7 @@ def test_the_owner_without_room_gives_way() -> None:
     key = "k"
     owner = owner_of(key, REPLICAS[:2])
     other = next(r for r in REPLICAS[:2] if r != owner)
-    routing.reported({owner: {ROOM_PATCHES: 100}})
+    routing.reported({owner: {ROOM_PATCHES: 100}, other: {ROOM_PATCHES: ROOMY}})
     routing.routed("c1", owner, 100, now=0.0)
     routing.routed("c2", other, 150, now=0.0)  # within the bound, but the owner is full
     assert routing.choose(hint(key), REPLICAS[:2]) == [other]
@@ -289,7 +300,8 @@ def test_the_choice_is_a_preference_order_that_keeps_the_rule(
     if not keys:  # a control call: every candidate, never held
         assert sorted(order) == sorted(candidates)
         return
-    roomy = [r for r in candidates if r not in rooms or routing.load(r) < rooms[r]]
+    # a replica with no room reported has room only while idle
+    roomy = [r for r in candidates if routing.load(r) < rooms.get(r, 1)]
     if not roomy and hold:  # held past hold_s: room no longer counts
         roomy = list(candidates)
     assert len(set(order)) == len(order) and set(order) <= set(roomy)
