@@ -84,6 +84,12 @@ def _serve(args: argparse.Namespace) -> None:
         f"{done.get('cut', 0)} cut and {done.get('refused', 0)} refused with 503",
         flush=True,
     )
+    if done.get("missing"):  # their requests in flight lost their connections
+        print(
+            f"vitserve: {done['missing']} HTTP replica(s) did not report their drain",
+            file=sys.stderr,
+            flush=True,
+        )
     _exit_now(0)
 
 
