@@ -37,7 +37,10 @@ from vitserve.encoder.device import (
 )
 from vitserve.encoder.testimages import make_image
 
-pytestmark = pytest.mark.cpu_profile  # CI runs it again as on each CPU profile
+# Every test but the prefill one runs again as on each CPU profile in CI (cpu_profile): what the
+# profile decides (the dtype, the batch cap) reaches the demo test's encoder the same way, and
+# the prefill test's minute would come back three times.
+PROFILE = pytest.mark.cpu_profile
 
 SMALL_CACHE_PROFILE = {LLC_ENV: "8MiB", BF16_ENV: "0"}
 DEMO_MLP_WIDTH = 3072  # the demo model's ViT-B tower
@@ -65,6 +68,7 @@ def user_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("user-cache")
 
 
+@PROFILE
 def test_make_model_writes_a_loadable_sharded_checkpoint(tmp_path) -> None:
     from vitserve.encoder.engine import EncoderEngine
 
@@ -78,6 +82,7 @@ def test_make_model_writes_a_loadable_sharded_checkpoint(tmp_path) -> None:
     assert engine.family == "llava"
 
 
+@PROFILE
 def test_make_model_for_vllm_has_heads_vllms_cpu_attention_takes(tmp_path) -> None:
     """``--vllm``: the same tower, a language model with 32-wide heads (vLLM's CPU attention
     has none narrower), LLaVA's tower under the published tensor names; vitserve loads it."""
@@ -99,6 +104,7 @@ def test_make_model_for_vllm_has_heads_vllms_cpu_attention_takes(tmp_path) -> No
     assert EncoderEngine.from_pretrained(str(out), device="cpu", dtype="fp32").family == "llava"
 
 
+@PROFILE
 def test_make_model_rejects_unknown_family(tmp_path) -> None:
     proc = _run("make-model", "--family", "bert", str(tmp_path / "x"), cache=tmp_path)
     assert proc.returncode == 2
@@ -194,6 +200,7 @@ def test_serve_demo_with_prefill_then_encode_and_chat_through_http_then_ctrl_c(
     assert code == 0
 
 
+@PROFILE
 def test_encode_against_no_server_fails_clearly(tmp_path) -> None:
     from vitserve.deployments.runner.local import free_port
 
@@ -203,6 +210,7 @@ def test_encode_against_no_server_fails_clearly(tmp_path) -> None:
     assert proc.returncode == 2 and "cannot reach" in proc.stderr
 
 
+@PROFILE
 def test_demo_serves_encodes_twice_and_the_second_pass_comes_from_the_store(
     user_cache, monkeypatch
 ) -> None:
@@ -246,6 +254,7 @@ def test_demo_serves_encodes_twice_and_the_second_pass_comes_from_the_store(
     assert [len(i.split(", ")) for i in ids] == [CHAT_MAX_TOKENS] * 3, out
 
 
+@PROFILE
 def test_the_demo_says_where_its_default_batch_cap_comes_from(monkeypatch) -> None:
     """Without a set cap, the demo reports the CPU default and the readings behind it (here the
     small-cache profile's, whatever the host): on such a CPU a 448px image runs alone."""
@@ -259,6 +268,7 @@ def test_the_demo_says_where_its_default_batch_cap_comes_from(monkeypatch) -> No
     assert f"(from {LLC_ENV}), no native bf16 (from {BF16_ENV})" in line
 
 
+@PROFILE
 def test_demo_with_a_missing_model_fails_clearly_before_starting_anything(tmp_path) -> None:
     ray_tmp = tmp_path / "ray-tmp"
     ray_tmp.mkdir()
