@@ -31,7 +31,8 @@ demo: install
 
 # The whole suite took 15 minutes on a 2-vCPU AMD EPYC with a 32 MiB L3 and 11 on a 2-vCPU
 # AMX Xeon (measured 2026-11-24, ~850 tests); 21 on a 2-vCPU Intel Xeon (2026-11-26, 1197
-# tests), past the 15-minute budget: --durations names the slowest in every run.
+# tests) and 30 on a 2-vCPU AVX2-only AMD EPYC (2026-11-27, 1216 tests), past the 15-minute
+# budget: --durations names the slowest in every run.
 test: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
