@@ -304,8 +304,8 @@ def vitserve_families(prometheus_text: str) -> str:
 
 
 #: how long the node's Ray metrics endpoint may take to answer: Prometheus's default scrape
-#: timeout. Its page carries every application's series (megabytes late in a long run) and took
-#: over 5 s on a loaded 2-vCPU host (a 503 in CI).
+#: timeout. Its page carries every application's series (megabytes late in a long run); with
+#: 5 s, CI's loaded 2-vCPU host once answered /metrics 503.
 NODE_PAGE_TIMEOUT_S = 10.0
 
 

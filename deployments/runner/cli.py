@@ -76,21 +76,27 @@ def _serve(args: argparse.Namespace) -> None:
         f"stopping: new requests get 503, those in flight have {args.grace:g} s to finish",
         flush=True,
     )
-    done = local.stop_local(grace_s=args.grace)
-    if "error" in done:
-        print(f"vitserve: drain failed ({done['error']}); stopped anyway", file=sys.stderr)
-    print(
-        f"stopped in {done['seconds']:.1f} s: {done.get('finished', 0)} requests finished, "
-        f"{done.get('cut', 0)} cut and {done.get('refused', 0)} refused with 503",
-        flush=True,
-    )
-    if done.get("missing"):  # their requests in flight lost their connections
-        print(
-            f"vitserve: {done['missing']} HTTP replica(s) did not report their drain",
-            file=sys.stderr,
-            flush=True,
-        )
+    out, err = stop_report(local.stop_local(grace_s=args.grace))
+    for line in err:
+        print(line, file=sys.stderr, flush=True)
+    print(out, flush=True)
     _exit_now(0)
+
+
+def stop_report(done: dict[str, Any]) -> tuple[str, list[str]]:
+    """What ``vitserve serve`` says once stopped (``stop_local``'s counts): the line for stdout
+    and the warnings for stderr: a drain that failed, HTTP replicas that did not report theirs
+    (their requests in flight lost their connections)."""
+    err = []
+    if "error" in done:
+        err.append(f"vitserve: drain failed ({done['error']}); stopped anyway")
+    if done.get("missing"):
+        err.append(f"vitserve: {done['missing']} HTTP replica(s) did not report their drain")
+    out = (
+        f"stopped in {done['seconds']:.1f} s: {done.get('finished', 0)} requests finished, "
+        f"{done.get('cut', 0)} cut and {done.get('refused', 0)} refused with 503"
+    )
+    return out, err
 
 
 def _exit_now(code: int) -> NoReturn:

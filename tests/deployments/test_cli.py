@@ -278,3 +278,17 @@ def test_demo_with_a_missing_model_fails_clearly_before_starting_anything(tmp_pa
     assert "vitserve: error: cannot load model" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert list(ray_tmp.iterdir()) == []  # no Ray session was started
+
+
+def test_the_stop_report_names_a_failed_drain_and_replicas_that_did_not_report() -> None:
+    from vitserve.deployments.runner.cli import stop_report
+
+    out, err = stop_report({"seconds": 6.61, "finished": 1, "cut": 5, "refused": 2, "missing": 0})
+    assert out == "stopped in 6.6 s: 1 requests finished, 5 cut and 2 refused with 503"
+    assert err == []
+    out, err = stop_report({"seconds": 7.0, "error": "GetTimeoutError: late", "missing": 2})
+    assert out.startswith("stopped in 7.0 s: 0 requests finished")
+    assert err == [
+        "vitserve: drain failed (GetTimeoutError: late); stopped anyway",
+        "vitserve: 2 HTTP replica(s) did not report their drain",
+    ]

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from vitserve.encoder.testimages import make_image
 
 # Examples per (operation, generation mode); hypothesis stops early where a space is exhausted.
-# ~1,250 requests: about a minute of a 2-vCPU host (each run draws new cases).
+# ~1,250 requests in all (each run draws new cases).
 INGRESS = {
     "POST /v1/encode": 200,
     "POST /v1/probe": 100,

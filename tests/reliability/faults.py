@@ -226,7 +226,8 @@ def redis_value_key(namespace: str, key: str, prefix: str = "vsm") -> str:
 
 def landed_value(client: Any, name: str, timeout_s: float = 10.0) -> bytes:
     """The value at ``name`` once it is there: the encoder answers as soon as its publish is
-    handed off to its publish thread, so the value may land a moment after the answer."""
+    handed off to its publish thread, so the value may land a moment after the answer. (The
+    corruptions below read the value as it is: call this first.)"""
     deadline = time.monotonic() + timeout_s
     while (value := client.get(name)) is None:
         assert time.monotonic() < deadline, f"{name} never landed"
@@ -238,7 +239,7 @@ def flip_payload_byte(client: Any, name: str) -> None:
     """Flip one byte inside the payload (SETRANGE): the header still reads as valid."""
     from vitserve.cache.codec import read_header
 
-    value = landed_value(client, name)
+    value = client.get(name)
     at = read_header(value).payload_offset + 5
     client.setrange(name, at, bytes([value[at] ^ 0xFF]))
 
@@ -247,7 +248,7 @@ def truncate(client: Any, name: str) -> None:
     """Cut the value in the middle of its payload (its header intact)."""
     from vitserve.cache.codec import read_header
 
-    value = landed_value(client, name)
+    value = client.get(name)
     offset = read_header(value).payload_offset
     client.set(name, value[: offset + (len(value) - offset) // 2])
 
@@ -259,7 +260,7 @@ def other_fingerprint(client: Any, name: str) -> None:
 
     from vitserve.cache.codec import decode_record, encode_record
 
-    record = decode_record(landed_value(client, name))
+    record = decode_record(client.get(name))
     client.set(name, bytes(encode_record(replace(record, fingerprint="0" * 64))))
 
 

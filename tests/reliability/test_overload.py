@@ -45,8 +45,8 @@ NODE_BYTES = 512 * 2**10  # the node tier's budget: about 8 of those records
 REDIS_MAXMEMORY = 2 * 2**20  # Redis's own use is ~1 MiB of it
 # Admitted latency against the unloaded median. Admission keeps ADMITTED requests on the
 # encoder, so one waits for at most ADMITTED forwards; on 2 vCPUs the refused traffic also
-# takes CPU from them (p90 7-12x measured; the slowest of ~28 admitted requests 15.5x and 25x in
-# two CI runs). An unbounded queue grows with the load instead: ~40x and more at its end.
+# takes CPU from them, and the p99 of ~28 admitted requests (nearly the slowest) went past 15x
+# in CI. An unbounded queue grows with the load instead: ~40x and more at its end.
 P90_FACTOR = 15.0
 MAX_FACTOR = 35.0  # one request stuck (a 60 s claim wait, a lost call) still fails
 L1_ACTOR = "vitserve-test-overload-l1"
@@ -237,7 +237,8 @@ def test_a_10x_overload_is_refused_with_429_and_every_budget_holds(
         wrong=0,
         lost=0,
         note=f"{CLIENTS} clients for {load_s:.0f} s against {ADMITTED} admitted: {len(ok)} x 200, "
-        f"{refused} x 429, {errors} x 5xx; admitted p90 {p90:.2f} s, slowest {slowest:.2f} s vs {unloaded:.2f} s alone; "
+        f"{refused} x 429, {errors} x 5xx; admitted p90 {p90:.2f} s, slowest {slowest:.2f} s "
+        f"vs {unloaded:.2f} s alone; "
         f"encoder RSS +{(sampler.rss - idle_rss) / mib:.0f} MiB (budget "
         f"{BUDGET_BYTES // mib} MiB); node tier <= {sampler.node_bytes // 1024} KiB of "
         f"{NODE_BYTES // 1024}; Redis used_memory <= {sampler.used_memory / mib:.1f} of "
