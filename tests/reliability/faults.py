@@ -235,6 +235,15 @@ def landed_value(client: Any, name: str, timeout_s: float = 10.0) -> bytes:
     return bytes(value)
 
 
+def landed_keys(store: Any, keys: list[str], timeout_s: float = 10.0) -> list[bool]:
+    """``store.exists_many(keys)`` once every key is there, or as it stands at ``timeout_s``:
+    as :func:`landed_value`, a key's value may land a moment after its encode's answer."""
+    deadline = time.monotonic() + timeout_s
+    while not all(found := store.exists_many(keys)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return found
+
+
 def flip_payload_byte(client: Any, name: str) -> None:
     """Flip one byte inside the payload (SETRANGE): the header still reads as valid."""
     from vitserve.cache.codec import read_header

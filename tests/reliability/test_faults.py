@@ -35,6 +35,7 @@ from tests.reliability.faults import (
     check_answers,
     fresh_image,
     kill_while_busy,
+    landed_keys,
     landed_value,
     redis_value_key,
     replicas,
@@ -144,7 +145,7 @@ def test_redis_killed_mid_load_and_restarted(
     direct = RedisStore(redis_a.url, namespace=ns, timeout_s=2)
     try:
         late = [a.key for a in load.answers if not a.cached and a.started >= late_from]
-        in_redis = direct.exists_many([after.key, *late])
+        in_redis = landed_keys(direct, [after.key, *late])  # published after the answer
         repeats_in_redis = direct.exists_many(repeat_keys)
     finally:
         direct.close()
