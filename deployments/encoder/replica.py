@@ -100,6 +100,12 @@ class EncoderDeployment:
         # thread, and a new thread starts from OMP_NUM_THREADS, which Ray sets to the replica's
         # num_cpus (1): oneDNN's bf16 kernels then ran on one core while aten's ran on all
         # (448px forwards ~20% slower than in-process). The device thread sets it first.
+        # This thread sets it too and loads the engine, so the process holds two OpenMP teams,
+        # more threads than a 2-core replica has cores: libgomp then cuts its idle threads'
+        # spin short. Tried on a 2-vCPU Xeon (2026-11-27): loading on the device thread alone
+        # (one team, full spin) made a lone 448px forward ~1 ms faster, left a sequential
+        # request's HTTP p50 unchanged, and cut four closed-loop clients' throughput from
+        # ~28 to ~21.5 requests/s: the spinning thread took the cores preprocessing needed.
         init: dict[str, Any] = (
             {"initializer": torch.set_num_threads, "initargs": (threads,)} if threads else {}
         )
