@@ -353,13 +353,16 @@ def floor(root: Path) -> str:
     verdict = next(
         (line for line in text.splitlines() if line.startswith("vitserve's HTTP p50 minus")), None
     )
-    if verdict is None:
-        raise TableError(f"{name}: no 'vitserve's HTTP p50 minus' line")
+    rest = next((line for line in text.splitlines() if line.startswith("Where the rest")), None)
+    if verdict is None or rest is None:
+        raise TableError(f"{name}: no 'vitserve's HTTP p50 minus' or 'Where the rest' line")
     return "\n".join(
         [
             *table_after(text, "Command:", name),
             "",
             verdict,
+            "",
+            rest,
             "",
             f"From {link(name)} ({machine(text, name)}{cpu_flags(text)}; the page also has "
             "vitserve's stages).",
