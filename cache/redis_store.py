@@ -1,4 +1,5 @@
-"""The Redis connection: records shared by every replica, through one Redis server (or proxy).
+"""The Redis connection: records shared by every replica, through one Redis server (or proxy;
+a Redis Cluster is :mod:`vitserve.cache.redis_cluster`, over the same layout and scripts).
 
 :class:`RedisConnection` is the connection (a pool of sockets to one server, shared by every
 store over it); :class:`RedisStore` is a store over a connection of its own.
@@ -67,6 +68,7 @@ import ssl
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -74,6 +76,7 @@ from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
     NoPermissionError,
+    RedisClusterException,
     RedisError,
 )
 from redis.retry import Retry
@@ -235,6 +238,10 @@ LEDGER_COMMANDS = (
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+#: what redis-py raises: its errors, and its cluster client's (not RedisErrors)
+REDIS_ERRORS = (RedisError, RedisClusterException)
+
+
 def _guarded(method: _F) -> _F:
     """Turn any redis-py error of ``method`` into a StoreError (the one place that does)."""
     op = method.__name__.lstrip("_")
@@ -243,7 +250,7 @@ def _guarded(method: _F) -> _F:
     def wrapper(self: RedisConnection, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise self._store_error(op, exc) from exc
 
     return wrapper  # type: ignore[return-value]
@@ -267,6 +274,9 @@ def _ms(seconds: float) -> int:
 #: What the SDK's direct reads send (``get_many``, ``get_rows_many``, ``headers_many``,
 #: ``exists_many``) and PING: all a reader user may run.
 READER_COMMANDS = ("get", "mget", "getrange", "strlen", "exists", "ping")
+#: What a Redis Cluster client reads the cluster's shape with (metadata, no record): every
+#: user of a cluster runs them too.
+CLUSTER_COMMANDS = ("cluster|slots", "command")
 DEFAULT_PREFIX = "vsm"
 
 
@@ -287,30 +297,44 @@ def _rules(keys: tuple[str, ...], commands: tuple[str, ...]) -> tuple[str, ...]:
     return ("resetkeys", *keys, "resetchannels", "-@all", *(f"+{c}" for c in commands))
 
 
-def reader_acl(namespace: str, prefix: str = DEFAULT_PREFIX) -> tuple[str, ...]:
+def reader_acl(
+    namespace: str, prefix: str = DEFAULT_PREFIX, cluster: bool = False
+) -> tuple[str, ...]:
     """The ACL rules (``ACL SETUSER`` / aclfile words) of a user that may read the record values
     of ``namespace`` and nothing else: its keys only (``%R~{prefix}:v:{namespace}/*``, glob
     characters escaped, read-only), and whether its claims are held (``%R~{prefix}:c:...``,
     read-only: a read waits for a claimed key's publish, ``vitserve.cache.base``), the read
     commands only, no channels. Another namespace's key is refused (NOPERM) even to a reader
-    who knows it."""
-    space = f"{_glob_escape(prefix)}:%s:{_glob_escape(namespace)}/*"
-    return _rules((f"%R~{space % 'v'}", f"%R~{space % 'c'}"), READER_COMMANDS)
+    who knows it. ``cluster``: for a Redis Cluster, whose keys hold the full key as their hash
+    tag (``{prefix}:v:{{namespace/key}}``, :mod:`vitserve.cache.redis_cluster`), and whose
+    clients also run :data:`CLUSTER_COMMANDS`."""
+    space = f"{_glob_escape(prefix)}:%s:{'{' if cluster else ''}{_glob_escape(namespace)}/*"
+    return _rules((f"%R~{space % 'v'}", f"%R~{space % 'c'}"), _commands(READER_COMMANDS, cluster))
 
 
-def server_reader_acl(prefix: str = DEFAULT_PREFIX) -> tuple[str, ...]:
+def server_reader_acl(prefix: str = DEFAULT_PREFIX, cluster: bool = False) -> tuple[str, ...]:
     """The rules of the server side's reader (the prefill's direct reads, for every tenant):
-    every namespace's record values and claims, read-only, the read commands only."""
+    every namespace's record values and claims, read-only, the read commands only (and, on a
+    ``cluster``, :data:`CLUSTER_COMMANDS`)."""
     p = _glob_escape(prefix)
-    return _rules((f"%R~{p}:v:*", f"%R~{p}:c:*"), READER_COMMANDS)
+    return _rules((f"%R~{p}:v:*", f"%R~{p}:c:*"), _commands(READER_COMMANDS, cluster))
 
 
-def writer_acl(prefix: str = DEFAULT_PREFIX, ledger: bool = False) -> tuple[str, ...]:
+def writer_acl(
+    prefix: str = DEFAULT_PREFIX, ledger: bool = False, cluster: bool = False
+) -> tuple[str, ...]:
     """The rules of the encoder side's writer: what its store sends, on the prefix's keys only;
-    with ``ledger`` (a store URL with ``max_bytes``) also the ledger's commands."""
-    return _rules(
-        (f"~{_glob_escape(prefix)}:*",), WRITER_COMMANDS + (LEDGER_COMMANDS if ledger else ())
+    with ``ledger`` (a store URL with ``max_bytes``) also the ledger's commands; on a
+    ``cluster``, :data:`CLUSTER_COMMANDS` and ``EVAL`` (its scripts go as text: a promoted
+    replica has no script cache)."""
+    commands = (
+        WRITER_COMMANDS + (LEDGER_COMMANDS if ledger else ()) + (("eval",) if cluster else ())
     )
+    return _rules((f"~{_glob_escape(prefix)}:*",), _commands(commands, cluster))
+
+
+def _commands(commands: tuple[str, ...], cluster: bool) -> tuple[str, ...]:
+    return commands + CLUSTER_COMMANDS if cluster else commands
 
 
 class RedisConnection(Connection):
@@ -365,43 +389,53 @@ class RedisConnection(Connection):
             "ssl_check_hostname": ssl_check_hostname,
         }
         options: dict[str, Any] = {k: v for k, v in tls.items() if v is not None}
-        if options and not url.startswith("rediss://"):
+        scheme = urlsplit(url).scheme
+        if options and not scheme.startswith("rediss"):
             raise ConfigError(f"TLS settings need a rediss:// URL, not {redact_url(url)!r}")
         if _PythonRespSerializer is not None:
             options["command_packer"] = _PythonRespSerializer(
                 6000, _Encoder("utf-8", "strict", False).encode
             )
         try:
-            # Blocking: a burst beyond max_connections waits (up to timeout_s) for a free
-            # connection instead of failing at once with "Too many connections".
-            self._pool = redis.BlockingConnectionPool.from_url(
-                url,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                max_connections=max_connections,
-                timeout=timeout_s,
-                retry=Retry(NoBackoff(), 0),
-                **options,
-            )
+            self._client = self._open_client(url, timeout_s, max_connections, options)
         except ValueError as exc:  # redis-py's messages name the problem, not the URL
             raise ConfigError(f"invalid Redis URL {redact_url(url)!r}: {exc}") from None
-        self._client = redis.Redis(connection_pool=self._pool)
         self._release_script = self._client.register_script(_RELEASE_LUA)
         self._lookup_script = self._client.register_script(_LOOKUP_OR_CLAIM_LUA)
         self._ledger_put = self._client.register_script(_LEDGER_PUT_LUA)
         self._ledger_delete = self._client.register_script(_LEDGER_DELETE_LUA)
         self.prefix = prefix
         self.timeout_s = timeout_s
+        # never the password: the name is in every error and log line about this store
+        self.name = self._describe(scheme)
+        self._info_failed_at: float | None = None
+
+    def _open_client(
+        self, url: str, timeout_s: float, max_connections: int, options: dict[str, Any]
+    ) -> Any:
+        """The redis-py client of ``url``: one server, a pool of at most ``max_connections``.
+        Blocking: a burst beyond it waits (up to ``timeout_s``) for a free connection instead
+        of failing at once with "Too many connections"."""
+        self._pool = redis.BlockingConnectionPool.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            max_connections=max_connections,
+            timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            **options,
+        )
+        return redis.Redis(connection_pool=self._pool)
+
+    def _describe(self, scheme: str) -> str:
+        """``scheme user@host:port/db``: the store's name, never its password."""
         kw = self._pool.connection_kwargs
         if "path" in kw:
             where = f"unix:{kw['path']}"
         else:
             where = f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}"
         user = f"{kw['username']}@" if kw.get("username") else ""
-        scheme = "rediss" if url.startswith("rediss://") else "redis"
-        # never the password: the name is in every error and log line about this store
-        self.name = f"{scheme} {user}{where}/{kw.get('db', 0)}"
-        self._info_failed_at: float | None = None
+        return f"{'rediss' if scheme == 'rediss' else 'redis'} {user}{where}/{kw.get('db', 0)}"
 
     def __repr__(self) -> str:
         return f"RedisConnection({self.name!r}, prefix={self.prefix!r})"
@@ -413,7 +447,7 @@ class RedisConnection(Connection):
     def _ckey(self, full_key: str) -> str:
         return f"{self.prefix}:c:{full_key}"
 
-    def _store_error(self, op: str, exc: RedisError) -> StoreError:
+    def _store_error(self, op: str, exc: Exception) -> StoreError:
         self.counters.add("errors")
         what = f"{op}: {type(exc).__name__}: {exc}"
         if isinstance(exc, (AuthenticationError, AuthorizationError)):

@@ -9,6 +9,8 @@ many stores over one connection, :mod:`vitserve.cache.views`).
     redis://user:password@host:6379/0                 (an ACL user)
     rediss://user:password@host:6380/0?ssl_ca_certs=/etc/redis/ca.pem
         &ssl_certfile=/etc/redis/client.pem&ssl_keyfile=/etc/redis/client.key  (TLS, mTLS)
+    redis+cluster://user:password@host:7000?timeout_s=2&retries=1  (a Redis Cluster: any node)
+    rediss+cluster://user:password@host:7000?ssl_ca_certs=/etc/redis/ca.pem  (a cluster, TLS)
     tiered://?l1=memory%3A%2F%2F%3Fmax_bytes%3D1GiB&l2=redis%3A%2F%2Fhost%3A6379%2F0
 
 Every store takes ``namespace``, ``ttl_s``, ``fingerprint`` and ``read_wait_s`` (how long a record
@@ -159,11 +161,22 @@ def keeps_redis_ledger(url: str) -> bool:
     ledger's commands (:data:`vitserve.cache.redis_store.LEDGER_COMMANDS`). Parses only."""
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query))
-    if parts.scheme in ("redis", "rediss"):
+    if parts.scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
         return "max_bytes" in query
     if parts.scheme == "tiered":
         return any(keeps_redis_ledger(query[tier]) for tier in ("l1", "l2") if tier in query)
     return False
+
+
+def uses_redis_cluster(url: str) -> bool:
+    """Whether a store URL's Redis is a Redis Cluster (``redis+cluster://``, or either tier of
+    a ``tiered://`` one): its users need the cluster's rules
+    (:func:`~vitserve.cache.redis_store.reader_acl`'s ``cluster``). Parses only."""
+    parts = urlsplit(url)
+    if parts.scheme == "tiered":
+        query = dict(parse_qsl(parts.query))
+        return any(uses_redis_cluster(query[tier]) for tier in ("l1", "l2") if tier in query)
+    return parts.scheme in ("redis+cluster", "rediss+cluster")
 
 
 def open_connection(url: str, **overrides: Any) -> tuple[Connection, StorePolicy]:
@@ -204,6 +217,13 @@ def open_connection(url: str, **overrides: Any) -> tuple[Connection, StorePolicy
         policy = _policy(opts)
         server = urlunsplit((parts.scheme, parts.netloc, parts.path or "/0", "", ""))
         return RedisConnection(server, **opts), policy
+    if scheme in ("redis+cluster", "rediss+cluster"):
+        from vitserve.cache.redis_cluster import RedisClusterConnection
+
+        opts = _options(url, parts.query, {**_REDIS, **_TLS, "retries": int}, overrides)
+        policy = _policy(opts)
+        server = urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
+        return RedisClusterConnection(server, **opts), policy
     if scheme == "tiered":
         from vitserve.cache.tiered import TieredConnection
 
@@ -231,7 +251,7 @@ def open_connection(url: str, **overrides: Any) -> tuple[Connection, StorePolicy
         return TieredConnection(local, shared, promote_ttl_s=policy.ttl_s), policy
     raise ConfigError(
         f"unknown store URL {redact_url(url)!r}; use memory://, node://, redis://host:port/db, "
-        "rediss://... or tiered://"
+        "rediss://..., redis+cluster://host:port, rediss+cluster://... or tiered://"
     )
 
 

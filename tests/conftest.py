@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests import gpu
-from tests.redis_process import RedisServer
+from tests.redis_process import RedisClusterServers, RedisServer
 
 # tests/vllm runs against real vLLM servers from vLLM's own venv: `make test-vllm` runs it (and
 # sets VITSERVE_TEST_VLLM=1); `make test` leaves it out.
@@ -125,6 +125,34 @@ def spawn_redis() -> Iterator[Callable[..., RedisServer]]:
     yield spawn
     for server in servers:
         server.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    """The suite's Redis Cluster: ``VITSERVE_TEST_REDIS_CLUSTER`` (.ci/run starts one: three
+    primaries, three replicas, loopback), else one of the session's own, the same shape."""
+    url = os.environ.get("VITSERVE_TEST_REDIS_CLUSTER")
+    if url:
+        yield url
+        return
+    cluster = RedisClusterServers(masters=3, replicas=1)
+    yield cluster.url
+    cluster.close()
+
+
+@pytest.fixture
+def spawn_redis_cluster() -> Iterator[Callable[..., RedisClusterServers]]:
+    """Private Redis Clusters (``RedisClusterServers(masters, replicas, node_timeout_ms,
+    args)``), killed at teardown: for tests that kill nodes or set their memory."""
+    clusters: list[RedisClusterServers] = []
+
+    def spawn(**kwargs: Any) -> RedisClusterServers:
+        clusters.append(RedisClusterServers(**kwargs))
+        return clusters[-1]
+
+    yield spawn
+    for cluster in clusters:
+        cluster.close()
 
 
 @pytest.fixture(scope="session")
@@ -528,6 +556,8 @@ FIXTURE_NEEDS: dict[str, tuple[str, ...]] = {
     "redis_url": ("redis",),
     "lru_redis_url": ("redis", "subprocess"),
     "spawn_redis": ("redis", "subprocess"),
+    "redis_cluster_url": ("redis", "subprocess"),  # starts one unless .ci/run did
+    "spawn_redis_cluster": ("redis", "subprocess"),
     "kustomize": ("subprocess",),  # tests/k8s: render runs `kubectl kustomize`
 }
 
@@ -538,6 +568,7 @@ STORE_KIND_NEEDS: dict[str, tuple[str, ...]] = {
     "node": ("ray",),
     "redis": ("redis",),
     "tiered": ("redis",),
+    "redis-cluster": ("redis", "subprocess"),
 }
 
 # Tests (a folder, a module, or a module::test for all its parameters) that start Ray, Redis or

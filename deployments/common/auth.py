@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vitserve.cache.redis_store import DEFAULT_PREFIX, reader_acl
+from vitserve.cache.urls import uses_redis_cluster
 from vitserve.deployments.common.config import (
     MIN_TOKEN_CHARS,
     TENANT_RE,
@@ -90,8 +91,10 @@ def redis_readers(cfg: VitserveConfig, prefix: str = DEFAULT_PREFIX) -> dict[str
         raise ConfigError(
             "reader users per tenant need auth's tenants (auth.tokens or tokens_file)"
         )
+    cluster = uses_redis_cluster(cfg.store)
     return {
-        f"{READER_USER_PREFIX}{t.name}": reader_acl(t.namespace, prefix) for t in auth.tenants()
+        f"{READER_USER_PREFIX}{t.name}": reader_acl(t.namespace, prefix, cluster)
+        for t in auth.tenants()
     }
 
 

@@ -204,11 +204,12 @@ def redis_acl_lines(
     never a user without one."""
     # heavy (redis-py, numpy): only this subcommand needs the store's modules
     from vitserve.cache.redis_store import server_reader_acl, writer_acl
-    from vitserve.cache.urls import keeps_redis_ledger
+    from vitserve.cache.urls import keeps_redis_ledger, uses_redis_cluster
     from vitserve.deployments.common.auth import READER_USER_PREFIX, redis_readers
 
     readers = redis_readers(cfg, prefix)  # ConfigError with auth off: no tenant list
     ledger = keeps_redis_ledger(cfg.store)  # the writer then runs the ledger's commands too
+    cluster = uses_redis_cluster(cfg.store)  # every user then runs the cluster's commands too
     # An aclfile takes `user` lines only (no comments: Redis refuses the file)
     lines = [
         "user default off resetpass resetkeys resetchannels -@all",
@@ -216,14 +217,14 @@ def redis_acl_lines(
             [
                 f"user {WRITER_USER} on",
                 _password_hash(writer_password_file, WRITER_USER),
-                *writer_acl(prefix, ledger=ledger),
+                *writer_acl(prefix, ledger=ledger, cluster=cluster),
             ]
         ),
         " ".join(
             [
                 f"user {READER_USER} on",
                 _password_hash(reader_password_file, READER_USER),
-                *server_reader_acl(prefix),
+                *server_reader_acl(prefix, cluster=cluster),
             ]
         ),
     ]

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import STORE_KIND_NEEDS
 
-STORE_KINDS = ("memory", "node", "redis", "tiered")
+STORE_KINDS = ("memory", "node", "redis", "tiered", "redis-cluster")
 
 
 class StoreMaker:
@@ -63,8 +63,17 @@ class StoreMaker:
             return NodeStore(
                 namespace=ns, ttl_s=ttl_s, max_bytes=max_bytes or 1 << 30, actor_name=name
             )
+        from vitserve.cache import open_store
         from vitserve.cache.redis_store import RedisStore
         from vitserve.cache.tiered import TieredStore
+
+        if self.kind == "redis-cluster":
+            if max_bytes is not None:
+                pytest.skip(
+                    "a cluster's budget is each primary's maxmemory: "
+                    "test_redis_cluster.py::test_each_primary_holds_its_maxmemory"
+                )
+            return open_store(self.redis_url, namespace=ns, ttl_s=ttl_s)
 
         if self.kind == "redis":
             url = self.redis_url
@@ -95,7 +104,8 @@ class StoreMaker:
 def make_store(request: pytest.FixtureRequest) -> Iterator[Callable]:
     # only the kinds that need Redis ask for it: the memory kind's tests are in the fast tier
     needs_redis = "redis" in STORE_KIND_NEEDS[request.param]
-    redis_url = request.getfixturevalue("redis_url") if needs_redis else ""
+    server = "redis_cluster_url" if request.param == "redis-cluster" else "redis_url"
+    redis_url = request.getfixturevalue(server) if needs_redis else ""
     maker = StoreMaker(request.param, request, redis_url)
     yield maker
     maker.close()

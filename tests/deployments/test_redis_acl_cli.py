@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from vitserve.cache.redis_store import LEDGER_COMMANDS, READER_COMMANDS, WRITER_COMMANDS
+from vitserve.cache.redis_store import (
+    CLUSTER_COMMANDS,
+    LEDGER_COMMANDS,
+    READER_COMMANDS,
+    WRITER_COMMANDS,
+)
 from vitserve.deployments.common.auth import redis_readers
 from vitserve.deployments.common.config import VitserveConfig
 from vitserve.deployments.runner.cli import main
@@ -165,3 +170,27 @@ def test_a_plain_redis_store_gets_no_ledger_commands(
     assert main(_args(files, "--set", "store=redis://vitserve-redis:6379/0")) == 0
     writer = next(x for x in capsys.readouterr().out.splitlines() if "vitserve-writer" in x)
     assert not {r[1:] for r in writer.split() if r.startswith("+")} & set(LEDGER_COMMANDS)
+
+
+@pytest.mark.parametrize(
+    "store",
+    [
+        "redis+cluster://vitserve-redis-0.vitserve-redis:6379",
+        "tiered://?l1=node%3A%2F%2F&l2=redis%2Bcluster%3A%2F%2Fr%3A6379",
+    ],
+)
+def test_a_cluster_store_gets_the_clusters_rules(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str], store: str
+) -> None:
+    """A Redis Cluster store: every user may read the cluster's shape, the writer sends its
+    scripts as EVAL, each tenant's reader's keys carry the hash tag's brace."""
+    assert main(_args(files, "--set", f"store={store}", "--set", "namespace=acme")) == 0
+    users = {line.split()[1]: line.split()[2:] for line in capsys.readouterr().out.splitlines()}
+    granted = {name: {r[1:] for r in rules if r.startswith("+")} for name, rules in users.items()}
+    assert granted["vitserve-writer"] == {*WRITER_COMMANDS, *CLUSTER_COMMANDS, "eval"}
+    assert granted["vitserve-reader"] == granted["vitserve-reader-alice"]
+    assert granted["vitserve-reader"] == {*READER_COMMANDS, *CLUSTER_COMMANDS}
+    assert [r for r in users["vitserve-reader-alice"] if "~" in r] == [
+        "%R~vsm:v:{acme.alice/*",
+        "%R~vsm:c:{acme.alice/*",
+    ]
