@@ -2,7 +2,9 @@
 
 1. Redis killed in the middle of a load and restarted on the same port: every request
    succeeds (the tiered store's node tier, or recomputing), every embedding equals the
-   in-process engine's, and new images land in Redis again once it is back.
+   in-process engine's, and new images land in Redis again once it is back. On a Redis
+   Cluster, a primary killed: right answers, a request fails only retryably during the
+   election, service back without anyone acting.
 2. An encoder replica, then a preprocess replica, killed mid-load: Serve restarts it, the
    SDK's default retries carry what was in flight; nothing lost, one embedding per key.
 3. The prefill's store reads failing mid-prefill (entries evicted, the store down): the chat
@@ -173,6 +175,59 @@ def test_redis_killed_mid_load_and_restarted(
         note=f"3 SDK clients, Redis down {up_at - down_at:.1f} s; {len(during)} answered "
         f"while it was down, {len(late)} new ones after it came back, "
         f"{load.retries} retries",
+    )
+
+
+# -- 1b. a Redis Cluster primary killed -----------------------------------------------------------
+def test_a_redis_cluster_primary_killed_mid_load(
+    deploy: Callable[..., App], spawn_redis_cluster, engines, reliability
+) -> None:
+    """An application on a Redis Cluster (three primaries, a replica each) under three SDK
+    clients; the primary holding a repeated image's record is killed. Every answer equals the
+    in-process engine's; a request fails only with a retryable error, while the replica is
+    promoted; then new images are answered and land again, nobody acting. A record the dead
+    primary held and its replica had not yet copied would be lost: it is counted, and encoded
+    again (right) when asked."""
+    from vitserve.client import EncoderClient
+
+    cluster = spawn_redis_cluster(masters=3, replicas=1)
+    app = deploy(
+        "faults-cluster",
+        store=f"{cluster.url}?timeout_s={TIMEOUT_S}",
+        batching={"batch_wait_timeout_s": 0.02},
+    )
+    try:
+        load = Load(app.url, threads=3).start()
+        warm = load.wait(lambda: load.repeats_answered() and len(load.answers) >= 6, 120)
+        repeated = next(a.key for a in load.answers if a.image in load.repeats)
+        victim = cluster.primary_of(f"vsm:v:{{{app.config.namespace}/{repeated}}}")
+        victim.kill()
+        down_at = time.monotonic()
+        cluster.wait_healthy()
+        healed_at = time.monotonic()
+        served = load.wait(lambda: load.answered_since(healed_at + 1.0, new=True) >= 3, 60)
+        unanswered = load.stop()
+        wrong, differing = check_answers(load.answers, engines["qwen2_vl"])
+        gone = missing_at_the_end(app, {a.key for a in load.answers})
+        lost_images = [next(a.image for a in load.answers if a.key == k) for k in gone]
+        with EncoderClient(app.url) as client:  # what was lost is encoded again, right
+            again = client.encode(lost_images) if lost_images else []
+        redone, _ = check_answers([a for a in load.answers if a.key in gone], engines["qwen2_vl"])
+    finally:
+        deploy.remove(app.name)
+    assert warm and served, (warm, served, load.failures[:3])
+    assert all("Unavailable" in f for f in load.failures), load.failures[:5]
+    assert unanswered == 0
+    assert wrong == [] and differing == []
+    assert [h.key for h in again] == gone and not any(h.cached for h in again) and redone == []
+    reliability.record(
+        "Redis Cluster primary killed mid-load (3 primaries, 3 replicas)",
+        tried=load.tried,
+        failed=len(load.failures),
+        wrong=len(wrong) + len(differing),
+        lost=unanswered + len(gone),
+        note=f"3 SDK clients, default retries ({load.retries} made); election "
+        f"{healed_at - down_at:.1f} s; lost records encoded again when asked",
     )
 
 
