@@ -113,8 +113,21 @@ class DeploymentConfig(_Strict):
     autoscaling: AutoscalingConfig | None = None
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    # Custom Ray resources each replica needs (``{"encoder_node": 1}``): which nodes may host
+    # it. CPU, GPU and memory are num_cpus, num_gpus and Ray's own.
+    resources: dict[str, float] = Field(default_factory=dict)
     max_ongoing_requests: int = Field(64, gt=0)
     max_queued_requests: int = Field(256, ge=-1)  # -1: unbounded (not recommended)
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{name} is not a custom resource: use num_cpus/num_gpus")
+            if not name or amount < 0:
+                raise ValueError(f"resource {name!r}: a name and an amount >= 0")
+        return value
 
 
 #: The longest a call waits in vitserve's encoder router for a replica with room

@@ -59,6 +59,7 @@ def deployment_options(d: DeploymentConfig) -> dict[str, Any]:
             "num_cpus": d.num_cpus,
             "num_gpus": d.num_gpus,
             "runtime_env": {"env_vars": WORKER_ENV},
+            **({"resources": dict(d.resources)} if d.resources else {}),
         },
         "max_ongoing_requests": d.max_ongoing_requests,
         "max_queued_requests": d.max_queued_requests,

@@ -166,3 +166,22 @@ def test_every_metric_is_constructible_and_ray_prefix_is_stripped() -> None:
         "# TYPE vitserve_images_encoded_total counter\n"
         'vitserve_images_encoded_total{application="a"} 3.0\n'
     )
+
+
+def test_custom_resources_place_a_deployments_replicas() -> None:
+    """``<section>.resources``: custom Ray resources each replica needs (which nodes may host
+    it), from a mapping or the environment's JSON; CPU and GPU stay num_cpus/num_gpus."""
+    from vitserve.deployments.common.serving import deployment_options
+
+    cfg = VitserveConfig.load(
+        {"encoder.resources": {"encoder_node": 1}},
+        environ={"VITSERVE_PREFILL__RESOURCES": '{"prefill_node": 0.5}'},
+    )
+    assert deployment_options(cfg.encoder)["ray_actor_options"]["resources"] == {
+        "encoder_node": 1.0
+    }
+    assert cfg.prefill.resources == {"prefill_node": 0.5}
+    assert "resources" not in deployment_options(cfg.ingress)["ray_actor_options"]
+    for bad in ({"GPU": 1}, {"x": -1}):
+        with pytest.raises(ConfigError, match="resources"):
+            VitserveConfig.load({"encoder.resources": bad})
