@@ -22,6 +22,11 @@ Invariants:
   with their ttl.
 * A connection that cannot reach its backend raises ``StoreUnavailableError`` (retryable)
   within its configured timeout; it never hangs.
+* ``claim_scope`` names where its claims (and so its lookups' answers) live when only some
+  processes can reach them: a node's store actor, one process's memory. Two connections
+  whose scopes differ cannot single-flight one key or find each other's entries (the
+  application's parts check it: ``StoreSplitError``); None: wherever the URL leads, the same
+  for every process that opens it (Redis).
 """
 
 from __future__ import annotations
@@ -74,6 +79,12 @@ class Connection(ABC):
     verify_on_put: bool = False
     #: whether ``get_head`` returns the whole value (local backends) rather than a prefix
     head_is_whole_value: bool = True
+
+    @property
+    def claim_scope(self) -> str | None:
+        """Where this connection's claims live, when not every process reaches them (see the
+        module's invariants); None: the same for every process opening the same URL."""
+        return None
 
     def __init__(self) -> None:
         self.counters = Counters()

@@ -15,6 +15,7 @@ Closing the connection gives up the claims held under its token.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -27,6 +28,12 @@ DEFAULT_MAX_BYTES = 1 << 30
 
 class MemoryConnection(Connection):
     kind = "memory"
+
+    @property
+    def claim_scope(self) -> str:
+        """This process's memory, this object's: no other process finds its entries."""
+        return f"memory://pid-{os.getpid()}/{id(self):x}"
+
     # Values are checked in full once, when put; the bytes held cannot change afterwards, so
     # reads check headers only.
     verify_on_put = True

@@ -484,6 +484,12 @@ class NodeConnection(Connection):
     def __repr__(self) -> str:
         return f"NodeConnection(actor={self.actor_name!r})"
 
+    @property
+    def claim_scope(self) -> str:
+        """Its store actor's (a node's, by default): a process on another node opening
+        ``node://`` talks to another actor and finds none of these entries or claims."""
+        return f"node://{self.actor_name}"
+
     # -- the actor -----------------------------------------------------------------------------
     @property
     def _label(self) -> str:

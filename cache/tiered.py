@@ -37,6 +37,12 @@ T = TypeVar("T")
 
 class TieredConnection(Connection):
     kind = "tiered"
+
+    @property
+    def claim_scope(self) -> str | None:
+        """The shared tier's: claims and lookups that decide go there."""
+        return self.shared.claim_scope
+
     head_is_whole_value = False  # the head may be the shared tier's prefix
     verify_payload = True  # a value may come from the shared tier
 

@@ -225,6 +225,10 @@ class ClientCore:
         namespace, fingerprint = model.get("namespace") or "", model["fingerprint"]
         if self.store is None and self.store_url is not None:
             self.store = open_store(self.store_url, namespace=namespace, fingerprint=fingerprint)
+        if self.store is not None and "claims_at" in model:  # a service that says where
+            mine = self.store.connection.claim_scope
+            if mine != model["claims_at"]:  # e.g. node:// here, the service on another node
+                raise errors.StoreSplitError(str(mine), str(model["claims_at"]))
         elif self.store is not None:
             given = self.store
             if given.namespace != namespace:

@@ -20,6 +20,7 @@ CASES = [
     errors.ImagePreprocessError(1, "odd"),
     errors.StoreUnavailableError("redis", "down"),
     errors.CacheMissError(["ab" * 32]),
+    errors.StoreSplitError("node://vitserve-node-store-a", "node://vitserve-node-store-b"),
     errors.RecordFormatError("bad header", newer_version=True),
     errors.LimitExceededError("max_rows_bytes", 10, 5),
     errors.RequestTimeoutError("body_timeout_s", 2.0, 17),

@@ -140,6 +140,21 @@ class CacheMissError(StoreError):
         self.keys = keys
 
 
+class StoreSplitError(StoreError):
+    """Two parts of one application hold their claims and entries in different places (a
+    node-local store on two nodes): neither finds what the other publishes, and single flight
+    cannot hold. A deployment to fix, not a request to retry."""
+
+    def __init__(self, here: str, there: str) -> None:
+        super().__init__(
+            f"the store is split: claims here live in {here}, the caller's in {there} (a "
+            "node:// store on two nodes?); on several nodes use a shared store, e.g. "
+            "tiered://?l1=node://&l2=redis://... (or redis+cluster://...)"
+        )
+        self.here = here
+        self.there = there
+
+
 class RecordFormatError(StoreError):
     """A stored value is not a valid record (stores count it as a miss; never raised to users
     of ``get``)."""

@@ -256,6 +256,7 @@ class EncodeFlow:
                     token=token,
                     images=[data_of[new[i]] for i in send],
                     namespace=store.namespace,
+                    claims_at=store.connection.claim_scope,
                     patches=[patches_of[new[i]] for i in send],
                     caller=THIS_CALLER,
                 )

@@ -438,6 +438,9 @@ class Ingress:
             **model,
             **who,
             "row_bytes": terms.row_bytes,
+            # where this service's claims live when not every process reaches them (a node's
+            # store actor): a client reading a store directly checks it reads the same one
+            "claims_at": self._unchecked.connection.claim_scope,
             "limits": {
                 "max_images_per_request": limits.max_images_per_request,
                 "max_request_bytes": limits.max_request_bytes,

@@ -59,6 +59,7 @@ from vitserve.deployments.encoder.preprocessing import make_preprocessor, prepar
 from vitserve.deployments.encoder.records import embedding_record
 from vitserve.deployments.encoder.single_flight import ClaimState, Role, SingleFlight
 from vitserve.deployments.encoder.wire import (
+    CLAIMS_UNSTATED,
     EncodeBatch,
     EncodedItem,
     ErrorItem,
@@ -69,7 +70,7 @@ from vitserve.deployments.encoder.wire import (
 from vitserve.encoder.device import available_cpus, dtype_name
 from vitserve.encoder.engine import EncoderEngine
 from vitserve.encoder.work import ImageWork, Terms
-from vitserve.errors import StoreError, VitserveError
+from vitserve.errors import StoreError, StoreSplitError, VitserveError
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
 
@@ -259,6 +260,8 @@ class EncoderDeployment:
             raise ValueError("images arrive as bytes only with preprocess_at: encoder")
         started = time.perf_counter()
         store = self._store_for(batch.namespace)
+        if batch.claims_at not in (CLAIMS_UNSTATED, store.connection.claim_scope):  # split
+            raise StoreSplitError(str(store.connection.claim_scope), str(batch.claims_at))
         roles = self.flights.roles(batch.keys, batch.claims)
         # the cost of each image this request may encode here (a joined one costs nothing)
         works = self._works(batch, prepared, [i for i, r in enumerate(roles) if r is not Role.JOIN])

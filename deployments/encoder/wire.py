@@ -34,6 +34,9 @@ from vitserve.deployments.encoder.routing import RouteHint
 from vitserve.deployments.encoder.single_flight import ClaimState
 from vitserve.errors import VitserveError
 
+#: ``EncodeBatch.claims_at`` of a caller that does not say where its claims live
+CLAIMS_UNSTATED = "unstated"
+
 
 @dataclass(slots=True)
 class EncodeBatch:
@@ -52,6 +55,9 @@ class EncodeBatch:
     namespace: str | None = None
     patches: list[int] = field(default_factory=list)
     caller: str = ""  # the calling process's name (``routing.THIS_CALLER``): its router's work
+    # the caller's store's ``claim_scope`` (None: shared); unstated by a caller that predates
+    # it (a rolling update) or builds batches by hand: not checked
+    claims_at: str | None = CLAIMS_UNSTATED
 
     def route_hint(self) -> RouteHint:
         """What the encoder's request router reads: the keys and their patches (an unknown
