@@ -15,7 +15,7 @@ PY := $(VENV)/bin/python
 # encoder/device.py), so an outcome that leans on the host fails on every machine.
 CPU_PROFILES ?= 8MiB:0 32MiB:1 480MiB:1
 
-.PHONY: install demo test test-fast test-profiles test-vllm test-gpu lint typecheck bench bench-publish bench-gpu readme
+.PHONY: install demo test test-fast test-profiles test-vllm test-multinode test-gpu lint typecheck bench bench-publish bench-gpu readme
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,13 @@ $(VLLM_VENV)/.installed: tests/vllm/make_env.sh tests/vllm/guard_torchvision.py 
 test-vllm: install $(VLLM_VENV)/.installed
 	VITSERVE_TEST_VLLM=1 VITSERVE_VLLM_PYTHON=$(VLLM_VENV)/bin/python RAY_AUTH_MODE=disabled \
 	  flock /tmp/vitserve-heavy.lock $(PY) -m pytest -q tests/vllm
+
+# A real multi-node Ray cluster on this machine (tests/multinode: a head and three worker nodes,
+# each its own raylet and object store), in a pytest process of its own; the Redis Cluster it
+# stores in is .ci/run's (VITSERVE_TEST_REDIS_CLUSTER) or one the session starts.
+test-multinode: install
+	VITSERVE_TEST_MULTINODE=1 RAY_AUTH_MODE=disabled \
+	  flock /tmp/vitserve-heavy.lock $(PY) -m pytest -q tests/multinode
 
 lint: install typecheck
 	$(PY) -m ruff check .

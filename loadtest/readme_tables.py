@@ -406,6 +406,7 @@ def reliability(root: Path) -> str:
     for name, what in (
         ("reliability.md", "every fault and input class the suite tries"),
         ("reliability-large.md", "the 64-image 2K run"),
+        ("reliability-multinode.md", "the multi-node cluster's"),
     ):
         text = page(root, name)
         written = r"Written by the test suite .* at commit `(\w+)`, (.+?), on (.+?)\.\n"

@@ -20,6 +20,10 @@ from tests.redis_process import RedisClusterServers, RedisServer
 # tests/vllm runs against real vLLM servers from vLLM's own venv: `make test-vllm` runs it (and
 # sets VITSERVE_TEST_VLLM=1); `make test` leaves it out.
 collect_ignore = [] if os.environ.get("VITSERVE_TEST_VLLM") == "1" else ["vllm"]
+# tests/multinode drives a multi-node Ray cluster of its own, so it runs in a pytest process of
+# its own (`make test-multinode` sets VITSERVE_TEST_MULTINODE=1); `make test` leaves it out.
+if os.environ.get("VITSERVE_TEST_MULTINODE") != "1":
+    collect_ignore.append("multinode")
 
 pytest_plugins = ["pytester"]  # tests/test_fast_tier.py runs the tier's rules in an inner session
 
@@ -557,6 +561,7 @@ FIXTURE_NEEDS: dict[str, tuple[str, ...]] = {
     "lru_redis_url": ("redis", "subprocess"),
     "spawn_redis": ("redis", "subprocess"),
     "redis_cluster_url": ("redis", "subprocess"),  # starts one unless .ci/run did
+    "multinode": ("ray", "subprocess"),  # tests/multinode: a multi-node cluster of its own
     "spawn_redis_cluster": ("redis", "subprocess"),
     "kustomize": ("subprocess",),  # tests/k8s: render runs `kubectl kustomize`
 }
