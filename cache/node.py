@@ -546,7 +546,12 @@ class NodeConnection(Connection):
             raise StoreUnavailableError(
                 self._label, f"{what} timed out after {limit:g} s"
             ) from None
-        except (rex.RayActorError, rex.ObjectLostError, rex.RaySystemError) as exc:
+        except (
+            rex.RayActorError,
+            rex.ActorUnschedulableError,  # its node is gone: it can never come back there
+            rex.ObjectLostError,
+            rex.RaySystemError,
+        ) as exc:
             # The actor died or is restarting, or the objects it owned went with it: the next
             # call looks the actor up again (re-creating it, empty, if it is gone).
             self.counters.add("errors")

@@ -343,3 +343,41 @@ def test_a_worker_node_removed_under_load(
         note=f"3 SDK clients, default retries ({load.retries} made); replica on a new node "
         f"{replaced_at - removed_at:.0f} s after the removal",
     )
+
+
+def test_a_named_node_store_whose_node_leaves_comes_back_empty(
+    on_node, multinode: MultiNode
+) -> None:
+    """A ``node://`` store actor shared by name lives on the node of its first opener; that node
+    removed, its actor and objects are gone: a reader elsewhere gets a retryable error, then the
+    store re-made empty (on the reader's node), so what it held is encoded again when next
+    asked for, never read wrong."""
+    import ray
+
+    from vitserve.errors import StoreUnavailableError
+
+    multinode.add_node("spare", {"spare": 1})
+    url = f"node://?actor_name=vitserve-mn-{uuid.uuid4().hex[:6]}&timeout_s=5"
+    ns = uuid.uuid4().hex[:8]
+    owner = on_node("spare", url, ns)
+    assert ray.get(owner.node.remote()) == multinode.node_id("spare")  # it opened first
+    reader = on_node("prefill", url, ns)
+    record = make_record(rows=16, width=16, seed=9)
+    ray.get(owner.publish.remote(record.key, bytes(encode_record(record))))
+    assert ray.get(reader.rows.remote(record.key, 0, 16)) is not None
+    gone = multinode.node_id("spare")
+    multinode.remove_node("spare")
+    deadline = time.monotonic() + 60
+    while any(n["NodeID"] == gone and n["Alive"] for n in ray.nodes()):
+        assert time.monotonic() < deadline, "the removed node never left"
+        time.sleep(0.2)
+    outcomes = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            outcomes.append(ray.get(reader.lookup_or_claim.remote([record.key]), timeout=30))
+            break
+        except ray.exceptions.RayTaskError as exc:
+            assert isinstance(exc.cause, StoreUnavailableError), exc
+            outcomes.append("unavailable")
+    assert outcomes[-1] == ["won"], outcomes  # a miss: claimed, to be encoded again
