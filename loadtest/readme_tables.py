@@ -370,6 +370,26 @@ def floor(root: Path) -> str:
     )
 
 
+def capacity(root: Path) -> str:
+    model, shards = "capacity-model.md", "shards-cpu.md"
+    model_text, shards_text = page(root, model), page(root, shards)
+    gives_out = [line for line in model_text.splitlines() if line.startswith("- **")]
+    ratio = next((line for line in shards_text.splitlines() if line.startswith("3 / 1")), None)
+    if not gives_out or ratio is None:
+        raise TableError(f"{model} or {shards}: no '- **' lines or no '3 / 1' line")
+    return "\n".join(
+        [
+            *table_after(model_text, "## Projection", model),
+            "",
+            *gives_out,
+            "",
+            f"From {link(model)} (its inputs and assumptions are listed there), checked "
+            f"against the store alone on 1 and 3 Redis Cluster primaries here ({link(shards)}, "
+            f"{machine(shards_text, shards)}): {ratio}",
+        ]
+    )
+
+
 def routing(root: Path) -> str:
     mixed, repeats = "routing-cpu.md", "repeats-cpu.md"
     mixed_text, repeats_text = page(root, mixed), page(root, repeats)
@@ -455,6 +475,7 @@ SECTIONS: dict[str, Callable[[Path], str]] = {
     "load-test": load_test,
     "autoscaling": autoscaling,
     "routing": routing,
+    "capacity": capacity,
     "reliability": reliability,
     "results-index": results_index,
 }
