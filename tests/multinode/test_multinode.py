@@ -192,7 +192,8 @@ def test_the_same_new_image_sent_to_encoders_on_two_nodes_at_once_is_encoded_onc
     node; each new image sent to both at the same moment is encoded once, and both answer it."""
     from vitserve.client import EncoderClient
 
-    common = {"store": shared_url, "namespace": "mn-shared"}
+    # a namespace of this run's: the suite's Redis Cluster may outlive a run (.ci/run's)
+    common = {"store": shared_url, "namespace": f"mn-shared-{uuid.uuid4().hex[:8]}"}
     apps = [
         deploy(f"mn-{n[-1]}", **common, **{"encoder.resources": {n: 1}})
         for n in ("encoder_a", "encoder_b")
@@ -235,6 +236,7 @@ def spread_app(deploy, shared_url: str) -> Iterator[App]:
     app = deploy(
         "mn-spread",
         store=shared_url,
+        namespace=f"mn-spread-{uuid.uuid4().hex[:8]}",
         batching={"batch_wait_timeout_s": 0.02},
         **{"encoder.num_replicas": 2, "encoder.resources": {"encoder": 1}},
     )
