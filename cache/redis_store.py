@@ -333,6 +333,17 @@ def writer_acl(
     return _rules((f"~{_glob_escape(prefix)}:*",), _commands(commands, cluster))
 
 
+#: what the cluster's own user runs: replication between its nodes (a replica authenticates to
+#: its primary as this user: ``masteruser``/``masterauth``) and the cluster's bootstrap
+#: (``redis-cli --cluster create``: CLUSTER, INFO); no key, no configuration, no flush
+CLUSTER_USER_COMMANDS = ("psync", "replconf", "ping", "cluster", "info")
+
+
+def cluster_user_acl() -> tuple[str, ...]:
+    """The rules of a Redis Cluster's own user (:data:`CLUSTER_USER_COMMANDS`, no keys)."""
+    return _rules((), CLUSTER_USER_COMMANDS)
+
+
 def _commands(commands: tuple[str, ...], cluster: bool) -> tuple[str, ...]:
     return commands + CLUSTER_COMMANDS if cluster else commands
 

@@ -169,11 +169,11 @@ def _demo(args: argparse.Namespace) -> None:
 
 WRITER_USER = "vitserve-writer"
 READER_USER = "vitserve-reader"  # the server side's reader: the prefill's direct reads
+CLUSTER_USER = "vitserve-cluster"  # a Redis Cluster's own: replication, its bootstrap
 
 
-def _password_hash(path: str, what: str) -> str:
-    """The ACL rule for the password in the file ``path`` (surrounding whitespace stripped):
-    ``#<sha256 hex>``, so the ACL file never holds the password itself. ConfigError naming
+def _password(path: str, what: str) -> str:
+    """The password in the file ``path`` (surrounding whitespace stripped); ConfigError naming
     ``what`` when the file is missing, unreadable or empty."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -184,7 +184,13 @@ def _password_hash(path: str, what: str) -> str:
         ) from None
     if not password:
         raise ConfigError(f"no Redis password for {what}: {path!r} is empty")
-    return "#" + hashlib.sha256(password.encode()).hexdigest()
+    return password
+
+
+def _password_hash(path: str, what: str) -> str:
+    """The ACL rule for the password in the file ``path``: ``#<sha256 hex>``, so the ACL file
+    never holds the password itself (see :func:`_password`)."""
+    return "#" + hashlib.sha256(_password(path, what).encode()).hexdigest()
 
 
 def redis_acl_lines(
@@ -194,6 +200,7 @@ def redis_acl_lines(
     reader_password_file: str,
     passwords_dir: str,
     prefix: str,
+    cluster_password_file: str | None = None,
 ) -> list[str]:
     """The lines of a Redis ACL file (``--aclfile``) for the deployment ``cfg`` describes:
     ``default`` off; the writer (the encoder side: read, publish, claim, delete on
@@ -201,9 +208,11 @@ def redis_acl_lines(
     values, read-only); and ``vitserve-reader-<tenant>`` for each tenant of ``cfg``'s auth
     (``auth.redis_readers``: its own namespace only), its password from
     ``<passwords_dir>/<tenant>``. A tenant without a password is a ConfigError naming it:
-    never a user without one."""
+    never a user without one. For a Redis Cluster store, every user gets the cluster's rules
+    and ``vitserve-cluster`` (replication between the nodes, the bootstrap; no keys) is added,
+    its password from ``cluster_password_file`` (required then)."""
     # heavy (redis-py, numpy): only this subcommand needs the store's modules
-    from vitserve.cache.redis_store import server_reader_acl, writer_acl
+    from vitserve.cache.redis_store import cluster_user_acl, server_reader_acl, writer_acl
     from vitserve.cache.urls import keeps_redis_ledger, uses_redis_cluster
     from vitserve.deployments.common.auth import READER_USER_PREFIX, redis_readers
 
@@ -228,6 +237,21 @@ def redis_acl_lines(
             ]
         ),
     ]
+    if cluster:
+        if cluster_password_file is None:
+            raise ConfigError(
+                f"a Redis Cluster store needs the {CLUSTER_USER} user's password: "
+                "--cluster-password-file (its nodes replicate and are joined as that user)"
+            )
+        lines.append(
+            " ".join(
+                [
+                    f"user {CLUSTER_USER} on",
+                    _password_hash(cluster_password_file, CLUSTER_USER),
+                    *cluster_user_acl(),
+                ]
+            )
+        )
     missing = []
     for user, rules in sorted(readers.items()):
         tenant = user.removeprefix(READER_USER_PREFIX)
@@ -255,21 +279,31 @@ def _redis_acl(args: argparse.Namespace) -> None:
         reader_password_file=args.reader_password_file,
         passwords_dir=args.passwords_dir,
         prefix=args.prefix or DEFAULT_PREFIX,
+        cluster_password_file=args.cluster_password_file,
     )
+    if args.cluster_conf_out is not None:  # how a replica authenticates to its primary
+        if args.cluster_password_file is None:
+            raise ConfigError("--cluster-conf-out needs --cluster-password-file")
+        password = _password(args.cluster_password_file, CLUSTER_USER)
+        _write_private(args.cluster_conf_out, f"masteruser {CLUSTER_USER}\nmasterauth {password}\n")
     text = "".join(f"{line}\n" for line in lines)
     if args.out is None:
         sys.stdout.write(text)
         return
-    # Written beside the target and renamed over it: Redis never reads half a file. 0640:
-    # the owner and the group (Redis' own, in the manifests) only.
-    tmp = f"{args.out}.tmp"
+    _write_private(args.out, text)
+    users = sum(line.startswith("user ") for line in lines)
+    print(f"wrote {users} Redis ACL users to {args.out}", file=sys.stderr)
+
+
+def _write_private(path: str, text: str) -> None:
+    """Written beside ``path`` and renamed over it: Redis never reads half a file. 0640: the
+    owner and the group (Redis' own, in the manifests) only."""
+    tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
     os.chmod(tmp, 0o640)  # whatever the umask
-    os.replace(tmp, args.out)
-    users = sum(line.startswith("user ") for line in lines)
-    print(f"wrote {users} Redis ACL users to {args.out}", file=sys.stderr)
+    os.replace(tmp, path)
 
 
 def _service_flags(p: argparse.ArgumentParser, default_model: str | None = "demo") -> None:
@@ -375,6 +409,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="DIR/<tenant>: the password of that tenant's reader user, one file per tenant "
         "(a missing one is an error naming the tenant)",
+    )
+    acl.add_argument(
+        "--cluster-password-file",
+        metavar="FILE",
+        help=f"a Redis Cluster store: the {CLUSTER_USER} user's password (replication between "
+        "the nodes, the cluster's bootstrap)",
+    )
+    acl.add_argument(
+        "--cluster-conf-out",
+        metavar="FILE",
+        help=f"write a redis.conf include here: masteruser {CLUSTER_USER} and its masterauth "
+        "(a replica authenticates to its primary; the password stays out of command lines)",
     )
     acl.add_argument("--out", metavar="FILE", help="write the ACL file here (default: stdout)")
     acl.add_argument(

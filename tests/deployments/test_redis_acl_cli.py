@@ -13,6 +13,7 @@ import pytest
 
 from vitserve.cache.redis_store import (
     CLUSTER_COMMANDS,
+    CLUSTER_USER_COMMANDS,
     LEDGER_COMMANDS,
     READER_COMMANDS,
     WRITER_COMMANDS,
@@ -179,12 +180,16 @@ def test_a_plain_redis_store_gets_no_ledger_commands(
         "tiered://?l1=node%3A%2F%2F&l2=redis%2Bcluster%3A%2F%2Fr%3A6379",
     ],
 )
-def test_a_cluster_store_gets_the_clusters_rules(
-    files: dict[str, Path], capsys: pytest.CaptureFixture[str], store: str
+def test_a_cluster_store_gets_the_clusters_rules_and_user(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str], store: str, tmp_path: Path
 ) -> None:
     """A Redis Cluster store: every user may read the cluster's shape, the writer sends its
-    scripts as EVAL, each tenant's reader's keys carry the hash tag's brace."""
-    assert main(_args(files, "--set", f"store={store}", "--set", "namespace=acme")) == 0
+    scripts as EVAL, each tenant's reader's keys carry the hash tag's brace; the cluster's own
+    user (replication, bootstrap; no keys) is added, and its masterauth written apart."""
+    cluster_pw, conf = tmp_path / "cluster-pw", tmp_path / "cluster.conf"
+    cluster_pw.write_text("cluster-pw-0123\n")
+    argv = _args(files, "--set", f"store={store}", "--set", "namespace=acme")
+    assert main([*argv, "--cluster-password-file", str(cluster_pw)]) == 0
     users = {line.split()[1]: line.split()[2:] for line in capsys.readouterr().out.splitlines()}
     granted = {name: {r[1:] for r in rules if r.startswith("+")} for name, rules in users.items()}
     assert granted["vitserve-writer"] == {*WRITER_COMMANDS, *CLUSTER_COMMANDS, "eval"}
@@ -194,3 +199,14 @@ def test_a_cluster_store_gets_the_clusters_rules(
         "%R~vsm:v:{acme.alice/*",
         "%R~vsm:c:{acme.alice/*",
     ]
+    cluster = users["vitserve-cluster"]
+    assert cluster[:2] == ["on", _hash("cluster-pw-0123")]
+    assert granted["vitserve-cluster"] == set(CLUSTER_USER_COMMANDS)
+    assert not any("~" in r for r in cluster) and "-@all" in cluster  # no key at all
+    assert main(argv) != 0  # no cluster user's password: no file
+    assert "--cluster-password-file" in capsys.readouterr().err
+    out = tmp_path / "users.acl"
+    argv += ["--cluster-password-file", str(cluster_pw), "--cluster-conf-out", str(conf)]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert conf.read_text() == "masteruser vitserve-cluster\nmasterauth cluster-pw-0123\n"
+    assert stat.S_IMODE(conf.stat().st_mode) == 0o640
