@@ -639,6 +639,7 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
     ),  # tls_server: a redis-server of its own
     # server: a redis-server of its own; manifest: runs Redis' init container (vitserve)
     "tests/k8s/test_redis_acl.py": ("redis", "subprocess"),
+    "tests/k8s/test_redis_cluster_manifest.py": ("redis", "subprocess"),
     # its application and Redis come from request.getfixturevalue
     "tests/reliability/test_faults.py::test_a_replica_killed_mid_load": (
         "ray",

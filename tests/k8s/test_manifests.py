@@ -41,6 +41,18 @@ WORK_POLICY_IMPORT = "vitserve.deployments.encoder.autoscaling:work_policy"
 SECRETS = {"vitserve-redis-writer": "wr1ter-s3cr3t", "vitserve-redis-reader": "r3ader-s3cr3t"}
 WRITER_URL = f"redis://vitserve-writer:{SECRETS['vitserve-redis-writer']}@vitserve-redis:6379/0"
 READER_URL = f"redis://vitserve-reader:{SECRETS['vitserve-redis-reader']}@vitserve-redis:6379/0"
+#: the targets whose store is a Redis Cluster (production: k8s/overlays/gpu-prod/redis.yaml)
+CLUSTER_TARGETS = {"gpu-prod"}
+
+
+def store_urls(target: str) -> tuple[str, str]:
+    """The writer's and the reader's Redis URL in ``target``'s Ray pods."""
+    if target not in CLUSTER_TARGETS:
+        return WRITER_URL, READER_URL
+    return tuple(  # type: ignore[return-value]
+        url.replace("redis://", "redis+cluster://").removesuffix("/0")
+        for url in (WRITER_URL, READER_URL)
+    )
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -61,15 +73,21 @@ def pod_templates(rayservice: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return templates
 
 
-def container_environ(objects: list[dict[str, Any]], container: dict[str, Any]) -> dict[str, str]:
+def container_environ(
+    objects: list[dict[str, Any]], container: dict[str, Any], pod_name: str = "pod-0"
+) -> dict[str, str]:
     """The environment a container gets: its ConfigMaps (envFrom), then its own env with
-    ``$(VAR)`` references expanded as the kubelet does (SECRETS stand in for the Secrets)."""
+    ``$(VAR)`` references expanded as the kubelet does (SECRETS stand in for the Secrets,
+    ``pod_name`` for the pod's ``metadata.name``)."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         name = source["configMapRef"]["name"]
         env.update(one(objects, "ConfigMap", name)["data"])
     for var in container.get("env", []):
-        if "valueFrom" in var:
+        if "fieldRef" in var.get("valueFrom", {}):
+            assert var["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", var
+            env[var["name"]] = pod_name
+        elif "valueFrom" in var:
             ref = var["valueFrom"]["secretKeyRef"]
             assert ref["name"] in SECRETS and ref["key"] == "password", ref
             env[var["name"]] = SECRETS[ref["name"]]
@@ -273,7 +291,7 @@ def test_serve_applications_load_with_the_strict_config(render: Render, target: 
             assert "store" not in app["args"].get("prefill", {}), app["name"]
             cfg = VitserveConfig.load(app["args"], environ=environ)
             stores = (redis_tier(cfg.store), redis_tier(cfg.prefill.store))
-            assert stores == (WRITER_URL, READER_URL), group
+            assert stores == store_urls(target), group
         cfg = VitserveConfig.load(prefill_app["args"], environ=environ)
         assert cfg.prefill.encoder_app == encoder_app["name"]
         assert cfg.prefill.chunk_size == 512
@@ -373,10 +391,22 @@ def test_cpu_dev_is_one_cpu_node(render: Render) -> None:
 def test_redis_is_a_bounded_cache_that_survives_a_restart(render: Render, target: str) -> None:
     objects = render(target)
     redis = one(objects, "StatefulSet", "vitserve-redis")
-    assert redis["spec"]["replicas"] == 1  # one cache: two would split the keys
     spec = redis["spec"]["template"]["spec"]
     (container,) = spec["containers"]
     flags = {name: values for name, *values in redis_directives(container["args"])}
+    if target in CLUSTER_TARGETS:  # three primaries and a replica of each, in cluster mode
+        assert redis["spec"]["replicas"] == 6
+        assert flags["--cluster-enabled"] == ["yes"]
+        (nodes_conf,) = flags["--cluster-config-file"]  # on the volume: a pod rejoins as itself
+        assert nodes_conf.startswith(flags["--dir"][0] + "/")
+        headless = one(objects, "Service", "vitserve-redis-nodes")
+        assert headless["spec"]["clusterIP"] == "None"
+        assert flags["--cluster-announce-hostname"] == ["$(POD_NAME).vitserve-redis-nodes"]
+        assert flags["--cluster-preferred-endpoint-type"] == ["hostname"]
+        assert {p["port"] for p in headless["spec"]["ports"]} == {6379, 16379}
+        one(objects, "Job", "vitserve-redis-cluster-init")
+    else:
+        assert redis["spec"]["replicas"] == 1  # one cache: two would split the keys
     assert "--requirepass" not in flags and "--user" not in flags  # the aclfile's users
     assert flags["--maxmemory-policy"] == ["allkeys-lru"]
     # Persistence: the append-only file, fsync'd every second, on the claimed volume.
@@ -407,7 +437,11 @@ def test_redis_is_a_bounded_cache_that_survives_a_restart(render: Render, target
         acl_mount["name"]
     ]
     # the reader's password reaches the probe only; the other passwords reach no env
-    secrets = {e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "valueFrom" in e}
+    secrets = {
+        e["valueFrom"]["secretKeyRef"]["name"]
+        for e in container["env"]
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
     assert secrets == {"vitserve-redis-reader"}
 
 
@@ -420,7 +454,7 @@ def test_gpu_prod_stores_are_tiered(
     store's own URL parser (open_connection), with the node tier's connection stubbed: it
     would need Ray; the Redis one connects only when used."""
     from vitserve.cache import node
-    from vitserve.cache.redis_store import RedisConnection
+    from vitserve.cache.redis_cluster import RedisClusterConnection
     from vitserve.cache.tiered import TieredConnection
     from vitserve.cache.urls import open_connection
 
@@ -447,8 +481,8 @@ def test_gpu_prod_stores_are_tiered(
                 connection, _ = open_connection(url)
                 assert isinstance(connection, TieredConnection), (group, user)
                 assert isinstance(connection.local, NodeTier), (group, user)
-                assert isinstance(connection.shared, RedisConnection), (group, user)
-                assert connection.shared.name == f"redis {user}@vitserve-redis:6379/0", group
+                assert isinstance(connection.shared, RedisClusterConnection), (group, user)
+                assert connection.shared.name == f"redis+cluster {user}@vitserve-redis:6379"
                 # the node tier lives in the pod's object store (/dev/shm): well inside it
                 budget = connection.local.options["max_bytes"]
                 assert 0 < budget <= size_bytes(shm["emptyDir"]["sizeLimit"]) // 2, group

@@ -26,6 +26,7 @@ import pytest
 
 from tests.k8s.conftest import K8S, TARGETS
 from tests.k8s.test_manifests import (
+    CLUSTER_TARGETS,
     applications,
     one,
     pod_environ,
@@ -156,7 +157,8 @@ def app_namespace(objects: list[dict[str, Any]]) -> str:
 
 
 def our_pods(objects: list[dict[str, Any]]) -> dict[str, Pod]:
-    """name (``head``, the worker groups, ``redis``) -> our pods as they run."""
+    """name (``head``, the worker groups, ``redis``, and a Redis Cluster's bootstrap Job's
+    ``redis-init``) -> our pods as they run."""
     ns = app_namespace(objects)
     rayservice = one(objects, "RayService")
     pods = {
@@ -171,6 +173,11 @@ def our_pods(objects: list[dict[str, Any]]) -> dict[str, Pod]:
     ]
     template = redis["spec"]["template"]
     pods["redis"] = Pod("redis", ns, dict(template["metadata"]["labels"]), template["spec"])
+    for job in (o for o in objects if o["kind"] == "Job"):
+        template = job["spec"]["template"]
+        pods["redis-init"] = Pod(
+            "redis-init", ns, dict(template["metadata"]["labels"]), template["spec"]
+        )
     return pods
 
 
@@ -361,13 +368,25 @@ def test_a_default_deny_covers_every_pod_both_ways(render: Render, target: str) 
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_redis_is_reached_by_the_ray_pods_alone(render: Render, target: str) -> None:
+    """Redis' 6379 from the Ray pods; a Redis Cluster's nodes also from each other (6379:
+    replication; 16379: the cluster bus) and 6379 from its bootstrap Job; nothing else."""
     objects = render(target)
     pods = our_pods(objects)
     ray = {name for name, pod in pods.items() if pod.ray}
     everyone = [*pods.values(), *stand_ins(app_namespace(objects)), API_SERVER]
-    assert who_reaches(objects, everyone, pods["redis"], 6379) == ray
-    for port in (6380, 16379, 26379, 8000):  # nothing else of Redis' reaches anyone
+    cluster = target in CLUSTER_TARGETS
+    assert ("redis-init" in pods) == cluster
+    own = {"redis", "redis-init"} if cluster else set()
+    assert who_reaches(objects, everyone, pods["redis"], 6379) == ray | own
+    assert who_reaches(objects, everyone, pods["redis"], 16379) == ({"redis"} if cluster else set())
+    for port in (6380, 26379, 8000):  # nothing else of Redis' reaches anyone
         assert who_reaches(objects, everyone, pods["redis"], port) == set(), port
+    if cluster:  # the bootstrap reaches the nodes' 6379, nothing else
+        init = pods["redis-init"]
+        for dst in (*(pods[r] for r in ray), INTERNET, API_SERVER):
+            for port in (443, 6379, 8000):
+                assert not reachable(objects, init, dst, port), (dst.name, port)
+        assert not reachable(objects, init, pods["redis"], 16379)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -381,7 +400,11 @@ def test_ray_ports_stay_among_ray_pods_but_the_named_exceptions(
     objects = render(target)
     pods = our_pods(objects)
     ray = {name for name, pod in pods.items() if pod.ray}
-    others = [pods["redis"], *stand_ins(app_namespace(objects)), API_SERVER]
+    others = [
+        *(pods[name] for name in ("redis", "redis-init") if name in pods),
+        *stand_ins(app_namespace(objects)),
+        API_SERVER,
+    ]
     ports = {6379, 8000, 8080, 8265, 10001, 52365, 8076, 8085, 10002, 19999, 20000, 30000}
     for name in ray:
         pod = pods[name]
@@ -554,7 +577,8 @@ def test_every_container_runs_hardened(render: Render, target: str) -> None:
             assert not own.get("capabilities", {}).get("add"), where
             assert own.get("readOnlyRootFilesystem") is True, where
             uid = effective["runAsUser"]
-            assert uid == (REDIS_UID if container["name"] == "redis" else RAY_UID), where
+            redis_image = container["image"].startswith("redis:")  # Redis' user; vitserve's else
+            assert uid == (REDIS_UID if redis_image else RAY_UID), where
     assert {"ray-head", "redis", "redis-acl"} <= seen
     if target != "cpu-dev":
         assert {"autoscaler", "ray-worker", "wait-gcs-ready"} <= seen
@@ -656,10 +680,14 @@ def test_disruption_budgets_select_exactly_the_head_and_redis(render: Render, ta
         for name, budget in budgets.items()
     }
     assert selected == {"vitserve-ray-head": {"head"}, "vitserve-redis": {"redis"}}
-    for budget in budgets.values():
+    for name, budget in budgets.items():
         spec = budget["spec"]
-        # one pod each: no voluntary eviction of a ready one (a drain waits for an operator)
-        assert spec.get("maxUnavailable") == 0 or spec.get("minAvailable") == 1, spec
+        if name == "vitserve-redis" and target in CLUSTER_TARGETS:
+            # six pods: one at a time (a primary's replica takes over; no data leaves)
+            assert spec.get("maxUnavailable") == 1, spec
+        else:
+            # one pod: no voluntary eviction of a ready one (a drain waits for an operator)
+            assert spec.get("maxUnavailable") == 0 or spec.get("minAvailable") == 1, spec
         assert spec.get("unhealthyPodEvictionPolicy") == "AlwaysAllow", spec
 
 
