@@ -42,6 +42,7 @@ Invariants (beyond :class:`~vitserve.cache.redis_store.RedisConnection`'s, which
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -185,10 +186,13 @@ class RedisClusterConnection(RedisConnection):
     def _store_error(self, op: str, exc: Exception) -> StoreError:
         """As one server's, with the cluster client's own errors read: a node's answer behind
         a topology failure says what it was (refused credentials, a command the user may not
-        run: not retryable); a seed node that is no cluster node is a StoreError naming that;
-        a shard without a primary, a slot nobody serves or no reachable node is retryable."""
+        run, an untrusted certificate: not retryable); a seed node that is no cluster node is
+        a StoreError naming that; a shard without a primary, a slot nobody serves or no
+        reachable node is retryable."""
         root = _node_answer(exc)
-        refused = isinstance(root, (AuthenticationError, AuthorizationError))  # ConnectionErrors
+        refused = isinstance(root, (AuthenticationError, AuthorizationError)) or isinstance(
+            getattr(root, "__context__", None), ssl.SSLCertVerificationError
+        )  # ConnectionErrors, but trying again cannot help
         if root is not None and (refused or not isinstance(root, _UNAVAILABLE)):
             if "cluster support disabled" in str(root) or "cluster mode" in str(root).lower():
                 self.counters.add("errors")

@@ -17,10 +17,15 @@ from typing import Any
 class RedisServer:
     """A private redis-server subprocess on a free port (killed at teardown)."""
 
-    def __init__(self, *args: str, pick_port: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self, *args: str, pick_port: Callable[[], int] | None = None, tls: bool = False
+    ) -> None:
+        """``tls``: listen on TLS only (``--port 0 --tls-port``; ``args`` bring the
+        certificates)."""
         from vitserve.deployments.runner.local import free_port
 
         self._pick_port = pick_port or free_port
+        self.tls = tls
         self.port = self._pick_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.args = args
@@ -34,7 +39,7 @@ class RedisServer:
             self.proc = subprocess.Popen(
                 [
                     shutil.which("redis-server") or "redis-server",
-                    "--port",
+                    *(("--port", "0", "--tls-port") if self.tls else ("--port",)),
                     str(self.port),
                     "--bind",
                     "127.0.0.1",
@@ -90,7 +95,9 @@ class RedisClusterServers:
     ``nodes.conf``, node timeout ``node_timeout_ms``), joined and given the slots by
     ``CLUSTER MEET``, ``ADDSLOTSRANGE`` and ``REPLICATE`` (so one primary works too, which
     ``redis-cli --cluster create`` refuses); ``args``: more redis-server options for every
-    node. Killed at :meth:`close`."""
+    node; ``tls``: the certificates (``ca``, ``server``, ``client`` and their keys) to run every
+    node on TLS only, its cluster bus and replication too (clients: ``url`` with
+    ``url_options``). Killed at :meth:`close`."""
 
     def __init__(
         self,
@@ -98,10 +105,24 @@ class RedisClusterServers:
         replicas: int = 1,
         node_timeout_ms: int = 1000,
         args: tuple[str, ...] = (),
+        tls: dict[str, Path] | None = None,
     ) -> None:
-        import redis
-
+        self.tls = tls
         self.root = Path(tempfile.mkdtemp(prefix="vitserve-redis-cluster-"))
+        if tls is not None:
+            args = (
+                *args,
+                "--tls-cert-file", str(tls["server"]),
+                "--tls-key-file", str(tls["server-key"]),
+                "--tls-ca-cert-file", str(tls["ca"]),
+                # the bus and replication authenticate both ways: a node's outbound side
+                # shows a client certificate
+                "--tls-client-cert-file", str(tls["client"]),
+                "--tls-client-key-file", str(tls["client-key"]),
+                "--tls-auth-clients", "no",
+                "--tls-cluster", "yes",
+                "--tls-replication", "yes",
+            )  # fmt: skip
         self.nodes: list[RedisServer] = []
         try:
             for i in range(masters * (1 + replicas)):
@@ -113,8 +134,9 @@ class RedisClusterServers:
                     "--cluster-node-timeout", str(node_timeout_ms),
                     "--dir", str(folder),
                 ]  # fmt: skip
-                self.nodes.append(RedisServer(*options, *args, pick_port=cluster_port))
-            clients = [redis.Redis(port=n.port, socket_timeout=5) for n in self.nodes]
+                node = RedisServer(*options, *args, pick_port=cluster_port, tls=tls is not None)
+                self.nodes.append(node)
+            clients = [self.client(n.port) for n in self.nodes]
             ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
             for c in clients[1:]:
                 c.execute_command("CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port)
@@ -131,7 +153,17 @@ class RedisClusterServers:
         except BaseException:
             self.close()
             raise
-        self.url = f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+        scheme = "rediss+cluster" if tls else "redis+cluster"
+        self.url = f"{scheme}://127.0.0.1:{self.nodes[0].port}"
+        self.url_options = f"ssl_ca_certs={tls['ca']}" if tls else ""
+
+    def client(self, port: int) -> Any:
+        """A plain client of one node (TLS when the cluster runs on it)."""
+        import redis
+
+        if self.tls is None:
+            return redis.Redis(port=port, socket_timeout=5)
+        return redis.Redis(port=port, socket_timeout=5, ssl=True, ssl_ca_certs=str(self.tls["ca"]))
 
     @staticmethod
     def _known(client: Any) -> int:
@@ -154,9 +186,7 @@ class RedisClusterServers:
             time.sleep(0.1)
 
     def info(self, node: RedisServer, section: str) -> dict[str, Any]:
-        import redis
-
-        client = redis.Redis(port=node.port, socket_timeout=2)
+        client = self.client(node.port)
         try:
             if section == "cluster":
                 text = client.execute_command("CLUSTER", "INFO").decode()
@@ -189,9 +219,7 @@ class RedisClusterServers:
 
     def primary_of(self, key: str) -> RedisServer:
         """The node that serves ``key``'s slot now."""
-        import redis
-
-        client = redis.Redis(port=self.running()[0].port, socket_timeout=2)
+        client = self.client(self.running()[0].port)
         try:
             slot = int(client.execute_command("CLUSTER", "KEYSLOT", key))
             for start, end, primary, *_ in client.execute_command("CLUSTER", "SLOTS"):

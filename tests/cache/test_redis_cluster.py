@@ -329,3 +329,24 @@ def test_a_tiered_store_over_the_cluster(open_cluster, redis_cluster_url: str) -
     assert shared.get(mine.key) is not None
     assert tiered.get(theirs.key) is not None
     assert tiered.connection.local.exists([tiered.full_key(theirs.key)]) == [True]
+
+
+def test_a_cluster_on_tls_only(spawn_redis_cluster, open_cluster, tmp_path) -> None:
+    """``rediss+cluster://`` against a cluster whose nodes speak TLS only (clients, the
+    cluster bus, replication): a round trip, and a server certificate from a CA the client
+    does not trust is a StoreError that is not retryable, naming the cause."""
+    from tests.cache.test_redis_security import _certificates
+
+    certs = _certificates(tmp_path)
+    cluster = spawn_redis_cluster(masters=3, replicas=1, tls=certs)
+    assert cluster.url.startswith("rediss+cluster://")
+    store = open_cluster(f"{cluster.url}?{cluster.url_options}")
+    record = make_record(rows=16, width=8, seed=3)
+    assert store.lookup_or_claim([record.key], 10.0) == [Claim.WON]
+    store.put_values([(record.key, encode_record(record))], release=[(record.key, store.token)])
+    got = store.get_rows(record.key, 4, 12)
+    assert got is not None and (got.embedding == record.embedding[4:12]).all()
+    untrusted = open_cluster(f"{cluster.url}?ssl_ca_certs={certs['other-ca']}&timeout_s=2")
+    with pytest.raises(StoreError, match="not trusted") as caught:
+        untrusted.get(record.key)
+    assert not caught.value.retryable
