@@ -11,6 +11,7 @@ that failed to load.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,13 +41,20 @@ def build_app(args: Mapping[str, Any]):
     return build_application(VitserveConfig.load(args))
 
 
+# Ray's RequestRouterConfig pickles the router class by registering its module for pickling by
+# value and unregistering it after, in process-wide state: two configs made at once in two
+# threads (applications built in parallel) fail with "... is not registered for pickle by value".
+_ROUTER_CONFIG_LOCK = threading.Lock()
+
+
 def routing_options(encoder: EncoderDeploymentConfig) -> dict[str, Any]:
     """The encoder deployment's Serve options for its ``routing``: vitserve's request router
-    with its replicas' routing stats read every ``STATS_PERIOD_S``, or none (Serve's own)."""
+    with its replicas' routing stats read every ``STATS_PERIOD_S``, or none (Serve's own).
+    Safe to call from several threads at once."""
     if encoder.routing == "serve-default":
         return {}
-    return {
-        "request_router_config": RequestRouterConfig(
+    with _ROUTER_CONFIG_LOCK:
+        config = RequestRouterConfig(
             request_router_class=ROUTER_PATH,
             request_routing_stats_period_s=STATS_PERIOD_S,
             request_routing_stats_timeout_s=STATS_TIMEOUT_S,
@@ -54,7 +62,7 @@ def routing_options(encoder: EncoderDeploymentConfig) -> dict[str, Any]:
             max_backoff_s=BACKOFF_S[1],
             request_router_kwargs={"hold_s": encoder.routing_hold_s},
         )
-    }
+    return {"request_router_config": config}
 
 
 def build_application(cfg: VitserveConfig):

@@ -400,3 +400,33 @@ def test_the_router_serve_ships_knows_its_own_calls_in_the_process_it_runs_in(
     assert router.routing.load("r-a") == 500
     router.routing.completed("call", "r-a")
     assert router.routing.load("r-a") == 0
+
+
+def test_the_routing_options_are_built_safely_from_several_threads_at_once() -> None:
+    """Building applications in parallel threads (the suite's family applications) made Ray's
+    ``RequestRouterConfig`` fail with "... is not registered for pickle by value": it registers
+    and unregisters the router's module in process-wide state. ``routing_options`` serializes
+    that step."""
+    import threading
+
+    from vitserve.deployments.common.config import EncoderDeploymentConfig
+    from vitserve.deployments.encoder.app import routing_options
+
+    encoder = EncoderDeploymentConfig()
+    assert encoder.routing == "work"
+    start, errors = threading.Barrier(8), []
+
+    def build() -> None:
+        start.wait()
+        for _ in range(20):
+            try:
+                routing_options(encoder)
+            except Exception as exc:  # what Ray raised, to report below
+                errors.append(exc)
+
+    threads = [threading.Thread(target=build) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:2]
