@@ -28,18 +28,20 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
+from tests.fuzz.budget import budget
 from vitserve.encoder.testimages import make_image
 
-# Examples per (operation, generation mode); hypothesis stops early where a space is exhausted.
-# ~1,250 requests in all (each run draws new cases).
+# Examples per (operation, generation mode) at full budget (tests/fuzz/budget.py: make test
+# draws a fifth); hypothesis stops early where a space is exhausted. ~1,250 requests in all at
+# full budget (each run draws new cases).
 INGRESS = {
-    "POST /v1/encode": 200,
-    "POST /v1/probe": 100,
-    "POST /v1/rows": 100,
-    "GET /v1/embeddings/{key}": 120,
-    "GET /healthz": 10,
+    "POST /v1/encode": budget(200),
+    "POST /v1/probe": budget(100),
+    "POST /v1/rows": budget(100),
+    "GET /v1/embeddings/{key}": budget(120),
+    "GET /healthz": budget(10),
 }
-PREFILL = {"POST /v1/chat/completions": 100, "GET /healthz": 10}
+PREFILL = {"POST /v1/chat/completions": budget(100), "GET /healthz": budget(10)}
 MODES = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
 THREADS = 6
 

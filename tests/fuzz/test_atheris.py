@@ -2,8 +2,9 @@
 
 The target runs in a subprocess (libFuzzer owns its process: it exits on the first crash),
 seeded with small valid images of every allowed format, for ``VITSERVE_TEST_ATHERIS_SECONDS``
-(default 12). The test passes when libFuzzer ends by its time limit with no crash, hang or
-out-of-memory artifact, and records the number of inputs it ran.
+(default 12 at full budget, tests/fuzz/budget.py). The test passes when libFuzzer ends by its
+time limit with no crash, hang or out-of-memory artifact, and records the number of inputs it
+ran.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from typing import Any
 
 import pytest
 
+from tests.fuzz.budget import budget
 from vitserve.encoder.images import ALLOWED_FORMATS
 from vitserve.encoder.testimages import make_image
 
 TARGET = Path(__file__).with_name("atheris_images.py")
-FUZZ_SECONDS = int(os.environ.get("VITSERVE_TEST_ATHERIS_SECONDS", "12"))
+FUZZ_SECONDS = int(os.environ.get("VITSERVE_TEST_ATHERIS_SECONDS", budget(12)))
 HANG_S = 10  # libFuzzer's -timeout: one input running this long is a hang (a crash)
 
 # (format, modes): every allowed format, in the modes its encoder writes

@@ -12,7 +12,6 @@ Properties:
 
 from __future__ import annotations
 
-import os
 import struct
 from collections import Counter
 from typing import Any
@@ -22,6 +21,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.fuzz.budget import examples
 from vitserve.cache.codec import (
     DTYPES,
     FORMAT_VERSION,
@@ -42,8 +42,8 @@ from vitserve.cache.codec import (
 )
 from vitserve.errors import RecordFormatError
 
-# more with VITSERVE_TEST_FUZZ_EXAMPLES=N (the suite runs 1000 per property)
-EXAMPLES = int(os.environ.get("VITSERVE_TEST_FUZZ_EXAMPLES", "1000"))
+# 1000 per property at full budget (tests/fuzz/budget.py: make test draws a fifth)
+EXAMPLES = examples(1000)
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import signal
 import struct
 import warnings
@@ -32,12 +31,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from tests.fuzz.budget import examples
 from vitserve.encoder.images import ALLOWED_FORMATS, ImageLimits, decode_image, image_size
 from vitserve.errors import ImageDecodeError, ImageError, ImageTooLargeError
 
 EXAMPLE_BOUND_S = 10  # far above any one example here (milliseconds): only a hang reaches it
-# more with VITSERVE_TEST_FUZZ_EXAMPLES=N (the suite runs 1000 per property)
-EXAMPLES = int(os.environ.get("VITSERVE_TEST_FUZZ_EXAMPLES", "1000"))
+# 1000 per property at full budget (tests/fuzz/budget.py: make test draws a fifth)
+EXAMPLES = examples(1000)
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
