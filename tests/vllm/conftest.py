@@ -197,13 +197,16 @@ def vitserve_serve(
 
 
 @pytest.fixture(scope="session")
-def vitserve(
+def stack(
     model_dir: Path,
+    noise_model_dir: Path,
     store: RedisServer,
     ports: dict[str, int],
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Vitserve]:
-    """The session's ``vitserve serve``: the prefill application and the front for A and B."""
+) -> Iterator[tuple[Vitserve, dict[str, Replica]]]:
+    """The session's ``vitserve serve`` (the prefill application and the front for A and B)
+    and replicas A (the checkpoint) and B (its noise-vision copy), the three started side by
+    side: a replica's connector reaches vitserve only when a request names a key."""
     extra = (
         "--prefill",
         "--vllm-url",
@@ -214,22 +217,9 @@ def vitserve(
         f"prefill.served_model_name={SERVED_NAME}",
     )
     log = tmp_path_factory.mktemp("vitserve") / "serve.log"
-    with vitserve_serve(model_dir, store.url, ports["vitserve"], log, extra) as service:
-        yield service
-
-
-@pytest.fixture(scope="session")
-def replicas(
-    vitserve: Vitserve,
-    model_dir: Path,
-    noise_model_dir: Path,
-    store: RedisServer,
-    ports: dict[str, int],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[dict[str, Replica]]:
-    """Replicas A (the checkpoint) and B (its noise-vision copy), started side by side."""
+    service = vitserve_serve(model_dir, store.url, ports["vitserve"], log, extra)
     logs = tmp_path_factory.mktemp("vllm")
-    config = ec_config(vitserve.url, store.url)
+    config = ec_config(f"http://127.0.0.1:{ports['vitserve']}", store.url)
     servers = {
         name: VllmServer(
             vllm_python(),
@@ -245,8 +235,18 @@ def replicas(
         )
         for name, folder, core in (("a", model_dir, "0"), ("b", noise_model_dir, "1"))
     }
-    with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as pool:
-        started = [pool.submit(stack.enter_context, s) for s in servers.values()]
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(3) as pool:
+        started = [pool.submit(stack.enter_context, s) for s in (service, *servers.values())]
         for future in started:
             future.result()  # a server that cannot start fails the session here
-        yield {name: Replica(name, server) for name, server in servers.items()}
+        yield started[0].result(), {name: Replica(name, srv) for name, srv in servers.items()}
+
+
+@pytest.fixture(scope="session")
+def vitserve(stack: tuple[Vitserve, dict[str, Replica]]) -> Vitserve:
+    return stack[0]
+
+
+@pytest.fixture(scope="session")
+def replicas(stack: tuple[Vitserve, dict[str, Replica]]) -> dict[str, Replica]:
+    return stack[1]
