@@ -15,7 +15,13 @@ PY := $(VENV)/bin/python
 # encoder/device.py), so an outcome that leans on the host fails on every machine.
 CPU_PROFILES ?= 8MiB:0 32MiB:1 480MiB:1
 
-.PHONY: install demo test test-fast test-profiles test-vllm test-multinode test-gpu lint typecheck bench bench-publish bench-gpu readme
+# Every test target writes pytest's junit XML, each test's time with its setup and teardown, to
+# $(DURATIONS)/<target>.xml; `python3 -m tests.durations $(DURATIONS)/*.xml` prints the slowest
+# tests and the totals per folder. .ci/run sets DURATIONS=loadtest/results/durations (kept).
+DURATIONS ?= build/durations
+JUNIT = --junitxml=$(DURATIONS)/$@.xml
+
+.PHONY: install demo test test-fast test-system test-large test-profiles test-vllm test-multinode test-gpu lint typecheck bench bench-publish bench-gpu readme
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,28 +35,42 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/vitserve demo
 
-# The whole suite took 15 minutes on a 2-vCPU AMD EPYC with a 32 MiB L3 and 11 on a 2-vCPU
-# AMX Xeon (measured 2026-11-24, ~850 tests); 21 on a 2-vCPU Intel Xeon (2026-11-26, 1197
-# tests) and 30 on a 2-vCPU AVX2-only AMD EPYC (2026-11-27, 1216 tests), past the 15-minute
-# budget: --durations names the slowest in every run.
+# The suite a developer runs before each commit: everything but the system tier (below), the
+# fuzz tests at a fifth of their budget (tests/fuzz/budget.py). Its measured time, per target and
+# per folder: loadtest/results/test-durations.md (README "Tests").
 test: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest --durations=30
+	$(PY) -m pytest -m "not system" --durations=30 $(JUNIT)
+
+# The system tier (a step of .ci/run): the tests tests/conftest.py lists in SYSTEM_TESTS, which
+# start a whole cluster or server of their own, inject a fault or drive a load, and the fuzz tests
+# again at their full budget (VITSERVE_TEST_FUZZ=full).
+test-system: install
+	VITSERVE_TEST_FUZZ=full $(PY) -m pytest -m "system or fuzz" --durations=30 $(JUNIT)
 
 # The fast tier: every test that needs no Ray, Serve, Redis or process and is not slow (marked
 # from their fixtures by tests/conftest.py), under a minute on 2 vCPUs. A run like this one,
 # with no heavy test selected, makes ray.init, Redis connections and new processes fail the
 # test that tries them, so the tier stays fast.
 test-fast: install
-	$(PY) -m pytest -q -m "not heavy and not slow"
+	$(PY) -m pytest -q -m "not heavy and not slow and not system" $(JUNIT)
 
+# The reliability table's 64-images-at-2K row (a step of .ci/run): minutes on a CPU, so outside
+# both tiers' time (tests/reliability/test_overload.py skips it unless VITSERVE_TEST_LARGE=1).
+test-large: install
+	VITSERVE_TEST_LARGE=1 $(PY) -m pytest -q tests/reliability/test_overload.py -k 64_images $(JUNIT)
+
+# The profile equal to this host's readings is left out: `make test` ran it (tests/cpu_profiles.py).
+# The system tier's cpu_profile tests (the CLI demo, the service's overload and store-down
+# tests) run once, in `make test-system`: each pins what a profile decides (dtype, batch cap,
+# budget) in its own configuration, so a profile pass would only repeat them.
 test-profiles: install
-	@set -e; for profile in $(CPU_PROFILES); do \
+	@set -e; profiles=$$($(PY) -m tests.cpu_profiles $(CPU_PROFILES)); for profile in $$profiles; do \
 	  llc=$${profile%%:*}; bf16=$${profile##*:}; \
 	  echo "== CPU profile: last-level cache $$llc, native bf16 $$bf16"; \
 	  VITSERVE_CPU_LLC_BYTES=$$llc VITSERVE_CPU_BF16=$$bf16 \
-	    $(PY) -m pytest -q -m cpu_profile; \
+	    $(PY) -m pytest -q -m "cpu_profile and not system" --junitxml=$(DURATIONS)/$@-$$llc-$$bf16.xml; \
 	done
 
 # The tests marked gpu (the CUDA paths: publishing from a CUDA tensor, the SDK's pinned-memory
@@ -58,7 +78,7 @@ test-profiles: install
 # a CUDA build of torch: TORCH above). Elsewhere they skip; here VITSERVE_REQUIRE_GPU=1 makes a
 # missing or broken GPU fail them instead (tests/gpu.py).
 test-gpu: install
-	VITSERVE_REQUIRE_GPU=1 $(PY) -m pytest -q -m gpu
+	VITSERVE_REQUIRE_GPU=1 $(PY) -m pytest -q -m gpu $(JUNIT)
 
 # vLLM's CPU build in its own venv (it pins its own torch and transformers), with vitserve's
 # client installed into it; tests/vllm runs real vLLM servers from it beside `vitserve serve`.
@@ -69,25 +89,25 @@ $(VLLM_VENV)/.installed: tests/vllm/make_env.sh tests/vllm/guard_torchvision.py 
 
 test-vllm: install $(VLLM_VENV)/.installed
 	VITSERVE_TEST_VLLM=1 VITSERVE_VLLM_PYTHON=$(VLLM_VENV)/bin/python RAY_AUTH_MODE=disabled \
-	  flock /tmp/vitserve-heavy.lock $(PY) -m pytest -q tests/vllm
+	  flock /tmp/vitserve-heavy.lock $(PY) -m pytest -q tests/vllm $(JUNIT)
 
 # A real multi-node Ray cluster on this machine (tests/multinode: a head and three worker nodes,
 # each its own raylet and object store), in a pytest process of its own; the Redis Cluster it
 # stores in is .ci/run's (VITSERVE_TEST_REDIS_CLUSTER) or one the session starts.
 test-multinode: install
 	VITSERVE_TEST_MULTINODE=1 RAY_AUTH_MODE=disabled \
-	  flock /tmp/vitserve-heavy.lock $(PY) -m pytest -q tests/multinode
+	  flock /tmp/vitserve-heavy.lock $(PY) -m pytest -q tests/multinode $(JUNIT)
 
 lint: install typecheck
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-# mypy over the typed packages ([tool.mypy] in pyproject.toml). The folders map to subpackages
-# (encoder/ -> vitserve.encoder, ...) only when installed, which mypy cannot follow, so it reads
-# them through a tree of links, build/typecheck/vitserve/, laid out as the installed package.
-# Part of `make lint`.
+# mypy over every package of vitserve ([tool.mypy] in pyproject.toml). The folders map to
+# subpackages (encoder/ -> vitserve.encoder, ...) only when installed, which mypy cannot follow,
+# so it reads them through a tree of links, build/typecheck/vitserve/, laid out as the installed
+# package. Part of `make lint` and a step of .ci/run.
 TYPECHECK_TREE := build/typecheck
-TYPECHECKED ?= -p vitserve.client -p vitserve.cache -p vitserve.deployments -p vitserve.families
+TYPECHECKED ?= -p vitserve
 typecheck: install
 	@rm -rf $(TYPECHECK_TREE) && mkdir -p $(TYPECHECK_TREE)/vitserve
 	@ln -s $(CURDIR)/vitserve/*.py $(CURDIR)/vitserve/families $(TYPECHECK_TREE)/vitserve/

@@ -286,8 +286,9 @@ def serve_url(ray_cluster) -> Iterator[str]:
 
 # The applications the running test module deployed, as (registry, name): deleted when the
 # module ends (``_remove_module_apps``), so that a module never finds the session cluster's 2 CPUs
-# taken by the applications of the modules before it. ``keep=True`` exempts the session's
-# shared applications (``main_app``).
+# taken by the applications of the modules before it. ``keep=True`` exempts the shared
+# applications (``main_app``, ``family_apps``, ``node_app``, ``redis_app``): each is deleted after
+# the last test of the run that uses it (``shared_apps`` below).
 _MODULE_APPS: list[tuple[dict[str, Any], str]] = []
 
 
@@ -359,7 +360,9 @@ def _with_remove(deploy_fn: Callable[..., Any], apps: dict[str, Any]) -> Iterato
         return app
 
     deploy.remove = remove  # type: ignore[attr-defined]
+    _REMOVERS.append(remove)
     yield deploy
+    _REMOVERS.remove(remove)
     _delete_apps(list(apps))
 
 
@@ -417,11 +420,68 @@ def main_app(deploy: Callable[..., App]) -> App:
     )
 
 
+# The shared applications: one per store kind and model that modules need plainly ("an encoder
+# application over store X"), default settings, with the smallest CPU shares. A module that
+# needs other settings deploys its own.
+SHARED_CPUS = {"encoder.num_cpus": 0.01, "ingress.num_cpus": 0.01}
+
+
+SHARED_FIXTURES = ("main_app", "family_apps", "node_app", "redis_app")
+
+
+def shared_apps() -> dict[str, tuple[str, ...]]:
+    """The applications each of SHARED_FIXTURES deploys with ``keep=True``."""
+    from vitserve.encoder.testmodels import FAMILIES
+
+    return {
+        "main_app": ("main",),
+        "family_apps": tuple(f"fam-{family}" for family in FAMILIES),
+        "node_app": ("fam-qwen2_vl",),
+        "redis_app": ("redis",),
+    }
+
+
+# Each shared application is deleted once the last test of the run that uses it (through one of
+# SHARED_FIXTURES) is torn down, not at the session's end: an idle application's replicas and
+# the controller's loop over them cost the cluster CPU all along (measured here: ~2% of the two
+# cores per idle application), and the suite is CPU-bound. The last users are found once the
+# run's tests are selected.
+_REMOVERS: list[Callable[..., None]] = []  # the session's deploy.remove (one, while it is up)
+_RELEASE = pytest.StashKey[dict[str, list[str]]]()  # test node id -> applications to delete
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    fixtures = {name for item in session.items for name in item.fixturenames}
+    if not fixtures.intersection(SHARED_FIXTURES):
+        return  # no shared application in this run (and no need to import the families)
+    last: dict[str, str] = {}
+    by_fixture = shared_apps()
+    for item in session.items:
+        for fixture, apps in by_fixture.items():
+            if fixture in item.fixturenames:
+                last.update(dict.fromkeys(apps, item.nodeid))
+    release: dict[str, list[str]] = {}
+    for app, nodeid in last.items():
+        release.setdefault(nodeid, []).append(app)
+    session.config.stash[_RELEASE] = release
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own teardown (its module's applications)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    apps = item.config.stash.get(_RELEASE, {}).get(item.nodeid)
+    if apps and _REMOVERS:
+        _REMOVERS[-1](*apps)
+
+
+def _family_app(deploy: Callable[..., App], tiny_models: dict[str, Path], family: str) -> App:
+    return deploy(f"fam-{family}", keep=True, model=str(tiny_models[family]), **SHARED_CPUS)
+
+
 @pytest.fixture(scope="session")
 def family_apps(deploy: Callable[..., App], tiny_models: dict[str, Path]) -> dict[str, App]:
-    """family -> an application serving that family's tiny model (fp32), for the modules that
-    need every family (``test_adapters``, ``test_prefill``): started at once (each takes seconds,
-    mostly its replicas' start-up) and kept for the session, so they start once."""
+    """family -> an application serving that family's tiny model (fp32) over the node-local
+    store, for the modules that need every family (``test_adapters``, ``test_prefill``): started
+    at once (each takes seconds, mostly its replicas' start-up), so they start once."""
     import concurrent.futures as cf
 
     from vitserve.encoder.loading import load_preprocessor
@@ -430,16 +490,23 @@ def family_apps(deploy: Callable[..., App], tiny_models: dict[str, Path]) -> dic
     for family in FAMILIES:  # transformers resolves classes lazily, not thread safe
         load_preprocessor(str(tiny_models[family]))
 
-    def start(family: str) -> App:  # the smallest CPU shares: they hold them to the end
-        return deploy(
-            f"fam-{family}",
-            keep=True,
-            model=str(tiny_models[family]),
-            **{"encoder.num_cpus": 0.01, "ingress.num_cpus": 0.01},
-        )
-
     with cf.ThreadPoolExecutor(len(FAMILIES)) as pool:
-        return dict(zip(FAMILIES, pool.map(start, FAMILIES), strict=True))
+        started = pool.map(lambda f: _family_app(deploy, tiny_models, f), FAMILIES)
+        return dict(zip(FAMILIES, started, strict=True))
+
+
+@pytest.fixture(scope="session")
+def node_app(deploy: Callable[..., App], tiny_models: dict[str, Path]) -> App:
+    """The encoder application over the node-local store (the embedded default) and the tiny
+    Qwen2-VL, default settings: ``family_apps``' Qwen2-VL one."""
+    return _family_app(deploy, tiny_models, "qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def redis_app(deploy: Callable[..., App], redis_url: str) -> App:
+    """The encoder application over the suite's Redis and the tiny Qwen2-VL, default settings
+    (clients and prefill applications read the store directly)."""
+    return deploy("redis", keep=True, store=redis_url, **SHARED_CPUS)
 
 
 @dataclass
@@ -608,6 +675,7 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
     "tests/reliability/test_overload.py::"
     "test_64_images_at_2k_encode_within_the_activation_budget": ("subprocess",),
     "tests/client/test_adapters.py::test_importing_the_adapters_loads_no_torch": ("subprocess",),
+    "tests/test_tiers.py::test_the_durations_page_names_its_machine_and_commit": ("subprocess",),
     "tests/client/test_client.py::test_importing_the_client_loads_no_heavy_dependency": (
         "subprocess",
     ),
@@ -673,6 +741,49 @@ SLOW_TESTS = frozenset(
 
 HEAVY_MARKS = ("ray", "redis", "subprocess")
 
+# -- tiers: `make test` and `make test-system` ---------------------------------------------------
+# ``system`` marks what `make test` (the suite a developer runs before each commit) leaves to
+# `make test-system` (a step of .ci/run): tests that start a whole cluster or server of their own
+# (the `vitserve` script, Ray in a child process, a Redis Cluster from the manifests), inject a
+# fault (a replica, store or primary killed or restarted) or drive a load (an overload, bursts,
+# a simulated or generated load run). ``fuzz`` marks the tests whose budget tests/fuzz/budget.py
+# sets: `make test` runs them at a fifth of it, `make test-system` again at full budget. Both
+# come from the lists below (named as in HEAVY_TESTS); nobody writes them on a test.
+#
+# Invariants:
+# - `make test` (``-m "not system"``) and `make test-system` (``-m "system or fuzz"``) together
+#   run every test `pytest` collects; only the fuzz tests run in both.
+# - Every test named below exists (tests/test_fast_tier.py checks).
+_PREFILL = "tests/deployments/test_prefill_service.py::"
+SYSTEM_TESTS = frozenset(
+    {
+        "tests/reliability/",  # fault loads, overload, shutdown, cross-tenant over every route
+        # `vitserve serve` / `vitserve demo`: a Ray cluster of their own each
+        f"{_CLI}test_serve_demo_with_prefill_then_encode_and_chat_through_http_then_ctrl_c",
+        f"{_CLI}test_demo_serves_encodes_twice_and_the_second_pass_comes_from_the_store",
+        "tests/deployments/test_exposure.py::"
+        "test_serve_as_a_user_runs_it_keeps_rays_token_auth_on_every_port_beyond_loopback",
+        "tests/loadtest/test_bench_client.py::test_the_fetch_script_measures_a_short_run",
+        "tests/loadtest/test_harness_run.py",  # the harness's driver, locust, open-loop load
+        "tests/k8s/test_redis_cluster_manifest.py",  # six Redis pods' commands and the bootstrap
+        # faults: replicas restarted or scaled, a store killed, a primary killed under load
+        f"{_PREFILL}test_the_encoder_restarted_or_scaled_while_prefill_serves",
+        f"{_PREFILL}test_the_prefill_restarted_or_scaled_while_the_encoder_serves",
+        "tests/client/test_client.py::test_an_encoder_restart_between_calls_is_retried",
+        "tests/client/test_client.py::test_a_store_outage_is_reported_as_such_and_recovers",
+        "tests/deployments/test_service.py::"
+        "test_a_store_that_is_down_gives_503_for_fetches_while_encodes_still_answer",
+        "tests/cache/test_redis_cluster.py::test_a_primary_killed_under_load_fails_over",
+        # loads: an overload, bursts past the replicas' room, the autoscaling simulation
+        "tests/deployments/test_service.py::test_an_overloaded_encoder_answers_429_with_retry_after",
+        "tests/deployments/test_routing_serve.py::"
+        "test_a_burst_past_the_replicas_room_waits_in_the_router_for_its_hold",
+        "tests/deployments/test_autoscaling.py::"
+        "test_simulation_work_policy_and_router_hold_the_target_and_beat_serves",
+    }
+)
+FUZZ_TESTS = frozenset({"tests/fuzz/"})
+
 # The processes the fast tier's guard lets through: what vitserve's own code runs to probe the
 # host (ctypes.util.find_library("c") runs `ldconfig -p`), milliseconds, not a server.
 HOST_PROBES = frozenset({"ldconfig"})
@@ -706,6 +817,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker("heavy")
         if not item.get_closest_marker("slow") and SLOW_TESTS.intersection(_keys(item)):
             item.add_marker("slow")
+        if SYSTEM_TESTS.intersection(_keys(item)):
+            item.add_marker("system")
+        if FUZZ_TESTS.intersection(_keys(item)):
+            item.add_marker("fuzz")
 
 
 class TierViolation(Exception):

@@ -6,8 +6,8 @@ Invariants:
 - A test using a fixture of FIXTURE_NEEDS is heavy and deselected by ``-m "not heavy"``.
 - In a run that selects no heavy test, ``ray.init``, a Redis connection and a new process fail
   the test that tries them, even when the test catches the error.
-- Every fixture and test that tests/conftest.py names for the marks (heavy and slow) exists,
-  so a rename cannot quietly drop a test into the fast tier.
+- Every fixture and test that tests/conftest.py names for the marks (heavy, slow, system and
+  fuzz) exists, so a rename cannot quietly drop a test into the fast tier or out of its tier.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def test_every_fixture_and_test_the_marks_name_exists() -> None:
         *(_fixtures_defined(p.read_text()) for p in (ROOT / "tests").rglob("conftest.py"))
     )
     assert set(suite.FIXTURE_NEEDS) <= fixtures, set(suite.FIXTURE_NEEDS) - fixtures
-    for key in [*suite.HEAVY_TESTS, *suite.SLOW_TESTS]:
+    for key in [*suite.HEAVY_TESTS, *suite.SLOW_TESTS, *suite.SYSTEM_TESTS, *suite.FUZZ_TESTS]:
         path, _, test = key.partition("::")
         if path.endswith("/"):
             assert (ROOT / path).is_dir(), key

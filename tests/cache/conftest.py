@@ -100,8 +100,9 @@ class StoreMaker:
                     ray.kill(ray.get_actor(name, namespace="vitserve"))
 
 
-@pytest.fixture(params=STORE_KINDS)
-def make_store(request: pytest.FixtureRequest) -> Iterator[Callable]:
+def store_maker(request: pytest.FixtureRequest) -> Iterator[StoreMaker]:
+    """The body of a ``make_store`` fixture parametrized by store kind (tests/multinode has
+    one of its own, over the kinds its cluster changes)."""
     # only the kinds that need Redis ask for it: the memory kind's tests are in the fast tier
     needs_redis = "redis" in STORE_KIND_NEEDS[request.param]
     server = "redis_cluster_url" if request.param == "redis-cluster" else "redis_url"
@@ -109,3 +110,8 @@ def make_store(request: pytest.FixtureRequest) -> Iterator[Callable]:
     maker = StoreMaker(request.param, request, redis_url)
     yield maker
     maker.close()
+
+
+@pytest.fixture(params=STORE_KINDS)
+def make_store(request: pytest.FixtureRequest) -> Iterator[Callable]:
+    yield from store_maker(request)

@@ -44,20 +44,6 @@ def make_client(request) -> Iterator[Callable[..., Any]]:
         client.close()
 
 
-@pytest.fixture(scope="module")
-def redis_app(deploy, redis_url):
-    """The service over the suite's Redis: clients read the store directly."""
-    yield deploy("client-redis", store=redis_url)
-    deploy.remove("client-redis")
-
-
-@pytest.fixture(scope="module")
-def node_app(deploy):
-    """The service over the node-local store (the embedded default)."""
-    yield deploy("client-node")
-    deploy.remove("client-node")
-
-
 _seed = iter(range(10_000, 10**9))
 
 

@@ -39,9 +39,18 @@ def body(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def pair(deploy, deploy_prefill, redis_url) -> Iterator[Any]:
-    encoder = deploy("pfs", store=redis_url)
-    chat = deploy_prefill("pfs-llm", encoder, **{"prefill.chunk_size": CHUNK})
+def pair(redis_app, deploy_prefill) -> Iterator[Any]:
+    """The prefill application over the suite's shared Redis application."""
+    chat = deploy_prefill("pfs-llm", redis_app, **{"prefill.chunk_size": CHUNK})
+    yield chat
+    deploy_prefill.remove(chat.name)
+
+
+@pytest.fixture(scope="module")
+def own_pair(deploy, deploy_prefill, redis_url) -> Iterator[Any]:
+    """A pair of its own, for the tests that kill and scale its replicas (the system tier)."""
+    encoder = deploy("pfs-restarts", store=redis_url)
+    chat = deploy_prefill("pfs-restarts-llm", encoder, **{"prefill.chunk_size": CHUNK})
     yield chat
     deploy_prefill.remove(chat.name)
     deploy.remove(encoder.name)
@@ -206,7 +215,7 @@ def _chat_load(pair: Any) -> Load:
     return Load(send)
 
 
-def test_the_encoder_restarted_or_scaled_while_prefill_serves(pair) -> None:
+def test_the_encoder_restarted_or_scaled_while_prefill_serves(own_pair) -> None:
     """The encoder application's replicas killed (encoder, then ingress) and then scaled from 1
     to 2: chat requests keep being answered (the client SDK retries), none fails."""
     import ray
@@ -214,30 +223,32 @@ def test_the_encoder_restarted_or_scaled_while_prefill_serves(pair) -> None:
     from vitserve.deployments.encoder.app import build_application
     from vitserve.deployments.runner.local import serve_app
 
-    load = _chat_load(pair)
+    load = _chat_load(own_pair)
     load.wait_for(2)
     for deployment in ("EncoderDeployment", "Ingress"):
-        [replica] = _replicas(pair.encoder.name, deployment)
+        [replica] = _replicas(own_pair.encoder.name, deployment)
         ray.kill(replica, no_restart=True)  # Serve's controller starts a new one
         load.wait_for(3)
-    scaled = pair.encoder.config.model_copy(
-        update={"encoder": pair.encoder.config.encoder.model_copy(update={"num_replicas": 2})}
+    scaled = own_pair.encoder.config.model_copy(
+        update={"encoder": own_pair.encoder.config.encoder.model_copy(update={"num_replicas": 2})}
     )
     serve_app(
-        build_application(scaled), name=pair.encoder.name, route_prefix=f"/{pair.encoder.name}"
+        build_application(scaled),
+        name=own_pair.encoder.name,
+        route_prefix=f"/{own_pair.encoder.name}",
     )
-    assert len(_replicas(pair.encoder.name, "EncoderDeployment")) == 2
+    assert len(_replicas(own_pair.encoder.name, "EncoderDeployment")) == 2
     load.wait_for(3)
     statuses = load.finish()
     serve_app(
-        build_application(pair.encoder.config),
-        name=pair.encoder.name,
-        route_prefix=f"/{pair.encoder.name}",
+        build_application(own_pair.encoder.config),
+        name=own_pair.encoder.name,
+        route_prefix=f"/{own_pair.encoder.name}",
     )
     assert statuses and set(statuses) == {200}, statuses
 
 
-def test_the_prefill_restarted_or_scaled_while_the_encoder_serves(pair) -> None:
+def test_the_prefill_restarted_or_scaled_while_the_encoder_serves(own_pair) -> None:
     """The reverse: the prefill application scaled from 1 to 2 replicas, then a replica
     killed, while clients encode through the encoder application and chat: encodes never
     fail, chats keep being answered (a caller retrying the 503 of a restart, as OpenAI's
@@ -248,7 +259,7 @@ def test_the_prefill_restarted_or_scaled_while_the_encoder_serves(pair) -> None:
     from vitserve.deployments.prefill.app import build_prefill_application
     from vitserve.deployments.runner.local import serve_app
 
-    encoder = EncoderClient(pair.encoder.url)
+    encoder = EncoderClient(own_pair.encoder.url)
 
     def encode() -> int:
         encoder.encode(fresh_images(1))
@@ -256,7 +267,7 @@ def test_the_prefill_restarted_or_scaled_while_the_encoder_serves(pair) -> None:
 
     def chat_with_retries() -> int:
         for _ in range(60):
-            status = pair.chat(body([user_turn("describe", fresh_images(1))])).status_code
+            status = own_pair.chat(body([user_turn("describe", fresh_images(1))])).status_code
             if status not in (500, 502, 503, 504):
                 return status
             time.sleep(0.5)
@@ -264,18 +275,24 @@ def test_the_prefill_restarted_or_scaled_while_the_encoder_serves(pair) -> None:
 
     encodes, chats = Load(encode), Load(chat_with_retries)
     chats.wait_for(2)
-    scaled = pair.config.model_copy(
-        update={"prefill": pair.config.prefill.model_copy(update={"num_replicas": 2})}
+    scaled = own_pair.config.model_copy(
+        update={"prefill": own_pair.config.prefill.model_copy(update={"num_replicas": 2})}
     )
-    serve_app(build_prefill_application(scaled), name=pair.name, route_prefix=f"/{pair.name}")
-    assert len(_replicas(pair.name, "PrefillServer")) == 2
+    serve_app(
+        build_prefill_application(scaled), name=own_pair.name, route_prefix=f"/{own_pair.name}"
+    )
+    assert len(_replicas(own_pair.name, "PrefillServer")) == 2
     chats.wait_for(3)
-    for replica in _replicas(pair.name, "PrefillServer"):
+    for replica in _replicas(own_pair.name, "PrefillServer"):
         ray.kill(replica, no_restart=True)
     chats.wait_for(3)
     encodes.wait_for(3)
     encode_statuses, chat_statuses = encodes.finish(), chats.finish()
-    serve_app(build_prefill_application(pair.config), name=pair.name, route_prefix=f"/{pair.name}")
+    serve_app(
+        build_prefill_application(own_pair.config),
+        name=own_pair.name,
+        route_prefix=f"/{own_pair.name}",
+    )
     encoder.close()
     assert set(encode_statuses) == {200}
     assert set(chat_statuses) == {200}, chat_statuses
