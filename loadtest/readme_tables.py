@@ -424,12 +424,13 @@ def routing(root: Path) -> str:
 def reliability(root: Path) -> str:
     lines = []
     for name, what in (
-        ("reliability.md", "every fault and input class the suite tries"),
+        ("reliability.md", "every fault and input class `make test` tries"),
+        ("reliability-system.md", "the system tier's faults, loads and full-budget fuzzing"),
         ("reliability-large.md", "the 64-image 2K run"),
         ("reliability-multinode.md", "the multi-node cluster's"),
     ):
         text = page(root, name)
-        written = r"Written by the test suite .* at commit `(\w+)`, (.+?), on (.+?)\.\n"
+        written = r"Written by the test suite .* at commit `([\w+]+)`, (.+?), on (.+?)\.\n"
         head = re.match(written, text)
         if head is None:
             raise TableError(f"{name}: no 'Written by the test suite ... at commit' line")
@@ -440,6 +441,37 @@ def reliability(root: Path) -> str:
             f"suite at commit `{head.group(1)}` ({head.group(2)}, {head.group(3)})."
         )
     return "\n".join(lines)
+
+
+def test_durations(root: Path) -> str:
+    """Each test run's counts and wall time, and the whole of ``.ci/run``'s, from the page
+    ``.ci/run`` writes (tests/durations.py)."""
+    name = "test-durations.md"
+    text = page(root, name)
+    runs = table_after(text, "## Runs", name)
+    steps = {
+        cells(line)[0]: cells(line)[1] for line in table_after(text, "## `.ci/run` steps", name)[2:]
+    }
+    if "all" not in steps:
+        raise TableError(f"{name}: no 'all' row in the steps table")
+    others = [
+        f"{step} {wall}"
+        for step, wall in steps.items()
+        if step != "all" and "make test" not in step
+    ]
+    head = re.search(r"Machine: (.+?)\. Commit `([\w+]+)`, (.+?)\.\n", text)
+    if head is None:
+        raise TableError(f"{name}: no 'Machine: ... Commit ...' line")
+    rest = f" (of which {', '.join(others)})" if others else ""
+    return "\n".join(
+        [
+            *runs,
+            "",
+            f"The whole `.ci/run`, installs included: **{steps['all']}**{rest}. From {link(name)} "
+            f"({head.group(1)}, commit `{head.group(2)}`, {head.group(3)}; the page names the "
+            "slowest tests and the costliest folders of each run).",
+        ]
+    )
 
 
 def results_index(root: Path) -> str:
@@ -477,6 +509,7 @@ SECTIONS: dict[str, Callable[[Path], str]] = {
     "routing": routing,
     "capacity": capacity,
     "reliability": reliability,
+    "test-durations": test_durations,
     "results-index": results_index,
 }
 
