@@ -70,9 +70,18 @@ from vitserve.deployments.encoder.wire import (
 from vitserve.encoder.device import available_cpus, dtype_name
 from vitserve.encoder.engine import EncoderEngine
 from vitserve.encoder.work import ImageWork, Terms
-from vitserve.errors import StoreError, StoreSplitError, VitserveError
+from vitserve.errors import StoreError, StoreSplitError, StoreUnavailableError, VitserveError
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
+
+# A publish the store refused as unavailable (a primary failing over, a restart) is tried again
+# after each of these waits, on a thread of its own (off the answers' path, the device loop's and
+# the first publishes'), its claims held meanwhile so that readers wait for the record instead of
+# missing it: a store back within a few seconds loses nothing that was answered. Then it is given
+# up (logged, claims released), as is one refused while MAX_REPUBLISHING others are being tried
+# again (a long outage holds no more embeddings than that).
+PUBLISH_RETRY_S = (0.5, 1.0, 2.0)
+MAX_REPUBLISHING = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,11 +162,13 @@ class EncoderDeployment:
         # Publishes have a thread of their own: nothing else (single flight's polls, a slow
         # store call) can hold up the device loop's publish.
         self._publish_pool = ThreadPoolExecutor(1, thread_name_prefix="vitserve-publish")
+        self._republish_pool = ThreadPoolExecutor(1, thread_name_prefix="vitserve-republish")
         # The latest step's publish (``_encode_and_publish``): each step waits for the one before
         # it, so only this one can still run past its answers. Its puts, as the publish thread's
         # futures, for ``__del__``.
         self._last_publish: asyncio.Future | None = None
         self._last_puts: list[Future] = []
+        self._republishing: set[asyncio.Task] = set()  # PUBLISH_RETRY_S's, under way
         self._forwards: deque[dict[str, Any]] = deque(maxlen=256)  # the latest forwards
         self._seconds: defaultdict[str, float] = defaultdict(float)  # device-step time by phase
         self._store_reporter: asyncio.Task | None = None
@@ -512,7 +523,7 @@ class EncoderDeployment:
             for store, indices, releases in groups.values()
         ]
         puts = [
-            (store, releases, sum(len(values[i][1]) for i in indices), asyncio.wrap_future(put))
+            (store, [values[i] for i in indices], releases, asyncio.wrap_future(put))
             for (store, indices, releases), put in zip(
                 groups.values(), self._last_puts, strict=True
             )
@@ -526,18 +537,29 @@ class EncoderDeployment:
         return results
 
     async def _published(
-        self, puts: list[tuple[Any, list[tuple[str, str]], int, asyncio.Future]], encoded: float
+        self,
+        puts: list[tuple[Any, list[tuple[str, bytes]], list[tuple[str, str]], asyncio.Future]],
+        encoded: float,
     ) -> None:
-        """A step's publishes, awaited: counted and timed; one that failed is logged and its
-        claims are released, so readers waiting on them stop waiting (the embeddings were
-        computed and answered: a reader then misses and the client encodes again)."""
-        for store, releases, nbytes, put in puts:
+        """A step's publishes, awaited: counted and timed. One the store refused as unavailable
+        is tried again in the background (``_publish_again``); one that failed otherwise is
+        logged and its claims are released, so readers waiting on them stop waiting (the
+        embeddings were computed and answered: a reader then misses and the client encodes
+        again)."""
+        for store, values, releases, put in puts:
             try:
                 with metrics.timed("store_round_trip_seconds", op="put"):
                     await put
-                metrics.inc("bytes_published_total", nbytes)
+                metrics.inc("bytes_published_total", sum(len(v) for _, v in values))
             except Exception as exc:
                 metrics.inc("store_errors_total", op="put")
+                if (
+                    isinstance(exc, StoreUnavailableError)
+                    and len(self._republishing) < MAX_REPUBLISHING
+                ):
+                    log.warning("publishing embeddings failed, trying again: %s", exc)
+                    self._publish_again(store, values, releases)
+                    continue
                 if isinstance(exc, StoreError):
                     log.warning("publishing embeddings failed: %s", exc)
                 else:
@@ -547,11 +569,47 @@ class EncoderDeployment:
         self._seconds["publish"] += published
         metrics.observe("stage_seconds", published, stage="publish")
 
+    def _publish_again(
+        self, store: Any, values: list[tuple[str, bytes]], releases: list[tuple[str, str]]
+    ) -> None:
+        """Try a publish the store refused as unavailable again after each of PUBLISH_RETRY_S
+        (on the republish thread, in a task of its own: no step or answer waits for it), its
+        claims held till it lands; then give it up and release them."""
+
+        async def again() -> None:
+            loop = asyncio.get_running_loop()
+            failure: Exception | None = None
+            for wait in PUBLISH_RETRY_S:
+                await asyncio.sleep(wait)
+                try:
+                    await loop.run_in_executor(
+                        self._republish_pool, store.put_values, values, None, releases
+                    )
+                except StoreUnavailableError as exc:
+                    failure = exc
+                    metrics.inc("store_errors_total", op="put")
+                    continue
+                except Exception as exc:
+                    failure = exc
+                    metrics.inc("store_errors_total", op="put")
+                    break
+                metrics.inc("bytes_published_total", sum(len(v) for _, v in values))
+                return
+            log.warning("publishing embeddings failed, given up: %s", failure)
+            self.flights.release_later(store, releases)
+
+        task = asyncio.create_task(again())
+        self._republishing.add(task)
+        task.add_done_callback(self._republishing.discard)
+
     async def drain_publishes(self) -> None:
         """Wait until the publishes handed to the publish thread have ended (tests): the
-        latest step's is the only one that can still run (``_encode_and_publish``)."""
+        latest step's is the only one that can still run (``_encode_and_publish``), with the
+        publishes being tried again (``_publish_again``)."""
         while self._last_publish is not None and not self._last_publish.done():
             await asyncio.shield(self._last_publish)
+        while self._republishing:
+            await asyncio.gather(*list(self._republishing), return_exceptions=True)
 
     def _record_forwards(self, items: list[Any], plan: Any) -> None:
         """Metrics and the recent-forwards log: per forward its bucket, the buckets of the

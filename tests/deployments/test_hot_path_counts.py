@@ -430,3 +430,58 @@ def test_a_stopping_encoder_lets_the_publishes_it_handed_off_land(held) -> None:
     stopping.join(timeout=20)
     assert not stopping.is_alive()
     assert service.encoder.store.get(key) is not None
+
+
+class RefusedPuts:
+    """The encoder's store, refusing its first ``refusals`` publishes as unavailable (a
+    primary failing over), then its own."""
+
+    def __init__(self, store: Any, refusals: int) -> None:
+        self._store = store
+        self.refusals = refusals
+        self.tries = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def put_values(self, values: Any, *args: Any, **kwargs: Any) -> None:
+        from vitserve.errors import StoreUnavailableError
+
+        if values:  # a publish (a claim's release alone passes)
+            self.tries += 1
+            if self.tries <= self.refusals:
+                raise StoreUnavailableError("node://", "refused for the test")
+        self._store.put_values(values, *args, **kwargs)
+
+
+@pytest.mark.parametrize(("refusals", "lands"), [(2, True), (9, False)])
+def test_a_publish_refused_as_unavailable_is_tried_again_and_its_readers_wait(
+    loop, engine_cfg, refusals: int, lands: bool
+) -> None:
+    """A claimed image's publish that the store refuses as unavailable: its answer leaves at
+    once, the publish is tried again after each of ``PUBLISH_RETRY_S`` with the claim held, and
+    a reader asking meanwhile gets the record once it lands, never a miss; refused past the
+    last try, it is given up and the claim released (the reader then misses, at once)."""
+    from vitserve.cache import open_store
+    from vitserve.deployments.encoder.replica import PUBLISH_RETRY_S
+
+    service = Service(loop, engine_cfg, "node://", "encoder")
+    store = RefusedPuts(service.encoder.store, refusals)
+    service.encoder.store = store
+    image = _images(1, seed=703 + refusals)
+    [key] = service.keys(image)
+    reader = open_store("node://", namespace=service.cfg.namespace)
+
+    async def run() -> Any:
+        [answer] = await asyncio.wait_for(service.flow.encode(image, [key]), 20)
+        assert "error" not in answer and store.tries <= 1  # answered, no retry awaited
+        read = asyncio.to_thread(reader.get_rows_many, [(key, 0, answer["num_tokens"])])
+        [record] = await asyncio.wait_for(read, 30)
+        await service.encoder.drain_publishes()
+        return record
+
+    record = service.loop.run_until_complete(run())
+    if lands:
+        assert record is not None and record.key == key and store.tries == refusals + 1
+    else:
+        assert record is None and store.tries == 1 + len(PUBLISH_RETRY_S)
