@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 OUTCOMES = ("passed", "failed", "error", "skipped")
+WHOLE = ".ci/run, whole"  # the steps file's line of the run's own wall time (steps may overlap)
 
 
 class DurationsError(Exception):
@@ -178,9 +179,17 @@ def report(runs: Sequence[Run], steps: Sequence[tuple[str, float, int]], top: in
     steps, and each run's costliest folders (or modules) and slowest tests."""
     lines = ["## Runs", "", *runs_table(runs), ""]
     if steps:
-        rows = [(f"`{name}`", minutes(seconds), status) for name, seconds, status in steps]
-        rows.append(("all", minutes(sum(seconds for _, seconds, _ in steps)), ""))
+        whole = [seconds for name, seconds, _ in steps if name == WHOLE]
+        parts = [step for step in steps if step[0] != WHOLE]
+        rows = [(f"`{name}`", minutes(seconds), status) for name, seconds, status in parts]
+        rows.append(("all", minutes(whole[-1] if whole else sum(s for _, s, _ in parts)), ""))
         lines += ["## `.ci/run` steps", "", *_table(("step", "wall", "exit"), rows), ""]
+        if whole:
+            lines += [
+                "`all` is the run's own wall time: a step marked background ran beside the "
+                "steps after it.",
+                "",
+            ]
     for run in runs:
         lines += [f"## `{run.name}`: the costliest {by}s", ""]
         lines += _table(

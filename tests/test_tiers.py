@@ -187,6 +187,11 @@ def test_durations_reads_each_tests_time_outcome_and_the_sessions_wall(
     slowest = out.split("## `run`: the 2 slowest tests")[1].split("\n")[4:6]
     assert len(slowest) == 2 and slowest[0].startswith("| `tests/test_inner.py::test_plain` |")
     assert "| `tests` | 5 |" in out  # the folder's total
+    # a run whose steps overlapped says its own wall time
+    steps.write_text("a\t60.0\t0\nb (background)\t50.0\t0\n.ci/run, whole\t70.0\t0\n")
+    assert durations.main([str(xml), str(steps)]) == 0
+    overlapped = capsys.readouterr().out.split("## `.ci/run` steps")[1]
+    assert "| all | 1:10.0 |" in overlapped and "whole" not in overlapped
 
 
 def test_the_durations_page_names_its_machine_and_commit(tmp_path: Path) -> None:
