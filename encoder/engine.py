@@ -118,6 +118,7 @@ class EncoderEngine:
         model: str = "",
         revision: str | None = None,
         load_report: LoadReport | None = None,
+        identity: dict[str, str] | None = None,
     ) -> None:
         if budget_bytes is not None and budget_bytes <= 0:
             raise ConfigError(f"budget_bytes must be positive, got {budget_bytes}")
@@ -133,6 +134,8 @@ class EncoderEngine:
         self.namespace = namespace
         self.model = model
         self.revision = revision
+        # vitserve.keys.model_identity: what an LLM server checks the embeddings' model by
+        self.identity = identity or {}
         self.load_report = load_report
         self.counters = EngineCounters()
         self._lock = threading.Lock()
@@ -174,6 +177,7 @@ class EncoderEngine:
         )
         return cls(
             adapter,
+            identity=loaded.identity,
             fingerprint=fingerprint,
             budget_bytes=budget_bytes,
             max_batch_patches=max_batch_patches,

@@ -3,11 +3,17 @@
 Invariants:
 
 * Limits are checked before any pixel is decoded: the byte size before PIL sees the data, the
-  pixel count (``width * height``) from the header, before ``load()`` allocates anything.
+  pixel count (``width * height``) from the header, before ``load()`` allocates anything, and
+  the work the file's structure asks of the decoder beyond its pixels (JPEG scans, segments,
+  chunks: :mod:`vitserve.encoder.decode_work`) before any of it is done. So
+  :func:`image_header` (what admission reads) refuses what :func:`decode_image` would refuse
+  for its size or work.
 * Only the formats in :data:`ALLOWED_FORMATS` are opened; PIL's other plugins never see the data.
 * :func:`decode_image` always returns a fully loaded ``RGB`` image, EXIF orientation applied,
-  transparency composited onto white exactly as ``transformers.image_transforms.convert_to_rgb``
-  does. Animated GIF/WebP give their first frame.
+  transparency composited onto white, every mode converted as vLLM 0.32 converts it (and
+  ``transformers.image_transforms.convert_to_rgb``): an LLM server decoding the same bytes gets
+  the same pixels (``tests/vllm/test_vouch.py`` checks it against a real vLLM). Animated
+  GIF/WebP give their first frame.
 * Every exception that escapes is an :class:`~vitserve.errors.ImageError` subclass carrying the
   caller's ``index``; never a bare PIL error or ``OSError``.
 * PIL's process-wide settings (``Image.MAX_IMAGE_PIXELS``, ``ImageFile.LOAD_TRUNCATED_IMAGES``,
@@ -22,9 +28,9 @@ import io
 import re
 from dataclasses import dataclass, fields
 
-import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+from vitserve.encoder.decode_work import check_decode_work
 from vitserve.errors import ConfigError, ImageDecodeError, ImageTooLargeError
 
 __all__ = [
@@ -57,7 +63,6 @@ _SIGNATURES: tuple[tuple[bytes, str], ...] = (
 )
 
 _EXIF_TRANSPOSED = frozenset({5, 6, 7, 8})  # orientations that swap width and height
-_HIGH_DEPTH_MODES = frozenset({"I", "F"})  # plus every "I;16*" mode
 _BOMB_PIXELS = re.compile(r"\((\d+) pixels\)")
 
 
@@ -67,6 +72,12 @@ class ImageLimits:
 
     max_image_bytes: int = 32 * 2**20
     max_image_pixels: int = 40_000_000  # width * height
+    # The decode's work beyond its pixels, read from the file's structure
+    # (vitserve.encoder.decode_work): libjpeg's encoders write up to ~10 scans, mozjpeg a few
+    # more; real files hold tens to thousands of segments or chunks (a PNG of 8 KiB chunks at
+    # the byte limit: 4096).
+    max_jpeg_scans: int = 64
+    max_structure_steps: int = 65_536
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -154,6 +165,17 @@ def _open_checked(
     if nbytes > limits.max_image_bytes:
         raise ImageTooLargeError(index, "max_image_bytes", nbytes, limits.max_image_bytes)
     buffer = data if isinstance(data, bytes) else view.tobytes()
+    # The structure's work, before PIL reads a header: its header parsers step through stray
+    # JPEG bytes and GIF sub-blocks in Python (16 MB of them: over a second in Image.open).
+    fmt = _sniff(buffer)
+    if fmt in ALLOWED_FORMATS:
+        check_decode_work(
+            buffer,
+            fmt,
+            index,
+            max_scans=limits.max_jpeg_scans,
+            max_steps=limits.max_structure_steps,
+        )
 
     # Image.open runs PIL's own bomb check: above MAX_IMAGE_PIXELS it warns (an error under
     # "-W error"), above twice that it raises. Both mean the image is too large.
@@ -171,6 +193,18 @@ def _open_checked(
     if width * height > limits.max_image_pixels:
         im.close()
         raise ImageTooLargeError(index, "max_image_pixels", width * height, limits.max_image_pixels)
+    if im.format != fmt:  # PIL knew it by another signature than ours: walk it as PIL's
+        try:
+            check_decode_work(
+                buffer,
+                im.format or "",
+                index,
+                max_scans=limits.max_jpeg_scans,
+                max_steps=limits.max_structure_steps,
+            )
+        except ImageTooLargeError:
+            im.close()
+            raise
     return im
 
 
@@ -231,34 +265,20 @@ def _apply_exif_orientation(im: Image.Image) -> Image.Image:
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:
-    """Convert to RGB the way transformers' ``convert_to_rgb`` does for PIL images.
+    """Convert to RGB as vLLM does (``vllm.multimodal.image.convert_image_mode`` with its
+    defaults) and transformers' ``convert_to_rgb``: what the LLM server decodes from the same
+    bytes is what vitserve encodes.
 
-    Images with an alpha band or ``info["transparency"]`` are composited onto opaque white;
-    everything else goes through ``convert("RGB")`` (CMYK included: PIL's conversion
-    ``(255 - c) * (255 - k) / 255``, any ICC profile ignored, as in transformers). Before that,
-    high bit-depth grayscale (``I;16*``, ``I``, ``F``), which PIL would clip at 255, is scaled
-    from the 16-bit range [0, 65535] to [0, 255] with rounding; a 16-bit transparency key
-    becomes an alpha band.
+    Images with an alpha band (``RGBA``, ``LA``, ``PA``) or ``info["transparency"]`` are
+    composited onto opaque white; everything else goes through ``convert("RGB")``: CMYK as
+    PIL converts it (``(255 - c) * (255 - k) / 255``, any ICC profile ignored), high bit-depth
+    grayscale (``I;16*``, ``I``, ``F``) as PIL converts it too, clipping samples above 255
+    (as vLLM and transformers do: scaling them would give the LLM other pixels than its own).
     """
-    if im.mode.startswith("I;16") or im.mode in _HIGH_DEPTH_MODES:
-        im = _high_depth_to_8bit(im)
-    has_alpha = "A" in im.getbands() or im.info.get("transparency") is not None
-    if has_alpha:
-        rgba = im.convert("RGBA")
+    if im.mode == "RGB":
+        return im
+    if im.mode in ("RGBA", "LA", "PA") or "transparency" in im.info:
+        rgba = im if im.mode == "RGBA" else im.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return im.convert("RGB")
-
-
-def _high_depth_to_8bit(im: Image.Image) -> Image.Image:
-    """Scale a 16/32-bit grayscale image to ``L`` (or ``LA`` if it has a transparency key)."""
-    samples = np.asarray(im)  # "I;16B" and friends come back in native byte order
-    if samples.dtype.kind == "f":
-        samples = np.nan_to_num(samples, nan=0.0)
-    clipped = np.clip(samples.astype(np.float64), 0, 65535)
-    gray = Image.fromarray(np.rint(clipped * (255 / 65535)).astype(np.uint8))
-    key = im.info.get("transparency")
-    if isinstance(key, (int, float)) and not isinstance(key, bool):
-        alpha = np.where(samples == key, 0, 255).astype(np.uint8)
-        return Image.merge("LA", (gray, Image.fromarray(alpha)))
-    return gray

@@ -39,6 +39,7 @@ import blake3
 from vitserve.encoder.families import FamilyAdapter, adapter_class
 from vitserve.errors import ModelLoadError
 from vitserve.families import family_spec
+from vitserve.keys import model_identity
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -82,6 +83,7 @@ class LoadedVision:
     revision: str | None  # the hub commit for an HF id, else None
     weight_digest: str
     report: LoadReport
+    identity: dict[str, str]  # vitserve.keys.model_identity (see vision_identity)
 
 
 class CheckpointSource:
@@ -308,12 +310,9 @@ def load_vision(
     spec = family_spec(str(config.model_type))
     plan = _match(spec.checkpoint.vision_prefixes, sorted(weight_map), model)
 
-    targets = {
-        name: f"{module}.{key}" for module, hits in plan.items() for name, key in hits.items()
-    }
+    targets = _targets(plan)
     read = read_tensors(source, weight_map, targets)
     tensors = read.tensors
-    tensor_digests = {targets[name]: d for name, d in read.digests.items()}
 
     with no_init_weights(), torch.device("cpu"):
         modules = adapter_cls.build_modules(spec, config)
@@ -346,8 +345,64 @@ def load_vision(
         adapter=adapter,
         model=model,
         revision=source.revision,
-        weight_digest=blake3.blake3(
-            json.dumps(tensor_digests, sort_keys=True).encode()
-        ).hexdigest(),
+        weight_digest=_weight_digest(targets, read.digests),
         report=report,
+        identity=_identity(source, adapter, _weight_digest(targets, read.digests)),
     )
+
+
+def _targets(plan: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    """Checkpoint name -> ``module.key`` of every vision tensor the plan loads."""
+    return {name: f"{module}.{key}" for module, hits in plan.items() for name, key in hits.items()}
+
+
+def _weight_digest(targets: Mapping[str, str], digests: Mapping[str, str]) -> str:
+    """One digest of the vision tensors' digests, by the names the modules load them under
+    (so the published and today's tensor-name layouts of one checkpoint agree)."""
+    named = {targets[name]: d for name, d in digests.items()}
+    return blake3.blake3(json.dumps(named, sort_keys=True).encode()).hexdigest()
+
+
+#: keys of preprocessor_config.json that name a class, not a setting (and differ by the
+#: transformers version and backend that wrote or read it)
+_CLASS_KEYS = ("processor_class", "image_processor_type")
+
+
+def _identity(source: CheckpointSource, adapter: FamilyAdapter, weights: str) -> dict[str, str]:
+    """``model_identity`` from the checkpoint's files as saved: the image processor's settings
+    are ``preprocessor_config.json``'s own (not a transformers object's, whose defaults move
+    between versions: vLLM runs another), the family's output settings from its config."""
+    processor = json.loads(source.fetch("preprocessor_config.json").read_text())
+    for key in _CLASS_KEYS:
+        processor.pop(key, None)
+    return model_identity(
+        family=str(adapter.config.model_type),
+        weights=weights,
+        processor=processor,
+        settings=adapter.settings(),
+    )
+
+
+def vision_identity(model: str, *, revision: str | None = None) -> dict[str, str]:
+    """``vitserve.keys.model_identity`` of ``model``'s checkpoint, as an encoder that loads it
+    reports it (``LoadedVision.identity``), for an LLM server to compare with its own copy:
+    the family, the saved image-processor and family settings, and the digest of the vision
+    tensors (read and hashed one at a time, no module built, nothing kept). Needs the config
+    only, not the image processor's classes (vLLM's transformers may lack them)."""
+    import torch  # heavy: importing the loaders loads no torch (language_model promises it)
+    from transformers import AutoConfig
+
+    source = CheckpointSource(model, revision)
+    try:
+        config = AutoConfig.from_pretrained(source.fetch("config.json").parent)
+    except Exception as exc:
+        raise ModelLoadError(model, f"cannot read its config: {exc}") from exc
+    model_type = str(getattr(config, "model_type", ""))
+    adapter = adapter_class(model_type, model=model)(
+        config, None, {}, device=torch.device("cpu"), dtype=torch.float32
+    )
+    weight_map, _ = read_weight_map(source)
+    spec = family_spec(model_type)
+    targets = _targets(_match(spec.checkpoint.vision_prefixes, sorted(weight_map), model))
+    read = read_tensors(source, weight_map, targets, convert=lambda name, tensor: None)
+    return _identity(source, adapter, _weight_digest(targets, read.digests))

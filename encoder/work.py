@@ -31,7 +31,8 @@ from dataclasses import dataclass
 #: Peak bytes per decoded pixel that decoding (PIL stores RGB in 4 bytes a pixel), the RGB
 #: conversion and the image processor's arrays add, over-estimated by mode class: measured per
 #: family and image kind in ``loadtest/results/decode-memory-cpu.md``
-#: (``loadtest/bench_decode_memory.py``); 16-bit grayscale is scaled through float64 first.
+#: (``loadtest/bench_decode_memory.py``), when 16-bit grayscale was scaled through float64; it
+#: is now converted by PIL as vLLM converts it, and the higher figure stays an over-estimate.
 DECODE_BYTES_PER_PIXEL = 24
 HIGH_DEPTH_DECODE_BYTES_PER_PIXEL = 32
 HIGH_DEPTH_MODES = ("I", "F", "I;16")  # prefixes of PIL modes with more than 8 bits a sample

@@ -58,20 +58,6 @@ def png_bomb() -> bytes:
     return decompression_bomb(12_000)
 
 
-@pytest.fixture
-def load_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Records every pixel decode (``ImageFile.load``) made during the test."""
-    calls: list[str] = []
-    original = ImageFile.ImageFile.load
-
-    def spy(self: ImageFile.ImageFile):  # type: ignore[no-untyped-def]
-        calls.append(f"{self.format} {self.size}")
-        return original(self)
-
-    monkeypatch.setattr(ImageFile.ImageFile, "load", spy)
-    return calls
-
-
 def reference_rgb(data: bytes) -> np.ndarray:
     """What transformers' convert_to_rgb makes of the image (first frame, no EXIF handling)."""
     convert_to_rgb = pytest.importorskip("transformers.image_transforms").convert_to_rgb
@@ -268,38 +254,65 @@ def test_cmyk_jpeg() -> None:
     np.testing.assert_allclose(out[28, 28], (0, 0, 0), atol=12)  # black
 
 
-def test_16bit_grayscale_scaled_not_clipped() -> None:
-    samples = np.array([[0, 257, 32768, 65535], [1000, 20000, 40000, 60000]], dtype=np.uint16)
+def _vllm_rgb(im: Image.Image) -> np.ndarray:
+    """What vLLM 0.32 decodes an opened image to (its ``convert_image_mode`` with the defaults:
+    transparency on white by an alpha-masked paste, everything else ``convert("RGB")``)."""
+    if im.mode in ("RGBA", "LA", "PA") or "transparency" in im.info:
+        rgba = im.convert("RGBA")
+        out = Image.new("RGB", rgba.size, (255, 255, 255))
+        out.paste(rgba, mask=rgba.split()[3])
+        return np.asarray(out)
+    return np.asarray(im.convert("RGB"))
+
+
+def test_16bit_grayscale_as_vllm_decodes_it() -> None:
+    """Samples above 255 clip as PIL, vLLM and transformers convert them (vitserve once scaled
+    them to 8 bits: other pixels than the LLM server's own)."""
+    samples = np.array([[0, 257, 32768, 65535], [1000, 20, 40000, 200]], dtype=np.uint16)
     data = encode(Image.fromarray(samples), "PNG")
     with Image.open(io.BytesIO(data)) as raw:
         assert raw.mode.startswith("I")  # PIL keeps the 16-bit samples
+        expected = _vllm_rgb(raw)
     out = assert_rgb(decode_image(data), (4, 2))
-    expected = np.rint(samples * (255 / 65535)).astype(np.uint8)
-    for channel in range(3):
-        np.testing.assert_array_equal(out[..., channel], expected)
-    assert out[0, 2, 0] == 128  # mid-grey, where PIL's own conversion would give 255
+    np.testing.assert_array_equal(out, expected)
+    assert out[0, 2, 0] == 255 and out[1, 1, 0] == 20
 
 
-def test_16bit_grayscale_transparency_key() -> None:
-    samples = np.array([[0, 30000, 65535]], dtype=np.uint16)
+def test_16bit_grayscale_transparency_key_as_vllm_decodes_it() -> None:
+    samples = np.array([[0, 30000, 65535, 100]], dtype=np.uint16)
     data = encode(Image.fromarray(samples), "PNG", transparency=30000)
-    out = assert_rgb(decode_image(data), (3, 1))
-    assert [tuple(p) for p in out[0]] == [(0, 0, 0), (255, 255, 255), (255, 255, 255)]
+    with Image.open(io.BytesIO(data)) as raw:
+        expected = _vllm_rgb(raw)
+    out = assert_rgb(decode_image(data), (4, 1))
+    np.testing.assert_array_equal(out, expected)
 
 
 @pytest.mark.parametrize(
-    ("samples", "expected"),
+    "samples",
     [
-        (np.array([[0, 257, 65535, 70000, -5]], dtype=np.int32), [0, 1, 255, 255, 0]),
-        (np.array([[0.0, 257.0, 65535.0, np.nan, 1e9]], dtype=np.float32), [0, 1, 255, 0, 255]),
+        np.array([[0, 257, 65535, 70000, -5]], dtype=np.int32),
+        np.array([[0.0, 257.0, 65535.0, 100.0, 1e9]], dtype=np.float32),
     ],
 )
-def test_32bit_modes_use_16bit_range(samples: np.ndarray, expected: list[int]) -> None:
+def test_32bit_modes_as_vllm_converts_them(samples: np.ndarray) -> None:
     # No allowed format decodes to "I" or "F" today; the conversion is exercised directly.
     im = Image.fromarray(samples)
     assert im.mode in ("I", "F")
     out = assert_rgb(images._to_rgb(im), (5, 1))
-    assert out[0, :, 0].tolist() == expected
+    np.testing.assert_array_equal(out, _vllm_rgb(im))
+
+
+@pytest.mark.parametrize("mode", ["LA", "RGBA", "P"])
+def test_transparency_composited_as_vllm_composites_it(mode: str) -> None:
+    """vitserve's alpha composite and vLLM's masked paste give the same pixels, bit for bit."""
+    rng = np.random.default_rng(5)
+    rgba = Image.fromarray(rng.integers(0, 256, (31, 47, 4), dtype=np.uint8), "RGBA")
+    im = rgba.convert(mode) if mode != "P" else rgba.convert("RGB").quantize(16)
+    kwargs = {"transparency": 3} if mode == "P" else {}
+    data = encode(im, "PNG", **kwargs)
+    with Image.open(io.BytesIO(data)) as raw:
+        expected = _vllm_rgb(raw)
+    np.testing.assert_array_equal(np.asarray(decode_image(data)), expected)
 
 
 # --------------------------------------------------------------------------------------------

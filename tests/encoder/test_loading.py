@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vitserve.encoder.engine import EncoderEngine
-from vitserve.encoder.loading import INDEX_FILE, SINGLE_FILE
+from vitserve.encoder.loading import INDEX_FILE, SINGLE_FILE, vision_identity
 from vitserve.encoder.testimages import mixed_set
 from vitserve.encoder.testmodels import FAMILIES, fake_hub_cache, rename_tensors
 from vitserve.errors import ModelLoadError, UnsupportedModelError
@@ -109,8 +109,10 @@ def test_other_naming_layouts_load(tiny_models, engines, family, tmp_path) -> No
         assert _vision_names(dst, family) != _vision_names(src, family)
         engine, out = _encode(dst)
         _assert_same(out, reference.encode(IMAGES))
-        # Same weights under other names: the same fingerprint, hence the same keys.
+        # Same weights under other names: the same fingerprint, hence the same keys, and the
+        # same identity, whether the encoder or an LLM server's copy computes it.
         assert engine.fingerprint == reference.fingerprint
+        assert vision_identity(str(dst)) == engine.identity == reference.identity
 
 
 def test_single_file_checkpoint(tiny_models, engines, tmp_path) -> None:
@@ -145,6 +147,32 @@ def test_fingerprint_tracks_weights_processor_and_dtype(tiny_models, engines, tm
     cfg["size"]["longest_edge"] = 2 * cfg["size"]["longest_edge"]
     (moved / "preprocessor_config.json").write_text(json.dumps(cfg))
     assert EncoderEngine.from_pretrained(str(moved), dtype="fp32").fingerprint != base.fingerprint
+
+
+def test_the_identity_an_llm_server_checks_tracks_weights_and_config_not_place_or_dtype(
+    tiny_models, engines, tmp_path
+) -> None:
+    """``vision_identity`` of a checkpoint (what the vLLM connector computes from vLLM's copy)
+    equals the encoder's own; a copy elsewhere or in another dtype keeps it; other vision
+    weights change ``weights`` only; another processor setting or family changes both."""
+    from vitserve.encoder.testmodels import make_model
+
+    base = engines["qwen2_vl"]
+    assert vision_identity(str(tiny_models["qwen2_vl"])) == base.identity
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_models["qwen2_vl"], moved)
+    assert EncoderEngine.from_pretrained(str(moved), dtype="bf16").identity == base.identity
+    other = vision_identity(str(make_model("qwen2_vl", "tiny", tmp_path / "seed1", seed=1)))
+    assert other["config"] == base.identity["config"]
+    assert other["weights"] != base.identity["weights"]
+    cfg = json.loads((moved / "preprocessor_config.json").read_text())
+    cfg["size"]["longest_edge"] = 2 * cfg["size"]["longest_edge"]
+    (moved / "preprocessor_config.json").write_text(json.dumps(cfg))
+    changed = vision_identity(str(moved))
+    assert changed["config"] != base.identity["config"]
+    assert changed["weights"] != base.identity["weights"]
+    family = vision_identity(str(tiny_models["qwen2_5_vl"]))
+    assert family["config"] != base.identity["config"]
 
 
 def test_hf_id_fetches_only_vision_shards(tiny_models, engines, tmp_path, monkeypatch) -> None:
