@@ -51,7 +51,8 @@ Invariants:
   read of those that came. A free key costs that one extra round trip and is a miss at once;
   a claim released without a value (a failed publish) ends its wait at once; ``read_wait_s=0``
   reads without waiting. Probes (``headers_many``, ``exists_many``, ``lookup_*``) never wait:
-  they say what is held now. Each key a read waited for counts in ``read_waits``.
+  they say what is held now; ``headers_many(keys, wait=True)`` waits as the reads do (the
+  SDK's ``encode`` probes so). Each key a read waited for counts in ``read_waits``.
 * A store that cannot reach its backend raises ``StoreUnavailableError`` (retryable) within its
   configured timeout; it never hangs.
 """
@@ -325,10 +326,16 @@ class EmbeddingStore:
             return None
         return value if self._decode(key, value) is not None else None
 
-    def headers_many(self, keys: Sequence[str]) -> list[Header | None]:
+    def headers_many(self, keys: Sequence[str], wait: bool = False) -> list[Header | None]:
         """The record headers of ``keys`` (dtype, shape, tokens, grid), reading no payload
-        where the backend can avoid it; None where missing or invalid."""
-        heads = self._connection.get_heads([self.full_key(k) for k in keys])
+        where the backend can avoid it; None where missing or invalid. A probe: it says what is
+        held now, unless told to ``wait`` as the record reads do for a key someone holds the
+        claim of (the SDK's ``encode``: an image whose publish is under way is not sent again)."""
+        full_keys = [self.full_key(k) for k in keys]
+        if wait:
+            heads = self._read_waiting(self._connection.get_heads, full_keys)
+        else:
+            heads = self._connection.get_heads(full_keys)
         return [self._header_of(key, head) for key, head in zip(keys, heads, strict=True)]
 
     def _header_of(self, key: str, head: Buffer | None) -> Header | None:

@@ -14,17 +14,19 @@ imported only when used.
 from vitserve.client.aio import AsyncEncoderClient
 from vitserve.client.chunks import ChunkPiece, ImageSpan, chunk_bounds, plan_chunk
 from vitserve.client.core import RetryPolicy
-from vitserve.client.handles import FetchedChunk, ImageHandle
+from vitserve.client.handles import EncodeWait, FetchedChunk, ImageHandle, Submitted
 from vitserve.client.sync import EncoderClient
 
 __all__ = [
     "AsyncEncoderClient",
     "ChunkPiece",
+    "EncodeWait",
     "EncoderClient",
     "FetchedChunk",
     "ImageHandle",
     "ImageSpan",
     "RetryPolicy",
+    "Submitted",
     "chunk_bounds",
     "plan_chunk",
 ]

@@ -11,7 +11,7 @@ from vitserve.cache.codec import EmbeddingRecord
 from vitserve.client.chunks import chunk_bounds, spans_of
 from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, falls_back, retry_delay
 from vitserve.client.device import to_device
-from vitserve.client.handles import FetchedChunk, ImageHandle
+from vitserve.client.handles import FetchedChunk, ImageHandle, Submitted
 from vitserve.client.inputs import ImageInput
 from vitserve.client.transports import (
     AsyncHandleTransport,
@@ -48,6 +48,11 @@ class AsyncEncoderClient:
 
     async def encode(self, images: Sequence[ImageInput]) -> list[ImageHandle]:
         return await self._run(self.core.encode(images))
+
+    async def submit(self, images: Sequence[ImageInput]) -> list[Submitted]:
+        """As :meth:`encode`, answered once the new images are claimed, before their
+        embeddings are published (a new one is pending: :class:`Submitted`)."""
+        return await self._run(self.core.submit(images))
 
     async def probe(self, keys: Sequence[str]) -> list[ImageHandle | None]:
         return await self._run(self.core.probe(keys))
@@ -99,6 +104,12 @@ class AsyncEncoderClient:
 
     async def describe(self) -> dict[str, Any]:
         return await self._run(self.core.describe())
+
+    def use_token(self, token: str | None) -> None:
+        """Call the service with ``token`` from the next call on: a rotated token of the same
+        tenant (the namespace, and so every key, stays the tenant's). A call under way keeps
+        the token it started with."""
+        self.transport.use_token(token)
 
     async def close(self) -> None:
         await self.transport.close()

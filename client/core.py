@@ -38,7 +38,7 @@ from vitserve.cache.base import EmbeddingStore
 from vitserve.cache.codec import EmbeddingRecord, Header, decode_record
 from vitserve.cache.urls import open_store
 from vitserve.client.chunks import plan_chunk, spans_of
-from vitserve.client.handles import FetchedChunk, ImageHandle
+from vitserve.client.handles import EncodeWait, FetchedChunk, ImageHandle, Submitted
 from vitserve.client.inputs import ImageInput, image_bytes
 from vitserve.client.metrics import ClientMetrics
 from vitserve.errors import CacheMissError, ConfigError, VitserveError
@@ -229,7 +229,7 @@ class ClientCore:
             mine = self.store.connection.claim_scope
             if mine != model["claims_at"]:  # e.g. node:// here, the service on another node
                 raise errors.StoreSplitError(str(mine), str(model["claims_at"]))
-        elif self.store is not None:
+        if self.store is not None:  # and whether or not it says: the namespace and the model
             given = self.store
             if given.namespace != namespace:
                 raise ConfigError(
@@ -261,7 +261,9 @@ class ClientCore:
         keys = self.keys_of(datas)
         data_of = dict(zip(keys, datas, strict=True))
         distinct = list(data_of)
-        held = yield from self.probe(distinct)
+        # an image whose publish is under way (its claim held: an encode answered, or another
+        # caller's in flight) is waited for, not sent again
+        held = yield from self.probe(distinct, wait=True)
         handles = {k: h for k, h in zip(distinct, held, strict=True) if h is not None}
         missing = [k for k in distinct if k not in handles]
         self.metrics.inc("probes", len(distinct))
@@ -270,21 +272,53 @@ class ClientCore:
         first_index: dict[str, int] = {}
         for i, k in enumerate(keys):
             first_index.setdefault(k, i)
-        handles.update((yield from self._upload(missing, data_of, first_index)))
+        uploaded = yield from self._upload(missing, data_of, first_index, EncodeWait.PUBLISHED)
+        for key, handle in uploaded.items():
+            if handle is None:  # a service that answered before its publish, unasked
+                raise errors.ApiError(502, "pending", f"image {key[:12]}... answered unpublished")
+            handles[key] = handle
         return [
             handles[k] if handles[k].source is not None else replace(handles[k], source=d)
             for k, d in zip(keys, datas, strict=True)
         ]
 
-    def probe(self, keys: Sequence[str]) -> Flow:
+    def submit(self, images: Sequence[ImageInput]) -> Flow:
+        """One :class:`Submitted` per image, in order: as :meth:`encode` (keys here, one probe,
+        uploads of only what the store lacks), but the service answers once the new images are
+        claimed (``EncodeWait.CLAIMED``): a new image is pending, its record published after
+        the answer. Refused images raise as in :meth:`encode`."""
+        if not images:
+            raise ConfigError("submit needs at least one image")
+        datas = [image_bytes(image, i) for i, image in enumerate(images)]
+        yield from self.describe()
+        keys = self.keys_of(datas)
+        data_of = dict(zip(keys, datas, strict=True))
+        distinct = list(data_of)
+        held = yield from self.probe(distinct)
+        found = {k: h for k, h in zip(distinct, held, strict=True) if h is not None}
+        missing = [k for k in distinct if k not in found]
+        self.metrics.inc("probes", len(distinct))
+        self.metrics.inc("hits", len(found))
+        self.metrics.inc("bytes_skipped", sum(len(data_of[k]) for k in found))
+        first_index: dict[str, int] = {}
+        for i, k in enumerate(keys):
+            first_index.setdefault(k, i)
+        sent = yield from self._upload(missing, data_of, first_index, EncodeWait.CLAIMED)
+        return [
+            Submitted(k, found[k], False) if k in found else Submitted(k, sent[k], True)
+            for k in keys
+        ]
+
+    def probe(self, keys: Sequence[str], wait: bool = False) -> Flow:
         """Per key, the handle of the embedding the store holds (``cached``), else None: one
-        direct store read (its headers), or ``/v1/probe`` batches without a store or while
-        it is down."""
+        direct store read (its headers; with ``wait``, a key whose claim someone holds is
+        waited for, as the store's record reads do), or ``/v1/probe`` batches without a store
+        or while it is down."""
         if not keys:
             return []
         yield from self.describe()
         if self.store is not None:
-            found = yield StoreCall("headers_many", (list(keys),), fallback=True)
+            found = yield StoreCall("headers_many", (list(keys), wait), fallback=True)
             if not isinstance(found, VitserveError):  # else it is down (falls_back): ask the API
                 self.headers.update((h.key, h) for h in found if h is not None)  # for row reads
                 return [None if h is None else handle_of_header(h, cached=True) for h in found]
@@ -297,20 +331,44 @@ class ClientCore:
             out += [None if item is None else ImageHandle.from_item(item) for item in body["items"]]
         return out
 
-    def _upload(self, keys: list[str], data_of: dict[str, bytes], index_of: dict[str, int]) -> Flow:
-        """Encode the images of ``keys`` in requests within the service's limits; their
-        handles by key. A refused image raises its error, with the caller's index."""
+    def _upload(
+        self,
+        keys: list[str],
+        data_of: dict[str, bytes],
+        index_of: dict[str, int],
+        wait: EncodeWait,
+    ) -> Flow:
+        """Encode the images of ``keys`` in requests within the service's limits, answered as
+        ``wait`` says; their handles by key (None: pending, ``EncodeWait.CLAIMED``). A refused
+        image raises its error, with the caller's index."""
         max_images = self._limit("max_images_per_request", 64)
         max_bytes = self._limit("max_request_bytes", 2**62)
-        out: dict[str, ImageHandle] = {}
+        out: dict[str, ImageHandle | None] = {}
         for batch in _batches(keys, data_of, max_images, max_bytes):
-            body = check((yield ApiCall("encode", {"images": [data_of[k] for k in batch]})))
+            payload: dict[str, Any] = {"images": [data_of[k] for k in batch]}
+            if wait is not EncodeWait.PUBLISHED:
+                payload["wait"] = wait.value
+            try:
+                body = check((yield ApiCall("encode", payload)))
+            except errors.ImageError as exc:  # the request refused for one of its images
+                index = getattr(exc, "index", None)
+                if (
+                    isinstance(index, int)
+                    and 0 <= index < len(batch)
+                    and index_of[batch[index]] >= 0
+                ):
+                    exc.index = index_of[batch[index]]  # the caller's position
+                    exc.args = (f"image {exc.index}: {getattr(exc, 'reason', exc)}",)
+                raise
             self.metrics.inc("uploads", len(batch))
             self.metrics.inc("bytes_uploaded", sum(len(data_of[k]) for k in batch))
             for key, item in zip(batch, body["items"], strict=True):
                 if "error" in item:
                     raise _item_error(item["error"], index_of[key])
-                out[key] = ImageHandle.from_item(item, source=data_of[key], uploaded=True)
+                if item.get("pending"):
+                    out[key] = None
+                else:
+                    out[key] = ImageHandle.from_item(item, source=data_of[key], uploaded=True)
         return out
 
     # -- fetch ---------------------------------------------------------------------------------
@@ -347,7 +405,8 @@ class ClientCore:
             if lost:
                 raise CacheMissError(lost)
             data_of = {k: h.source for k, h in gone.items()}
-            yield from self._upload(list(gone), data_of, dict.fromkeys(gone, -1))  # type: ignore[arg-type]
+            index_of = dict.fromkeys(gone, -1)
+            yield from self._upload(list(gone), data_of, index_of, EncodeWait.PUBLISHED)  # type: ignore[arg-type]
             self.metrics.inc("reencoded", len(gone))
             again = [i for i, r in enumerate(records) if r is None]
             for i, record in zip(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,4 +78,30 @@ class FetchedChunk:
         return sum(p.rows for p in self.pieces)
 
 
-__all__ = ["FetchedChunk", "ImageHandle"]
+class EncodeWait(enum.Enum):
+    """When the service answers an encode (``POST /v1/encode?wait=...``; the handle transport's
+    ``"wait"``): ``published`` (the default) once every new image's embedding is in the store;
+    ``claimed`` once every new image is claimed for encoding (the service then encodes and
+    publishes it after answering: a reader of the store sees the claim, then the record)."""
+
+    PUBLISHED = "published"
+    CLAIMED = "claimed"
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """One image of :meth:`~vitserve.client.EncoderClient.submit`: its ``key``; ``handle`` when
+    the store holds its embedding already, None while the service encodes it (its claim held:
+    a reader waits for the record, and reads a miss if the claim ends without one);
+    ``uploaded`` that this call sent its bytes."""
+
+    key: str
+    handle: ImageHandle | None
+    uploaded: bool = False
+
+    @property
+    def pending(self) -> bool:
+        return self.handle is None
+
+
+__all__ = ["EncodeWait", "FetchedChunk", "ImageHandle", "Submitted"]

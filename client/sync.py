@@ -12,7 +12,7 @@ from vitserve.cache.codec import EmbeddingRecord
 from vitserve.client.chunks import chunk_bounds, spans_of
 from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, falls_back, retry_delay
 from vitserve.client.device import to_device
-from vitserve.client.handles import FetchedChunk, ImageHandle
+from vitserve.client.handles import FetchedChunk, ImageHandle, Submitted
 from vitserve.client.inputs import ImageInput
 from vitserve.client.transports import (
     HandleTransport,
@@ -60,6 +60,11 @@ class EncoderClient:
         """One handle per image (bytes, paths or PIL images), in order; uploads only the images
         the store lacks."""
         return self._run(self.core.encode(images))
+
+    def submit(self, images: Sequence[ImageInput]) -> list[Submitted]:
+        """As :meth:`encode`, answered once the new images are claimed, before their
+        embeddings are published (a new one is pending: :class:`Submitted`)."""
+        return self._run(self.core.submit(images))
 
     def probe(self, keys: Sequence[str]) -> list[ImageHandle | None]:
         """The handle of each key the store holds, else None."""
@@ -119,6 +124,12 @@ class EncoderClient:
     def describe(self) -> dict[str, Any]:
         """The service's model, fingerprint, namespace and limits (asked once)."""
         return self._run(self.core.describe())
+
+    def use_token(self, token: str | None) -> None:
+        """Call the service with ``token`` from the next call on: a rotated token of the same
+        tenant (the namespace, and so every key, stays the tenant's). A call under way keeps
+        the token it started with."""
+        self.transport.use_token(token)
 
     def close(self) -> None:
         self.transport.close()

@@ -93,7 +93,9 @@ def _request(call: ApiCall) -> dict[str, Any]:
             ("images", (f"{i}", data, "application/octet-stream"))
             for i, data in enumerate(call.payload["images"])
         ]
-        return {"method": "POST", "url": "/v1/encode", "files": files}
+        wait = call.payload.get("wait")
+        params = {"wait": wait} if wait is not None else None
+        return {"method": "POST", "url": "/v1/encode", "files": files, "params": params}
     raise ConfigError(f"unknown API route {call.route!r}")
 
 
@@ -128,6 +130,10 @@ class HttpTransport:
         self.client = client or httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
         self.headers = _auth_headers(token)
 
+    def use_token(self, token: str | None) -> None:
+        """Send ``token`` from the next call on (a rotated token of the same tenant)."""
+        self.headers = _auth_headers(token)  # one assignment: a call sees the old or the new
+
     def call(self, call: ApiCall) -> Reply | list[Reply]:
         try:
             if call.route == "rows":
@@ -155,6 +161,10 @@ class AsyncHttpTransport:
         self.where = f"ingress {url}"
         self.client = client or httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout_s)
         self.headers = _auth_headers(token)
+
+    def use_token(self, token: str | None) -> None:
+        """Send ``token`` from the next call on (a rotated token of the same tenant)."""
+        self.headers = _auth_headers(token)  # one assignment: a call sees the old or the new
 
     async def call(self, call: ApiCall) -> Reply | list[Reply]:
         try:
@@ -189,6 +199,10 @@ class HandleTransport:
     def __init__(self, handle: IngressHandle, token: str | None = None) -> None:
         self.handle = handle
         self.where = f"ingress handle {getattr(handle, 'deployment_name', '?')}"
+        self.kwargs = {"token": token} if token else {}
+
+    def use_token(self, token: str | None) -> None:
+        """Send ``token`` from the next call on (a rotated token of the same tenant)."""
         self.kwargs = {"token": token} if token else {}
 
     def call(self, call: ApiCall) -> Reply | list[Reply]:

@@ -60,6 +60,33 @@ def model_fingerprint(
     return blake3.blake3(blob).hexdigest()
 
 
+def model_identity(
+    *,
+    family: str,
+    weights: str,
+    processor: Mapping[str, Any],
+    settings: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """What identifies a model's image embeddings to the LLM that consumes them, as two
+    64-hex digests: ``config`` (the family, the image processor's settings and the family's
+    output settings: the rows' count, layout and meaning) and ``weights`` (those and the digest
+    of the vision weights: the rows' values). Unlike :func:`model_fingerprint` it leaves out
+    where the model came from (an HF id or a folder) and the dtype, so an LLM server can
+    compute it from its own copy of the checkpoint and compare (``vitserve.client.vllm``)."""
+    config = {
+        "v": KEY_FORMAT_VERSION,
+        "family": family,
+        "processor": _canonical(processor),
+        "settings": _canonical(settings or {}),
+    }
+
+    def digest(doc: Mapping[str, Any]) -> str:
+        blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        return blake3.blake3(blob).hexdigest()
+
+    return {"config": digest(config), "weights": digest({**config, "weights": weights})}
+
+
 def content_key(
     image_bytes: bytes | bytearray | memoryview, fingerprint: str, namespace: str = ""
 ) -> str:

@@ -90,6 +90,52 @@ def test_encode_uploads_only_what_the_store_lacks(
     assert routes == ([] if direct else ["probe"])
 
 
+@pytest.mark.parametrize("transport", ["http", "handle"])
+def test_submit_answers_at_the_claims_and_the_record_follows(
+    make_client, node_app, redis_app, redis_url, transport: str
+) -> None:
+    """``submit``: one probe, an upload of only the new image, answered once it is claimed
+    (pending, the held one with its handle), through HTTP and the Serve handle; the record
+    then comes to the store under the same key, and ``encode`` of the same images finds both."""
+    from ray import serve
+
+    from vitserve.cache.base import Pending
+
+    if transport == "http":
+        app, client = redis_app, make_client(redis_app.url, store=redis_url)
+    else:
+        app = node_app
+        handle = serve.get_deployment_handle("Ingress", app_name=node_app.name)
+        client = make_client(handle=handle, store="node://")
+    held, new = fresh_images(2)
+    [first] = client.encode([held])
+    before = encoded_images(app)
+    routes = count_routes(client)
+    submitted = client.submit([held, new, new])
+    assert routes == ["encode"]  # the probe read the store directly
+    assert [s.pending for s in submitted] == [False, True, True]
+    assert submitted[0].handle == ImageHandle(**{**vars_of(first), "cached": True})
+    assert [s.uploaded for s in submitted] == [False, True, True]
+    store = client.core.store
+    key = submitted[1].key
+    assert store.wait_for(key, 30)  # the claim is held until the publish
+    assert store.lookup_states([key]) != [Pending.FREE]
+    again = client.encode([held, new])
+    assert [h.cached for h in again] == [True, True] and again[1].key == key
+    assert encoded_images(app) == before + 1
+
+
+def test_a_wait_the_service_does_not_know_is_refused(redis_app) -> None:
+    import httpx
+
+    image = fresh_images(1)[0]
+    answer = httpx.post(
+        f"{redis_app.url}/v1/encode?wait=soon", files={"images": ("0", image)}, timeout=30
+    )
+    assert answer.status_code == 422, answer.text
+    assert "wait='soon'" in answer.json()["error"]["message"]
+
+
 def count_routes(client: Any) -> list[str]:
     """The routes of the API calls ``client`` makes from now on (its transport wrapped)."""
     routes: list[str] = []
@@ -280,6 +326,48 @@ def test_multi_turn_uploads_and_encodes_one_image_per_turn(
         assert uploads() - sent == 1, turn
         assert encoded_images(redis_app) - encoded == 1, turn
     assert registry.get_sample_value("vitserve_client_hits_total") == sum(range(32))
+
+
+def test_an_image_whose_publish_is_under_way_is_waited_for_not_sent_again(
+    make_client, redis_app, redis_url
+) -> None:
+    """The store holds the claim of an image whose record is still being published (the
+    encoder answers before its record lands; another caller's encode is in flight): ``encode``
+    of it waits for the record instead of uploading the image again (a race the multi-turn test
+    above met on a loaded host: turn 28 uploaded turn 27's image a second time)."""
+    import threading
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from vitserve.cache import open_store
+
+    registry = CollectorRegistry()
+    client = make_client(redis_app.url, store=redis_url, registry=registry)
+    image = fresh_images(1)
+    [first] = client.encode(image)
+    model = client.describe()
+    store = open_store(redis_url, namespace=model["namespace"], fingerprint=model["fingerprint"])
+    value = store.get_value(first.key)
+    store.delete([first.key])
+    assert store.claim(first.key, 30.0, token="publisher")
+
+    def publish() -> None:
+        time.sleep(0.5)
+        store.put_values([(first.key, value)], None, [(first.key, "publisher")])
+
+    uploads = registry.get_sample_value("vitserve_client_uploads_total")
+    encoded = encoded_images(redis_app)
+    publisher = threading.Thread(target=publish)
+    publisher.start()
+    started = time.monotonic()
+    [again] = client.encode(image)
+    waited = time.monotonic() - started
+    publisher.join()
+    store.close()
+    assert again.cached and again.key == first.key and waited >= 0.4, (again, waited)
+    assert registry.get_sample_value("vitserve_client_uploads_total") == uploads
+    assert encoded_images(redis_app) == encoded
 
 
 def test_sdk_metrics(make_client, redis_app, redis_url) -> None:

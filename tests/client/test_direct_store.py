@@ -51,6 +51,11 @@ def test_a_given_store_of_the_same_model_is_used_as_it_is() -> None:
         (lambda: MemoryStore(namespace="other"), "namespace"),
     ],
 )
-def test_a_given_store_of_another_model_or_namespace_is_refused(given, message: str) -> None:
+@pytest.mark.parametrize("claims_at", [False, True], ids=["healthz-plain", "healthz-claims_at"])
+def test_a_given_store_of_another_model_or_namespace_is_refused(given, message, claims_at) -> None:
+    """Whether or not the service says where its claims live (every live one does): the
+    checks of the namespace and the model run either way."""
+    store = given()
+    model = {**MODEL, "claims_at": store.connection.claim_scope} if claims_at else MODEL
     with pytest.raises(ConfigError, match=message):
-        _described(given())
+        _described(store, model)
