@@ -650,6 +650,14 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
     # real vLLM servers beside `vitserve serve` (make test-vllm; make test leaves them out)
     "tests/vllm/": ("ray", "redis", "subprocess"),
     "tests/test_layering.py": ("subprocess",),  # fresh interpreters, pip wheel
+    # a Redis connection to a port nobody listens on; a fresh interpreter without `redis`
+    "tests/client/test_ec_config.py::test_a_store_merely_down_at_start_is_not_an_error": ("redis",),
+    "tests/client/test_ec_config.py::"
+    "test_a_store_whose_client_library_is_missing_is_refused_naming_it": ("subprocess",),
+    # two small processes whose CPU and wakeups it reads
+    "tests/loadtest/test_bench_idle.py::test_a_trees_cpu_and_wakeups_are_counted_per_process": (
+        "subprocess",
+    ),
     "tests/fuzz/test_atheris.py": ("subprocess",),
     "tests/k8s/test_tooling.py": ("subprocess",),  # hadolint, kubernetes-validate
     "tests/deployments/test_exposure.py::"

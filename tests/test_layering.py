@@ -55,6 +55,8 @@ def test_the_gpu_tests_need_no_ray_or_redis() -> None:
         "vitserve.keys",
         "vitserve.encoder.planner",
         "vitserve.encoder.images",
+        "vitserve.encoder.decode_work",
+        "vitserve.client.ec_config",
         "vitserve",
         # the rooms that promise it (their docstrings; room_violations checks their statements)
         "vitserve.deployments.common.serving",

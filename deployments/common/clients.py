@@ -5,11 +5,12 @@ Such an application reaches the encoder through vitserve's own client SDK, as an
 would: by the encoder application's ingress handle in the same Ray cluster, or by its URL, with
 the store read directly where the config allows (the fast path).
 
-Invariants: one client per tenant, made with that tenant's token at its first request and kept
-(auth off: one client); a client is made lazily, so the application may start before the
-encoder application does (its requests get a retryable 503 until then); a client reads the
-store with the credentials of its section (``store``, e.g. a read-only Redis user), never
-more.
+Invariants: one client per tenant, made at its first request and kept (auth off: one client),
+calling with the token the tenant's latest request presented (a rotated token takes over from
+its first request: ``EncoderClient.use_token``); a client is made lazily, so the application
+may start before the encoder application does (its requests get a retryable 503 until then); a
+client reads the store with the credentials of its section (``store``, e.g. a read-only Redis
+user), never more.
 """
 
 from __future__ import annotations
@@ -51,21 +52,31 @@ def make_client(
 
 class TenantClients:
     """The encoder clients of an application that calls the encoder for its callers (the
-    prefill application, the vLLM front): one per tenant, made with the tenant's token at its
-    first request and kept; with auth off, one client. Made lazily: the application may start
-    before the encoder application does (its requests get 503 until then)."""
+    prefill application, the vLLM front): one per tenant, made at its first request and kept,
+    calling with the token its latest request presented; with auth off, one client. Made
+    lazily: the application may start before the encoder application does (its requests get
+    503 until then)."""
 
     def __init__(self, cfg: VitserveConfig, section: EncoderAccessConfig | None = None) -> None:
         self.cfg = cfg
         self.section = section
         self._lock = threading.Lock()
-        self._clients: dict[str | None, Any] = {}  # tenant name (None: auth off) -> client
+        # tenant name (None: auth off) -> [the token its client calls with, the client]
+        self._clients: dict[str | None, list[Any]] = {}
 
     def get(self, tenant: Tenant | None, token: str | None) -> Any:
+        """``tenant``'s client, calling with ``token``: the token the caller just presented and
+        the gate accepted, so valid now. A tenant whose token was rotated (T1 replaced by T2 in
+        the tokens file) calls with T2 from its first T2 request on; T1 requests are refused
+        by the gate before they get here."""
         name = None if tenant is None else tenant.name
+        token = token if name else None
         with self._lock:
-            client = self._clients.get(name)
-            if client is None:
-                client = make_client(self.cfg, token if name else None, section=self.section)
-                self._clients[name] = client
-            return client
+            entry = self._clients.get(name)
+            if entry is None:
+                entry = [token, make_client(self.cfg, token, section=self.section)]
+                self._clients[name] = entry
+            elif entry[0] != token:
+                entry[1].use_token(token)
+                entry[0] = token
+            return entry[1]

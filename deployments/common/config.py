@@ -18,7 +18,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -32,6 +32,9 @@ from pydantic import (
 )
 
 from vitserve.encoder.device import DTYPES, HOST_OVERRIDE_VARS
+
+if TYPE_CHECKING:
+    from vitserve.encoder.images import ImageLimits
 from vitserve.errors import ConfigError
 
 ENV_PREFIX = "VITSERVE_"
@@ -49,12 +52,30 @@ class LimitsConfig(_Strict):
     max_request_bytes: int = Field(64 * 2**20, gt=0)
     max_image_bytes: int = Field(32 * 2**20, gt=0)
     max_image_pixels: int = Field(40_000_000, gt=0)
+    # The most scans a JPEG may hold: each is a pass of the decoder over the image, and a file
+    # of thousands (a few KB) costs seconds of CPU (vitserve.encoder.decode_work).
+    max_jpeg_scans: int = Field(64, gt=0)
     max_keys_per_probe: int = Field(1024, gt=0)
+    # The most JSON values a chat body (/v1/chat/completions of the prefill app and the vLLM
+    # front) may hold, counted before it is parsed (commas in the text count: an upper bound).
+    # Parsed, each value costs ~100 bytes of Python objects: 40 MiB of "{}," would take over a
+    # GiB; this bound keeps a parse to tens of MB.
+    max_chat_json_values: int = Field(262_144, gt=0)
     # The most row bytes one /v1/rows answer may carry (every read counted, repeats included),
     # checked from the reads' row counts at the model's row size before the store is asked.
     max_rows_bytes: int = Field(64 * 2**20, gt=0)
     # The most a request's body may take to arrive (a slower client is answered 408).
     body_timeout_s: float = Field(30.0, gt=0)
+
+    def image_limits(self) -> ImageLimits:
+        """The per-image limits every decode and header read runs under."""
+        from vitserve.encoder.images import ImageLimits  # PIL: only where images are read
+
+        return ImageLimits(
+            max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels,
+            max_jpeg_scans=self.max_jpeg_scans,
+        )
 
 
 class AdmissionConfig(_Strict):
@@ -145,6 +166,8 @@ class EncoderDeploymentConfig(DeploymentConfig):
 
     routing: Literal["work", "serve-default"] = "work"
     routing_hold_s: float = Field(DEFAULT_ROUTING_HOLD_S, ge=0)
+    # None: one GPU per replica when ``device`` is cuda, else none (VitserveConfig resolves it)
+    num_gpus: float | None = Field(None, ge=0)  # type: ignore[assignment]
 
 
 class EncoderAccessConfig(DeploymentConfig):
@@ -202,6 +225,14 @@ class VllmFrontConfig(EncoderAccessConfig):
     connect_timeout_s: float = Field(5.0, gt=0)  # to open a connection to a vLLM server
     read_timeout_s: float = Field(600.0, gt=0)  # between two reads of its answer
     retry_after_s: int = Field(1, ge=0)  # the Retry-After of a 503 when no vLLM answers
+    # Hand vLLM the chat once its new images are claimed (the encode then runs beside vLLM's
+    # own work on the request; its connector waits for each chunk's images: it needs a direct
+    # ``store`` to see the claims), not once they are published. None (the default): on when
+    # the encoder has compute of its own (GPU encoder replicas: ``device`` cuda, or
+    # ``encoder.num_gpus`` > 0), off when it shares CPU cores with vLLM: a vLLM request held
+    # back keeps vLLM's engine stepping and its worker spinning, which on shared cores slows
+    # the very encode it waits for (loadtest/results/vllm-cpu.md).
+    overlap: bool | None = None
 
     @field_validator("urls", mode="before")
     @classmethod
@@ -335,7 +366,9 @@ class VitserveConfig(_Strict):
 
     model: str = "demo"
     revision: str | None = None
-    device: str | None = None  # None: cuda when present, else cpu
+    # None: cuda in a replica Ray gave a GPU (encoder.num_gpus > 0), else cpu; cuda reserves
+    # one GPU per encoder replica unless encoder.num_gpus says otherwise
+    device: str | None = None
     dtype: str | None = None  # None: bf16 where native, else fp32
     store: str = "node://"  # any open_store URL
     namespace: str = ""
@@ -374,6 +407,28 @@ class VitserveConfig(_Strict):
             raise ValueError(f"unknown dtype {value!r}; use fp32, bf16 or fp16")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _cuda_reserves_a_gpu(cls, data: Any) -> Any:
+        """``device: cuda`` (or ``cuda:N``) reserves a GPU for each encoder replica: Ray then
+        gives the replica its own (``encoder.num_gpus`` 1 unless set: a fraction shares one);
+        an explicit 0 is refused, as every replica would run on a GPU Ray did not reserve."""
+        if not isinstance(data, dict):
+            return data
+        cuda = str(data.get("device") or "").startswith("cuda")
+        encoder = data.get("encoder", cls.model_fields["encoder"].default)
+        section = encoder.model_dump() if isinstance(encoder, BaseModel) else dict(encoder)
+        if section.get("num_gpus") is None:
+            return {**data, "encoder": {**section, "num_gpus": 1.0 if cuda else 0.0}}
+        if cuda and not section["num_gpus"]:
+            raise ValueError(
+                f"device {data['device']!r} with encoder.num_gpus 0: every encoder replica "
+                "would run on a GPU Ray did not reserve for it (cuda:0, shared with whatever "
+                "Ray put there). Set encoder.num_gpus (1: a GPU each; a fraction: replicas "
+                "share one) or device cpu"
+            )
+        return data
+
     @classmethod
     def load(
         cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
@@ -385,6 +440,7 @@ class VitserveConfig(_Strict):
         the section's other fields at this config's defaults, not at the section class's.
         """
         data: dict[str, Any] = cls().model_dump()
+        data["encoder"]["num_gpus"] = None  # derived from the device unless set (see below)
         for name, raw in (os.environ if environ is None else environ).items():
             if name.startswith(ENV_PREFIX) and not _not_config(name):
                 _assign(data, name[len(ENV_PREFIX) :].lower().split("__"), parse_value(raw))

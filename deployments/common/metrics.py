@@ -39,6 +39,9 @@ admission_refused_total{limit}         counter    encode requests the encoder's 
 bytes_published_total                  counter    record bytes written to the store
 bytes_fetched_total                    counter    record bytes served by /v1/embeddings
 store_errors_total{op}                 counter    store operations that failed
+background_encode_failures_total       counter    encodes answered at their claims
+                                                  (``wait=claimed``) that failed after: their
+                                                  images are misses to their readers
 requests_total{route,status}           counter    HTTP requests by route and status
 prefill_images_total{kind}             counter    the prefill application's chat images: ``sent``
                                                   (image parts), ``uploaded`` (bytes sent to the
@@ -159,6 +162,12 @@ _SPECS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
     "bytes_published_total": ("counter", "Record bytes written to the store", (), None),
     "bytes_fetched_total": ("counter", "Record bytes served over HTTP", (), None),
     "store_errors_total": ("counter", "Failed store operations", ("op",), None),
+    "background_encode_failures_total": (
+        "counter",
+        "Encodes answered at their claims that failed after",
+        (),
+        None,
+    ),
     "requests_total": ("counter", "HTTP requests", ("route", "status"), None),
     "prefill_images_total": ("counter", "Chat images sent, uploaded, encoded", ("kind",), None),
     "prefill_rows_pulled_total": ("counter", "Embedding rows pulled for prefill", (), None),

@@ -40,14 +40,16 @@ from vitserve.encoder.work import Capacity, ImageWork, ResizeRule
 from vitserve.errors import BackpressureError, ImageError, LimitExceededError
 
 
-def image_work(rule: ResizeRule, data: bytes, index: int, limits: ImageLimits) -> ImageWork:
+def image_work(
+    rule: ResizeRule, data: bytes, index: int, limits: ImageLimits, strict: bool = False
+) -> ImageWork:
     """What encoding image ``data`` costs, from its header: ImageTooLargeError (413) if it
     passes a per-image limit; an image whose header does not read costs its bytes only (it
-    fails alone when it is prepared, naming why)."""
+    fails alone when it is prepared, naming why), or with ``strict`` raises its error."""
     try:
         return rule.work(*image_header(data, index=index, limits=limits))
     except ImageError as exc:
-        if exc.http_status == 413:
+        if exc.http_status == 413 or strict:
             raise
         return ImageWork(0, 0, len(data))
 

@@ -25,6 +25,15 @@ Once its images are claimed, a request's flow runs to its end even if its caller
 client disconnected): its claims are then published or released, never left to their ttl, and
 the encoder's admission counts its work until it ends.
 
+``wait=claimed`` (:class:`~vitserve.client.handles.EncodeWait`; the vLLM front's overlap)
+answers once step 1 is done: held images as usual, each new image that step 1 claimed (for this
+request or found claimed by another) as a :class:`~vitserve.deployments.encoder.wire.PendingItem`;
+steps 2 and 3 then run on, as for a caller gone away, and a failure there is logged and counted
+(``vitserve_background_encode_failures_total``), its claims released: a reader waiting on them
+reads a miss, never a wrong row. A request whose lookup failed (its images unclaimed: no reader
+could see them coming) or that ends before any claim (all held, refused) answers as with
+``published``.
+
 Namespaces: a request is served by one store, its namespace's (with auth on, the caller's
 tenant's store over the ingress's store connection; see ``vitserve.deployments.common.auth``).
 Its lookups, claims and releases go there, and the encoder call names that namespace, so the
@@ -49,17 +58,21 @@ from ray.serve.exceptions import BackPressureError
 
 from vitserve.cache.base import Claim, EmbeddingStore
 from vitserve.cache.codec import Header
+from vitserve.client.handles import EncodeWait
 from vitserve.deployments.common import metrics
 from vitserve.deployments.common.config import VitserveConfig
 from vitserve.deployments.encoder.preprocessing import ImagePreparer, prepare_all
 from vitserve.deployments.encoder.routing import THIS_CALLER
 from vitserve.deployments.encoder.single_flight import ClaimState, Role, SingleFlight
 from vitserve.deployments.encoder.wire import (
+    AnswerItem,
     EncodeBatch,
     EncodedItem,
     ErrorItem,
     describe_header,
     error_item,
+    is_error,
+    pending_item,
     with_cached,
 )
 from vitserve.encoder.work import Terms
@@ -154,6 +167,8 @@ class EncodeFlow:
         self.preprocessor = preprocessor  # a Preprocessor (``ingress``)
         # this ingress's flights, and the claims it releases
         self.flights = SingleFlight(hook=metrics.flight_hook("ingress"))
+        # wait=claimed requests' flows, running on after their answers (held until they end)
+        self.background: set[asyncio.Task[Any]] = set()
 
     async def encode(
         self,
@@ -161,13 +176,59 @@ class EncodeFlow:
         keys: list[str],
         store: EmbeddingStore | None = None,
         patches: Sequence[int] | None = None,
-    ) -> list[EncodedItem | ErrorItem]:
+        wait: EncodeWait = EncodeWait.PUBLISHED,
+    ) -> list[AnswerItem]:
         """``items``: image bytes, or a key the caller believes held; ``keys`` their keys (in
         ``store``'s namespace; ``store`` None: this flow's store, the config's namespace);
-        ``patches`` each item's work (the encoder router's hint; None: unknown, 0). Runs as a
-        task of its own: cancelling the caller leaves it to finish (module)."""
-        work = asyncio.create_task(self._encode(items, keys, store, patches))
-        return await asyncio.shield(work)
+        ``patches`` each item's work (the encoder router's hint; None: unknown, 0); ``wait``
+        when to answer (module). Runs as a task of its own: cancelling the caller leaves it to
+        finish (module)."""
+        if wait is EncodeWait.PUBLISHED:
+            work = asyncio.create_task(self._encode(items, keys, store, patches))
+            return list(await asyncio.shield(work))
+        claimed: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        work = asyncio.create_task(self._encode(items, keys, store, patches, claimed))
+        self.background.add(work)
+        work.add_done_callback(self._background_ended)
+        waits: set[asyncio.Future[Any]] = {claimed, work}
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if not claimed.done() or any(
+            state is None for state in claimed.result().values()
+        ):  # ended before any claim, or unclaimed (the store failed): the whole answer
+            return list(await asyncio.shield(work))
+        return self._claimed_answer(keys, items, claimed.result())
+
+    @staticmethod
+    def _claimed_answer(
+        keys: list[str], items: list[bytes | str], answer_of: dict[str, Any]
+    ) -> list[AnswerItem]:
+        """The answer once the new images are claimed: held ones described, new ones pending,
+        a key-only item the store lacks a miss (as the whole answer gives them)."""
+        out: list[AnswerItem] = []
+        for key, item in zip(keys, items, strict=True):
+            state = answer_of[key]
+            if state is not None and not isinstance(state, Claim):
+                out.append(with_cached(describe_header(state), True))
+            elif isinstance(item, str):
+                out.append(error_item(CacheMissError([key])))
+            else:
+                out.append(pending_item(key))
+        return out
+
+    def _background_ended(self, work: asyncio.Task[Any]) -> None:
+        """A ``wait=claimed`` request's flow ended after its answer: a failure is logged and
+        counted (its claims were released where it failed)."""
+        self.background.discard(work)
+        if work.cancelled():
+            return
+        exc = work.exception()
+        failed = exc is not None or any(is_error(item) for item in work.result())
+        if failed:
+            metrics.inc("background_encode_failures_total")
+            log.warning(
+                "an encode answered at its claims failed after: %s",
+                f"{type(exc).__name__}: {exc}" if exc is not None else "an image's error",
+            )
 
     async def _encode(
         self,
@@ -175,6 +236,7 @@ class EncodeFlow:
         keys: list[str],
         store: EmbeddingStore | None = None,
         patches: Sequence[int] | None = None,
+        claimed: asyncio.Future[dict[str, Any]] | None = None,
     ) -> list[EncodedItem | ErrorItem]:
         store = self.store if store is None else store
         assert store is not None, "a flow without a store of its own is given each request's"
@@ -184,6 +246,8 @@ class EncodeFlow:
         token = uuid.uuid4().hex
         answers = await self._lookup_or_claim(store, distinct, token)
         answer_of = dict(zip(distinct, answers, strict=True))
+        if claimed is not None and not claimed.done():  # wait=claimed: its answer can go now
+            claimed.set_result(answer_of)
         data_of = {k: i for k, i in zip(keys, items, strict=True) if isinstance(i, bytes)}
         patches_of = dict(zip(keys, patches or [0] * len(keys), strict=True))
         index_of: dict[str, int] = {}

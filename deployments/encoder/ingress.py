@@ -5,7 +5,9 @@ Routes:
 * ``POST /v1/encode``: images as repeated multipart fields ``images``, or JSON
   ``{"images": [{"data": "<base64>"} | {"key": "<hex>"}]}`` (a key-only item names an image the
   caller believes cached). Answer: ``{"items": [...]}`` in input order, each
-  ``{key, num_tokens, grid, dtype, shape, extras, cached}`` or ``{error}``.
+  ``{key, num_tokens, grid, dtype, shape, extras, cached}`` or ``{error}``. With
+  ``?wait=claimed`` it answers once the new images are claimed, each new one
+  ``{key, pending: true}``, and encodes and publishes them after (``encode_flow``).
 * ``POST /v1/probe``: ``{"keys": [...]}`` -> ``{"exists": [bool, ...]}``; with ``"headers":
   true`` also ``"items"``, each held key's description (as an encode item) or null.
 * ``GET /v1/embeddings/{key}[?start=&end=]``: the record (``application/octet-stream``, the
@@ -71,6 +73,7 @@ from vitserve.cache import open_connection
 from vitserve.cache.base import EmbeddingStore
 from vitserve.cache.codec import EmbeddingRecord, encode_record, pack_records
 from vitserve.cache.views import StoreViews
+from vitserve.client.handles import EncodeWait
 from vitserve.deployments.common import metrics
 from vitserve.deployments.common import requests as parse
 from vitserve.deployments.common.auth import Gate, Tenant, bearer_token
@@ -87,7 +90,6 @@ from vitserve.deployments.encoder.admission import check_fits, image_work, reque
 from vitserve.deployments.encoder.encode_flow import EncodeFlow, EncoderHandle, PreprocessHandle
 from vitserve.deployments.encoder.preprocessing import make_preprocessor
 from vitserve.deployments.encoder.wire import describe_header, with_cached
-from vitserve.encoder.images import ImageLimits
 from vitserve.encoder.work import Terms
 from vitserve.errors import (
     CacheMissError,
@@ -108,6 +110,19 @@ api = FastAPI(
 )
 install_error_handlers(api)  # every error answer in the one shape (responses.py)
 api.add_middleware(Draining)  # graceful stop: drain, then 503 (lifecycle.py)
+
+
+def encode_wait(value: str | None) -> EncodeWait:
+    """An encode's ``wait`` (query parameter, or the handle payload's field): absent is
+    ``published``; anything but a :class:`EncodeWait` value is a 422 naming them."""
+    if value is None:
+        return EncodeWait.PUBLISHED
+    try:
+        return EncodeWait(value)
+    except ValueError:
+        allowed = ", ".join(w.value for w in EncodeWait)
+        shown = str(value)[:40]
+        raise MalformedRequestError(f"wait={shown!r}: expected one of {allowed}") from None
 
 
 def _rows_record(part: Any) -> Any:
@@ -214,15 +229,16 @@ class Ingress:
         try:
             tenant = self.gate.tenant_of_header(request.headers.get("authorization"))
             terms = await self._work_terms()
-            items, patches = await self._read_images(request, terms)
-            response = JSONResponse(await self._encode_answer(items, tenant, patches))
+            wait = encode_wait(request.query_params.get("wait"))
+            items, patches = await self._read_images(request, terms, wait)
+            response = JSONResponse(await self._encode_answer(items, tenant, patches, wait))
         except VitserveError as exc:
             response = error_response(exc)
         metrics.inc("requests_total", route="encode", status=str(response.status_code))
         return response
 
     async def _read_images(
-        self, request: Request, terms: Terms
+        self, request: Request, terms: Terms, wait: EncodeWait = EncodeWait.PUBLISHED
     ) -> tuple[list[bytes | str], list[int]]:
         """The request's items (image bytes or keys) and each one's patches (0 for a key);
         request-level limits checked, the body
@@ -238,17 +254,19 @@ class Ingress:
         ctype = request.headers.get("content-type", "")
         if ctype.startswith("multipart/form-data"):
             items = await self._form_items(request, body)
-            return items, await self._off_loop(self._check_request, items, terms)
+            return items, await self._off_loop(self._check_request, items, terms, wait)
         if parse.is_json_type(ctype):
-            return await self._off_loop(self._json_items, body, terms)
+            return await self._off_loop(self._json_items, body, terms, wait)
         raise MalformedRequestError(
             f"unsupported content type {ctype[:80]!r}; use multipart/form-data or JSON", 415
         )
 
-    def _json_items(self, body: bytearray, terms: Terms) -> tuple[list[bytes | str], list[int]]:
+    def _json_items(
+        self, body: bytearray, terms: Terms, wait: EncodeWait
+    ) -> tuple[list[bytes | str], list[int]]:
         """A JSON encode body's items and their patches, checked (a worker thread)."""
         items = parse.encode_json_bytes(body, self.cfg.limits.max_images_per_request)
-        return items, self._check_request(items, terms)
+        return items, self._check_request(items, terms, wait)
 
     async def _form_items(self, request: Request, body: bytes | bytearray) -> list[bytes | str]:
         """The image files of a multipart ``body`` (already read), at most the image limit
@@ -282,24 +300,27 @@ class Ingress:
             raise MalformedRequestError(f"unknown multipart fields: {sorted(unknown)}")
         return items
 
-    def _check_request(self, items: list[bytes | str], terms: Terms) -> list[int]:
+    def _check_request(
+        self, items: list[bytes | str], terms: Terms, wait: EncodeWait = EncodeWait.PUBLISHED
+    ) -> list[int]:
         """The request-level limits: image count, total bytes, each image's bytes and pixels,
         and the work of its images against what one encoder replica admits; each item's
         patches (0 for a key), the encoder router's hint."""
         parse.check_items(items, self.cfg.limits)
-        return self._check_images(items, terms)
+        return self._check_images(items, terms, strict=wait is EncodeWait.CLAIMED)
 
-    def _check_images(self, items: list[bytes | str], terms: Terms) -> list[int]:
+    def _check_images(
+        self, items: list[bytes | str], terms: Terms, strict: bool = False
+    ) -> list[int]:
         """Byte and pixel limits of each image, and the request's work (patches, and bytes:
         prepared arrays plus its decodings) against one encoder replica's capacity, all from
         the images' headers (no decode), as the encoder's admission counts them: a request no
-        replica could ever admit is a 413 here, before any store or encoder call."""
-        limits = ImageLimits(
-            max_image_bytes=self.cfg.limits.max_image_bytes,
-            max_image_pixels=self.cfg.limits.max_image_pixels,
-        )
+        replica could ever admit is a 413 here, before any store or encoder call. ``strict``
+        (an answer at the claims, whose images' errors would come after it): an image whose
+        header does not read refuses the whole request here (422, naming its index)."""
+        limits = self.cfg.limits.image_limits()
         works = {
-            i: image_work(terms.rule, item, i, limits)
+            i: image_work(terms.rule, item, i, limits, strict=strict)
             for i, item in enumerate(items)
             if isinstance(item, bytes)
         }
@@ -307,7 +328,11 @@ class Ingress:
         return [works[i].patches if i in works else 0 for i in range(len(items))]
 
     async def _encode_answer(
-        self, items: list[bytes | str], tenant: Tenant, patches: list[int]
+        self,
+        items: list[bytes | str],
+        tenant: Tenant,
+        patches: list[int],
+        wait: EncodeWait = EncodeWait.PUBLISHED,
     ) -> dict[str, Any]:
         model = await self._describe()
 
@@ -319,7 +344,7 @@ class Ingress:
 
         store = self._store_for(tenant)
         keyed = await self._off_loop(keys)
-        return {"items": await self.flow.encode(items, keyed, store, patches)}
+        return {"items": await self.flow.encode(items, keyed, store, patches, wait)}
 
     # -- probe and fetch -------------------------------------------------------------------------
     @api.post(
@@ -476,9 +501,14 @@ class Ingress:
         return {"records": records}
 
     async def _encode_payload(self, payload: Any, tenant: Tenant) -> dict[str, Any]:
+        wait = EncodeWait.PUBLISHED
+        if isinstance(payload, dict) and "wait" in payload:
+            payload = dict(payload)
+            wait = encode_wait(payload.pop("wait"))
         images = parse.encode_payload(payload, self.cfg.limits.max_images_per_request)
-        patches = await self._off_loop(self._check_request, images, await self._work_terms())
-        return await self._encode_answer(images, tenant, patches)
+        terms = await self._work_terms()
+        patches = await self._off_loop(self._check_request, images, terms, wait)
+        return await self._encode_answer(images, tenant, patches, wait)
 
     @api.post(
         "/v1/rows",

@@ -58,10 +58,7 @@ def make_preprocessor(cfg: VitserveConfig, adapter: FamilyAdapter | None = None)
     # heavy (transformers' image processors): only where preprocessing runs
     from vitserve.encoder.preprocess import Preprocessor
 
-    limits = ImageLimits(
-        max_image_bytes=cfg.limits.max_image_bytes,
-        max_image_pixels=cfg.limits.max_image_pixels,
-    )
+    limits = cfg.limits.image_limits()
     if adapter is not None:
         return Preprocessor(adapter, limits)
     return Preprocessor.from_pretrained(cfg.model, revision=cfg.revision, limits=limits)

@@ -25,7 +25,8 @@ from vitserve.cache.codec import EmbeddingRecord
 from vitserve.encoder.device import dtype_name
 
 
-def _host(t: torch.Tensor) -> np.ndarray:
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A tensor's values in host memory as a record stores them (bf16 as raw 16-bit words)."""
     t = t.detach().to("cpu")  # no copy when already on the CPU
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
@@ -34,13 +35,41 @@ def _host(t: torch.Tensor) -> np.ndarray:
 
 def embedding_record(embedding: Any, fingerprint: str) -> EmbeddingRecord:
     """The store record of an engine ``Embedding`` (see the module's invariants)."""
-    tensors = {"embedding": _host(embedding.tensor)}
-    tensors |= {name: _host(t) for name, t in embedding.extras.items()}
+    tensors = {"embedding": host_array(embedding.tensor)}
+    tensors |= {name: host_array(t) for name, t in embedding.extras.items()}
     return EmbeddingRecord(
         key=embedding.key,
         fingerprint=fingerprint,
         dtype=dtype_name(embedding.tensor.dtype),
         num_tokens=embedding.num_tokens,
         grid=embedding.grid,
+        tensors=tensors,
+    )
+
+
+def columns_record(
+    key: str,
+    fingerprint: str,
+    tensor: torch.Tensor,
+    names: list[str],
+    grid: tuple[int, ...] | None = None,
+) -> EmbeddingRecord:
+    """The store record of an LLM server's encoder output for one item (vLLM's encoder-cache
+    tensor: the embedding and its extras side by side along the hidden dim, ``len(names)``
+    groups of equal width), under ``key``: each group a tensor of its name, in its dtype."""
+    rows, total = int(tensor.shape[0]), int(tensor.shape[-1])
+    width = total // len(names) if names else 0
+    if not names or width * len(names) != total:
+        raise ValueError(f"a [{rows}, {total}] tensor does not split into {len(names)} groups")
+    tensors = {
+        name: host_array(tensor[:, i * width : (i + 1) * width].contiguous())
+        for i, name in enumerate(names)
+    }
+    return EmbeddingRecord(
+        key=key,
+        fingerprint=fingerprint,
+        dtype=dtype_name(tensor.dtype),
+        num_tokens=rows,
+        grid=tuple(grid) if grid is not None and len(grid) == 3 else None,  # type: ignore[arg-type]
         tensors=tensors,
     )

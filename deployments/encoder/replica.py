@@ -43,6 +43,7 @@ from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from typing import Any
 
+import ray
 import torch
 from ray import serve
 
@@ -70,7 +71,13 @@ from vitserve.deployments.encoder.wire import (
 from vitserve.encoder.device import available_cpus, dtype_name
 from vitserve.encoder.engine import EncoderEngine
 from vitserve.encoder.work import ImageWork, Terms
-from vitserve.errors import StoreError, StoreSplitError, StoreUnavailableError, VitserveError
+from vitserve.errors import (
+    ConfigError,
+    StoreError,
+    StoreSplitError,
+    StoreUnavailableError,
+    VitserveError,
+)
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
 
@@ -98,12 +105,31 @@ def _release_on_done(ticket: Ticket, i: int, _: asyncio.Future) -> None:
     ticket.release(i)
 
 
+def replica_device(configured: str | None, gpu_ids: list[Any]) -> str:
+    """The device an encoder replica runs on: a GPU only where Ray reserved one for it
+    (``gpu_ids``: ``ray.get_gpu_ids()``; Ray no longer hides the GPUs from an actor that asked
+    for none, so ``torch.cuda.is_available()`` says nothing about which are its). ``None``:
+    cuda with a reserved GPU, else cpu; cuda without one is refused, naming why."""
+    if configured is None:
+        return "cuda" if gpu_ids else "cpu"
+    if configured.startswith("cuda") and not gpu_ids:
+        raise ConfigError(
+            f"device {configured!r} but Ray reserved no GPU for this encoder replica "
+            "(encoder.num_gpus is 0): it would share an unreserved cuda:0"
+        )
+    return configured
+
+
 @serve.deployment
 class EncoderDeployment:
     def __init__(self, config: dict[str, Any]) -> None:
         cfg = VitserveConfig.model_validate(config)
+        # a GPU only where Ray reserved one for this replica (see replica_device)
+        device = replica_device(cfg.device, ray.get_gpu_ids())
+        cfg = cfg.model_copy(update={"device": device})
         self.cfg = cfg
-        threads = cfg.torch_threads or (None if torch.cuda.is_available() else available_cpus())
+        cuda = device.startswith("cuda")
+        threads = cfg.torch_threads or (None if cuda else available_cpus())
         if threads:
             torch.set_num_threads(threads)
         # Forwards run one at a time on one thread of their own. OpenMP's thread count is per
@@ -186,6 +212,8 @@ class EncoderDeployment:
             "model": self.cfg.model,
             "family": e.family,
             "fingerprint": e.fingerprint,
+            # what an LLM server checks it serves the same model by (vitserve.keys)
+            "identity": e.identity,
             "dtype": dtype_name(e.dtype),
             "device": str(e.device),
             "namespace": e.namespace,

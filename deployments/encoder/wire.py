@@ -84,6 +84,22 @@ class ErrorItem(TypedDict):
     error: dict[str, Any]
 
 
+class PendingItem(TypedDict):
+    """A new image the service is encoding, in an answer given once the request's images were
+    claimed (``wait=claimed``): its record is published later under ``key``."""
+
+    key: str
+    pending: bool  # always True
+
+
+#: one item of an encode answer
+AnswerItem = EncodedItem | ErrorItem | PendingItem
+
+
+def pending_item(key: str) -> PendingItem:
+    return {"key": key, "pending": True}
+
+
 def describe_header(header: Header) -> EncodedItem:
     """The API's description of a stored embedding, from its record header."""
     return {

@@ -107,7 +107,8 @@ class PrefillServer:
             parse.json_type(request.headers.get("content-type"))
             limits = self.cfg.limits
             raw = await parse.read_body(request, limits.max_request_bytes, limits.body_timeout_s)
-            body = await run_in_threadpool(parse.json_body, raw)
+            # its values counted before it is parsed (413 json_values)
+            body = await run_in_threadpool(parse.json_body, raw, limits.max_chat_json_values)
             prepared = await run_in_threadpool(self._prepare, body, tenant, token)
         except VitserveError as exc:
             self._count(exc.http_status)

@@ -185,6 +185,12 @@ def template_messages(request: ChatRequest) -> list[dict[str, Any]]:
     return out
 
 
+#: characters tokenized at a time where a long prompt is counted before it is tokenized whole,
+#: and the tokens each cut between two pieces may add (a split merge, a split marker)
+PIECE_CHARS = 16_384
+CUT_SLACK = 16
+
+
 @dataclass(frozen=True)
 class PromptBuilder:
     """Renders a request's prompt with the model's tokenizer and chat template, then expands
@@ -222,6 +228,25 @@ class PromptBuilder:
             )
         except Exception as exc:  # the template's own error (jinja raise_exception, ...)
             raise MalformedRequestError(f"the chat template refused the messages: {exc}") from None
+
+    def tokens_at_least(self, text: str, limit: int) -> int:
+        """A lower bound of the tokens ``text`` holds (its markers unexpanded), found without
+        tokenizing it whole: it is tokenized ``PIECE_CHARS`` at a time, cut at whitespace where
+        a piece has any, until the count passes ``limit`` (the tokenizer's work is bounded by
+        the limit, not by the text). A cut can split what the whole text would merge into one
+        token, or a marker: ``CUT_SLACK`` tokens a cut are taken off the count."""
+        count = cuts = 0
+        pos = 0
+        while pos < len(text) and count - CUT_SLACK * cuts <= limit:
+            end = min(pos + PIECE_CHARS, len(text))
+            if end < len(text):
+                space = max(text.rfind(" ", pos, end), text.rfind("\n", pos, end))
+                end = space if space > pos else end
+                cuts += 1
+            piece = text[pos:end]
+            count += len(self.tokenizer(piece, add_special_tokens=False)["input_ids"])
+            pos = end
+        return max(count - CUT_SLACK * cuts, 0)
 
     def token_ids(self, text: str, num_tokens: Sequence[int]) -> list[int]:
         """``text`` tokenized with image ``k``'s marker expanded to ``num_tokens[k]`` image

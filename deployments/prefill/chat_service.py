@@ -9,7 +9,9 @@ Invariants:
   carries the image's index), an unknown ``vitserve://`` key (``CacheMissError``), the prompt
   against the context, and the prefill itself. A prompt too long for the context is refused
   before any image is encoded when its text and its new images' sizes (read from their
-  headers: ``vitserve.encoder.work``) already make it so.
+  headers: ``vitserve.encoder.work``) already make it so; a text of more characters than the
+  context is counted in pieces first, only as far as the context
+  (``PromptBuilder.tokens_at_least``): a 40 MB prompt is never tokenized whole.
 * ``usage`` reports, besides OpenAI's token counts: ``images_sent`` (image parts in the
   request), ``images_uploaded`` (distinct images whose bytes went to the encoder: the store
   lacked them), ``images_encoded`` (of those, the ones the encoder ran), ``rows_pulled`` /
@@ -40,7 +42,7 @@ from vitserve.deployments.common.config import VitserveConfig
 from vitserve.deployments.prefill.chat import ChatRequest, PromptBuilder, image_refs
 from vitserve.deployments.prefill.generation import Generator, Prefilled, Sampling, Step
 from vitserve.encoder.device import default_dtype, parse_dtype, resolve_device
-from vitserve.encoder.images import ImageLimits, image_header
+from vitserve.encoder.images import image_header
 from vitserve.encoder.language_model import load_language_model
 from vitserve.encoder.loading import load_preprocessor
 from vitserve.errors import (
@@ -86,9 +88,7 @@ class ChatService:
         self.context = int(self.config.get_text_config().max_position_embeddings)
         # how an image's header gives its tokens (the image processor's config; no weights)
         self.rule = load_preprocessor(cfg.model, revision=cfg.revision).resize_rule()
-        self.limits = ImageLimits(
-            max_image_bytes=cfg.limits.max_image_bytes, max_image_pixels=cfg.limits.max_image_pixels
-        )
+        self.limits = cfg.limits.image_limits()
         self.client = client
         self.cfg = cfg
         self.model_name = cfg.prefill.served_model_name or cfg.model
@@ -120,6 +120,11 @@ class ChatService:
         if len(refs) > allowed:  # refused before any image is encoded
             raise LimitExceededError("max_images_per_request", len(refs), allowed)
         text = self.prompts.render(request)
+        if len(text) > self.context:  # could hold more tokens than the context: counted in
+            # pieces, only as far as the context, before the text is tokenized whole
+            at_least = self.prompts.tokens_at_least(text, self.context)
+            if at_least >= self.context:
+                raise PromptTooLongError(at_least, self.context, "the prompt has at least")
         limit = request.completion_limit
         # Before any image is encoded: the prompt with each new image's tokens as its header
         # and the resize rule tell them (a key's, known after its probe, counted as none).

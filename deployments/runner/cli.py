@@ -118,10 +118,12 @@ def serving_lines(cfg: Any, url: str, *, prefill: bool) -> list[str]:
         chat = f"{url}{cfg.prefill.route_prefix}"
         lines.append(f"chat completions at {chat}/v1/chat/completions (docs: {chat}/docs)")
     if cfg.vllm.urls:
+        from vitserve.cache.urls import redact_url  # a URL may carry a password
+
         front = f"{url}{cfg.vllm.route_prefix}"
         lines.append(
             f"vLLM front (OpenAI API) at {front}/v1/chat/completions, forwarding to "
-            f"{', '.join(cfg.vllm.urls)} (docs: {front}/docs)"
+            f"{', '.join(redact_url(u) for u in cfg.vllm.urls)} (docs: {front}/docs)"
         )
     return lines
 
@@ -138,7 +140,9 @@ def _encode(args: argparse.Namespace) -> int:
             f"{args.url.rstrip('/')}/v1/encode", files=files, timeout=args.timeout
         )
     except httpx.HTTPError as exc:
-        print(f"vitserve: error: cannot reach {args.url}: {exc}", file=sys.stderr)
+        from vitserve.cache.urls import redact_url  # a URL may carry a password
+
+        print(f"vitserve: error: cannot reach {redact_url(args.url)}: {exc}", file=sys.stderr)
         return 2
     body = response.json()
     if response.status_code != 200:

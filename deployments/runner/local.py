@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from vitserve.deployments.common.config import VitserveConfig
+from vitserve.deployments.runner import quiet
 from vitserve.errors import ConfigError
 
 APP_NAME = "vitserve"
@@ -106,6 +107,7 @@ def start_ray(num_cpus: int | None = None) -> None:
 
     if not ray.is_initialized():
         _started["own_cluster"] = True
+        quiet.apply()  # the node's timers, where the environment leaves them unset
         # Local-only while the node starts: its address, and so every port, is loopback
         # (LOCAL_NODE_ONLY). getattr first: a Ray without the constant fails here, not silently.
         cluster = getattr(ray_constants, LOCAL_NODE_ONLY)

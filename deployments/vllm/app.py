@@ -2,23 +2,37 @@
 more vLLM OpenAI servers (``vllm.entrypoints.openai.api_server``), its own Serve application
 beside the encoder's.
 
-The rule: a chat's images are encoded by vitserve (through the client SDK, hash first: only
-images the store lacks are uploaded) before vLLM sees the chat, and each reaches vLLM named by
-its vitserve key, as the content part's ``uuid``; vLLM's encoder-cache connector
+The rule: a chat's images are handed to vitserve (through the client SDK, hash first: only
+images the store lacks are uploaded) and vLLM gets the chat as soon as each new image is claimed
+for encoding (``vllm.overlap``: by default when the encoder runs on GPUs, :func:`overlaps`;
+off: once its embedding is published), each image
+named by its vitserve key, as the content part's ``uuid``; vLLM's encoder-cache connector
 (``vitserve.client.vllm``) then loads the rows from vitserve's store instead of running its own
-vision tower. Everything else of the request and of vLLM's answer passes through untouched.
+vision tower, holding a request back only while an image its next prefill chunk needs is still
+being encoded. vitserve's encode thus runs beside vLLM's own work on the request (rendering,
+tokenizing, its processor) and beside the prefill of earlier chunks. Everything else of the
+request and of vLLM's answer passes through untouched.
 
 Invariants:
 
 * An image is a content part of type ``image_url`` or ``input_image`` (or vLLM's short form,
   an ``image_url`` part without a type) whose URL is a ``data:`` URL (base64; the scheme in any
   case). All the request's images are encoded in one ``client.encode`` call; each one's part
-  gets ``"uuid": <its vitserve key>`` (replacing any the caller set) beside its ``image_url``,
+  gets ``"uuid": <its vitserve key>`` (qualified by the tenant's namespace when it has one,
+  ``<namespace>/<key>``: ``vitserve.client.ec_plan.item_identifier``, so that vLLM's connector
+  reads each tenant's entry; replacing any the caller set) beside its ``image_url``,
   which keeps the data URL (vLLM still sizes the prompt from the pixels, and they are its
   fallback). Other URLs (``http...``) are forwarded unchanged, without a uuid; so is a request
   without images (its bytes as they came). Any other content part naming a ``uuid`` is refused
   (422): vLLM would take it as the image's identity, so a caller could name another tenant's
   entry.
+* A request with images that sets its own ``media_io_kwargs`` changing the decoded pixels
+  (``image.rgba_background_color`` other than white, another ``image_mode``) is refused (422):
+  vitserve decoded them as vLLM does by default, so its rows would not be the request's.
+* With overlap, an image the service accepted (its header within the limits) that fails
+  later (it does not decode, the encoder fails) is a miss for vLLM's connector: vLLM decodes
+  and encodes it from the data URL itself, and answers as vLLM alone would (its own error for
+  an image it cannot decode). What the service refuses before claiming is refused here:
 * A request whose images fail is refused before anything is forwarded, with vitserve's errors
   (``{"error": {"type", "message", ...}}``): more image parts than
   ``limits.max_images_per_request`` 413 (counted before any image is decoded), a malformed data
@@ -73,6 +87,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.concurrency import run_in_threadpool
 
+from vitserve.client.ec_plan import item_identifier, pixel_option_problem
 from vitserve.deployments.common import metrics
 from vitserve.deployments.common import requests as parse
 from vitserve.deployments.common.auth import Gate, Tenant, bearer_token
@@ -236,6 +251,13 @@ class Server:
     def name(self) -> str:
         return f"vLLM server {self.index}"
 
+    @property
+    def shown(self) -> str:
+        """The URL as a log shows it: a password in it masked."""
+        from vitserve.cache.urls import redact_url
+
+        return redact_url(self.url)
+
 
 class Upstreams:
     """The vLLM servers: one pooled ``httpx.AsyncClient`` each, taken round robin."""
@@ -269,9 +291,9 @@ class Upstreams:
                 return server, await client.send(request, stream=True)
             except NOT_RECEIVED as exc:
                 failed.append(f"{server.name}: {type(exc).__name__}")
-                log.warning("%s (%s) cannot be reached: %r", server.name, server.url, exc)
+                log.warning("%s (%s) cannot be reached: %r", server.name, server.shown, exc)
             except httpx.TransportError as exc:  # it took the request: not sent elsewhere
-                log.warning("%s (%s) gave no answer: %r", server.name, server.url, exc)
+                log.warning("%s (%s) gave no answer: %r", server.name, server.shown, exc)
                 raise ServiceUnavailableError(
                     server.name, f"no answer: {type(exc).__name__}"
                 ) from None
@@ -296,7 +318,7 @@ async def passed_through(
     try:
         body = await response.aread()
     except httpx.TransportError as exc:
-        log.warning("%s (%s): answer cut short: %r", server.name, server.url, exc)
+        log.warning("%s (%s): answer cut short: %r", server.name, server.shown, exc)
         raise ServiceUnavailableError(
             server.name, f"answer cut short: {type(exc).__name__}"
         ) from None
@@ -313,7 +335,7 @@ async def _relay(server: Server, response: httpx.Response) -> AsyncIterator[byte
         async for chunk in response.aiter_raw():
             yield chunk
     except httpx.TransportError as exc:
-        log.warning("%s (%s): stream cut short: %r", server.name, server.url, exc)
+        log.warning("%s (%s): stream cut short: %r", server.name, server.shown, exc)
         error = ServiceUnavailableError(server.name, f"stream cut short: {type(exc).__name__}")
         yield f"data: {json.dumps({'error': error.to_dict()})}\n\n".encode()
     finally:
@@ -321,6 +343,16 @@ async def _relay(server: Server, response: httpx.Response) -> AsyncIterator[byte
 
 
 # -- the application --------------------------------------------------------------------------
+def overlaps(cfg: VitserveConfig) -> bool:
+    """Whether the front hands vLLM a chat at its images' claims (``vllm.overlap``; unset: when
+    the encoder runs on GPUs of its own, not on CPU cores it shares with vLLM). Defined above
+    the deployment class: Serve serializes the class with the names defined when it is made."""
+    if cfg.vllm.overlap is not None:
+        return cfg.vllm.overlap
+    gpus = cfg.encoder.num_gpus or 0
+    return (cfg.device or "").startswith("cuda") or gpus > 0
+
+
 @serve.deployment
 @serve.ingress(api)
 class VllmFront:
@@ -333,25 +365,39 @@ class VllmFront:
         self.api_key = v.api_key.get_secret_value() if v.api_key is not None else None
         self.clients = TenantClients(self.cfg, self.cfg.vllm)  # made at a first request
         self.gate = Gate(self.cfg)  # who calls (None: auth off), within the tenant's rate
+        self.overlap = overlaps(self.cfg)
 
     def _prepare(self, raw: bytearray, tenant: Tenant | None, token: str | None) -> Prepared:
         """The body to forward: the request's images encoded, each named by its key (blocking:
         run in a worker thread)."""
-        body = parse.json_body(raw)
-        count, images = request_images(body, self.cfg.limits.max_images_per_request)
+        limits = self.cfg.limits
+        body = parse.json_body(raw, limits.max_chat_json_values)  # values counted before parsing
+        count, images = request_images(body, limits.max_images_per_request)
+        # a request's own media options that would make vLLM decode other pixels than
+        # vitserve did: refused, its images' rows could not be vouched for
+        problem = pixel_option_problem(body.get("media_io_kwargs")) if images else None
+        if problem is not None:
+            raise MalformedRequestError(f"{problem}; send the images without it")
         if not images:
             return Prepared(bytes(raw), count)
+        client = self.clients.get(tenant, token)
+        datas = [image.data for image in images]
         try:
-            handles = self.clients.get(tenant, token).encode([image.data for image in images])
+            if self.overlap:  # answered once claimed: the encode runs beside vLLM
+                sent = [(s.key, s.uploaded) for s in client.submit(datas)]
+            else:
+                sent = [(h.key, h.uploaded) for h in client.encode(datas)]
         except ImageError as exc:  # its index in the encode call -> among the image parts
             if isinstance(exc.index, int) and 0 <= exc.index < len(images):
                 exc.index = images[exc.index].index
                 exc.args = (f"image {exc.index}: {getattr(exc, 'reason', exc)}",)
             raise
-        for image, handle in zip(images, handles, strict=True):
-            image.part["uuid"] = handle.key
-        distinct = {h.key: h for h in handles}.values()
-        uploaded = sum(1 for h in distinct if h.uploaded)
+        # the entry's name in vLLM: its key, qualified by the tenant's namespace (ec_plan)
+        namespace = str(client.describe().get("namespace") or "")
+        for image, (key, _) in zip(images, sent, strict=True):
+            image.part["uuid"] = item_identifier(namespace, key)
+        distinct = dict(sent)
+        uploaded = sum(distinct.values())
         content = json.dumps(body, separators=(",", ":")).encode()
         return Prepared(content, count, uploaded, len(distinct) - uploaded)
 
@@ -452,6 +498,7 @@ __all__ = [
     "build_app",
     "build_vllm_application",
     "data_url_bytes",
+    "overlaps",
     "request_images",
     "upstream_headers",
 ]

@@ -13,6 +13,7 @@ import base64
 import contextlib
 import json
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -535,3 +536,84 @@ def test_metrics_answer_the_scrape_token_which_rotates_too(services, secret_file
     _until(app, "/metrics", SCRAPE_2, 200, RELOAD_S + 5)
     assert _status(app, "/metrics", SCRAPE) == 401
     _until(chat, "/metrics", SCRAPE_2, 200, RELOAD_S + 5)
+
+
+ERIN_1 = "erin-token-first-0123456789ab"  # a tenant of the tokens file, rotated below
+ERIN_2 = "erin-token-second-9876543210z"
+
+
+def test_a_rotated_token_works_through_the_prefill_app_and_the_vllm_front(
+    services, secret_files, serve_url
+) -> None:
+    """Tenant erin's token T1 replaced by T2 in the followed file, after both applications
+    made erin's encoder client with T1: after reload_s, T2's chats with a new image are
+    answered by the prefill application and forwarded by the vLLM front (the image encoded
+    in erin's namespace), and T1's are refused 401 by both."""
+    from ray import serve
+
+    from tests.deployments.test_vllm_front import FakeVllm
+    from vitserve.deployments.runner.local import serve_app
+    from vitserve.deployments.vllm.app import build_vllm_application
+
+    encoder, chat = services
+    gate = threading.Event()
+    gate.set()
+    fake = FakeVllm("erin", gate).start()
+    name = "auth-front"
+    cfg = VitserveConfig.load(
+        {
+            **encoder.config.model_dump(),
+            "vllm": {"urls": [fake.url], "encoder_app": encoder.name, "num_cpus": 0.02},
+        }
+    )
+    serve_app(build_vllm_application(cfg), name=name, route_prefix=f"/{name}")
+    front_url = f"{serve_url}/{name}"
+
+    def body(image: bytes, model: str | None = None) -> dict[str, Any]:
+        url = "data:image/png;base64," + base64.b64encode(image).decode()
+        parts = [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": url}},
+        ]
+        extra = {"model": model} if model else {}
+        return {"messages": [{"role": "user", "content": parts}], "max_tokens": 1, **extra}
+
+    def ask(url: str, token: str, image: bytes, model: str | None = None) -> httpx.Response:
+        return httpx.post(
+            f"{url}/v1/chat/completions",
+            json=body(image, model),
+            headers=_headers(token),
+            timeout=120,
+        )
+
+    seeds = iter(range(880_000, 890_000))
+    try:
+        _swap(secret_files["tokens"], f"erin:{ERIN_1}\n")
+        _until(encoder, "/healthz", ERIN_1, 200, RELOAD_S + 5)
+        time.sleep(RELOAD_S + 0.2)  # each application looks at the file on its next request
+        first = ask(chat.url, ERIN_1, make_image(40, 40, seed=next(seeds)))
+        assert first.status_code == 200, first.text
+        forwarded = ask(front_url, ERIN_1, make_image(40, 40, seed=next(seeds)), "fake-vlm")
+        assert forwarded.status_code == 200, forwarded.text
+
+        _swap(secret_files["tokens"], f"erin:{ERIN_2}\n")
+        _until(encoder, "/healthz", ERIN_1, 401, RELOAD_S + 5)
+        time.sleep(RELOAD_S + 0.2)
+        image = make_image(40, 40, seed=next(seeds))  # new: the encoder is called with a token
+        answered = ask(chat.url, ERIN_2, image)
+        assert answered.status_code == 200, answered.text
+        assert answered.json()["usage"]["images_encoded"] == 1
+        image = make_image(40, 40, seed=next(seeds))
+        passed = ask(front_url, ERIN_2, image, "fake-vlm")
+        assert passed.status_code == 200, passed.text
+        namespace = httpx.get(f"{encoder.url}/healthz", headers=_headers(ERIN_2)).json()
+        key = content_key(image, namespace["fingerprint"], namespace["namespace"])
+        parts = fake.chats()[-1].json()["messages"][0]["content"]
+        assert parts[1]["uuid"] == f"{namespace['namespace']}/{key}"  # in erin's namespace
+        for url, model in ((chat.url, None), (front_url, "fake-vlm")):
+            refused = ask(url, ERIN_1, make_image(40, 40, seed=next(seeds)), model)
+            assert refused.status_code == 401, refused.text
+    finally:
+        _swap(secret_files["tokens"], "# erin left\n")
+        serve.delete(name)
+        fake.stop()

@@ -4,7 +4,8 @@ application): every class of malformed request answers a 4xx in the API's one er
 
 The classes: JSON nested 5,000 deep, 0-byte bodies, wrong content types, bodies over
 ``max_request_bytes`` (declared, or chunked with no Content-Length), 10k-image requests (JSON
-and multipart), decompression bombs (declared dimensions, PIL's own bomb error), non-hex and
+and multipart), decompression bombs (declared dimensions, PIL's own bomb error), work bombs
+(a progressive JPEG of 2006 scans, stray bytes, a GIF of 70k sub-blocks), non-hex and
 wrong-length keys, bad row ranges, bad query parameters, unknown routes and wrong methods.
 """
 
@@ -13,6 +14,9 @@ from __future__ import annotations
 import base64
 import json
 import socket
+import statistics
+import threading
+import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -22,7 +26,14 @@ from typing import Any
 import httpx
 import pytest
 
-from vitserve.encoder.testimages import bad_images, crafted_png, make_image
+from vitserve.encoder.testimages import (
+    bad_images,
+    crafted_png,
+    gif_with_sub_blocks,
+    jpeg_scan_bomb,
+    jpeg_with_stray_bytes,
+    make_image,
+)
 
 # main_app's limits (tests/conftest.py): 8 images, 3 MiB a request, 4 M pixels an image
 OVER_BYTES = 4 * 2**20
@@ -255,6 +266,36 @@ CASES = [
         "limit=max_image_pixels",
         "ImageTooLargeError",
     ),
+    # a chat body of ~900k empty objects (2.6 MiB, under max_request_bytes): refused unparsed
+    Case(
+        "json",
+        "chat body of 900k JSON values",
+        _post(
+            "/v1/chat/completions",
+            chat=True,
+            content=b"[" + b"{}," * 900_000 + b"{}]",
+            headers=JSON,
+        ),
+        413,
+        "limit=json_values",
+        "LimitExceededError",
+    ),
+    # work bombs: small files whose structure makes the decode costly (vitserve.encoder.decode_work)
+    *[
+        Case(
+            "images",
+            name,
+            _post("/v1/encode", files=[("images", ("w.img", data, "application/octet-stream"))]),
+            413,
+            f"limit={limit}",
+            "ImageTooLargeError",
+        )
+        for name, data, limit in [
+            ("JPEG of 2006 scans (49 KB)", jpeg_scan_bomb(1984, 2000), "max_jpeg_scans"),
+            ("JPEG with 70k stray bytes", jpeg_with_stray_bytes(70_000), "max_structure_steps"),
+            ("GIF of 70k sub-blocks", gif_with_sub_blocks(70_000), "max_structure_steps"),
+        ]
+    ],
     Case(
         "images",
         "multipart text field",
@@ -308,7 +349,7 @@ CASES = [
 ]
 GROUPS = {
     "json": "Bad input: deeply nested, huge, 0-byte or mistyped bodies",
-    "images": "Bad input: 10k-image requests and decompression bombs",
+    "images": "Bad input: 10k-image requests, decompression and decode-work bombs",
     "keys": "Bad input: non-hex or wrong-length keys, bad row ranges and query values",
     "routes": "Bad input: unknown routes and wrong methods",
 }
@@ -379,6 +420,128 @@ def test_every_bad_input_class_answers_a_4xx_naming_it(main_app, chat, reliabili
             lost=0,
             note=f"{classes} classes, each a 4xx in the error shape",
         )
+
+
+def _replica(app: str) -> Any:
+    """The process of ``app``'s one replica (Ray titles it ``ray::ServeReplica:<app>:...``)."""
+    import psutil
+
+    found = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if any(f"ServeReplica:{app}:" in part for part in p.info["cmdline"] or [])
+    ]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_a_chat_body_of_values_is_refused_at_once_and_the_replica_stays_small(
+    chat, reliability
+) -> None:
+    """900k empty JSON objects (2.6 MiB; parsed, ~60 MB of Python objects): 413 naming
+    ``json_values`` within a second, three times, and the prefill replica's resident set,
+    sampled every 5 ms, grows by less than 32 MiB (the body, its reading and the replica's
+    own churn; parsed, the body takes 65 MiB of objects on top, measured by tracemalloc)."""
+    replica = _replica(chat.name)
+    body = b"[" + b"{}," * 900_000 + b"{}]"
+    before, peak, stop = replica.memory_info().rss, [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], replica.memory_info().rss)
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    seconds = []
+    try:
+        with httpx.Client(timeout=30) as client:
+            for _ in range(3):
+                started = time.perf_counter()
+                answer = client.post(f"{chat.url}/v1/chat/completions", content=body, headers=JSON)
+                seconds.append(time.perf_counter() - started)
+                assert answer.status_code == 413, answer.text
+                assert answer.json()["error"]["limit"] == "json_values"
+    finally:
+        stop.set()
+        sampler.join()
+    growth = peak[0] - before
+    print(f"chat body of 900k values: {seconds} s, replica grew {growth / 2**20:.1f} MiB")
+    assert statistics.median(seconds) < 1.0, seconds
+    assert growth < 32 * 2**20, growth
+    reliability.record(
+        "Bad input: a chat body of 900k JSON values (2.6 MiB), three times",
+        tried=3,
+        failed=0,
+        wrong=0,
+        lost=0,
+        note=(
+            f"413 json_values in {max(seconds):.2f} s at most; the prefill replica's resident "
+            f"set grew {growth / 2**20:.1f} MiB at its peak (bound: 32 MiB)"
+        ),
+    )
+
+
+def test_scan_bombs_beside_a_normal_image_are_refused_at_once_and_cost_it_little(
+    main_app, reliability
+) -> None:
+    """A dozen distinct 2006-scan JPEGs (each ~6 s of decode CPU were it decoded) sent from
+    other clients while one client encodes new images: each bomb is a 413 naming
+    ``max_jpeg_scans`` within 2 s, and the images' median latency stays within 2x of their
+    median alone (measured before and after, in this run: A-B-A)."""
+    bombs = [jpeg_scan_bomb(1984, 2000, seed=seed) for seed in range(12)]
+    seeds = iter(range(700_000 + 1000 * (time.time_ns() % 1000), 10**9))
+
+    def normal_latencies(count: int = 5) -> list[float]:
+        out = []
+        for _ in range(count):
+            image = make_image(224, 224, seed=next(seeds))  # new: encoded, not a hit
+            started = time.perf_counter()
+            response = main_app.encode([image])
+            out.append(time.perf_counter() - started)
+            assert response.status_code == 200 and "num_tokens" in response.json()["items"][0]
+        return out
+
+    normal_latencies(2)  # warm
+    alone = normal_latencies()
+    answers: list[tuple[int, str, float]] = []
+
+    def send(batch: list[bytes]) -> None:
+        with httpx.Client(timeout=60) as client:
+            for bomb in batch:
+                started = time.perf_counter()
+                files = [("images", ("bomb.jpg", bomb, "image/jpeg"))]
+                response = client.post(f"{main_app.url}/v1/encode", files=files)
+                error = response.json().get("error", {})
+                answers.append(
+                    (response.status_code, error.get("limit"), time.perf_counter() - started)
+                )
+
+    attackers = [threading.Thread(target=send, args=(bombs[i::4],)) for i in range(4)]
+    for thread in attackers:
+        thread.start()
+    beside = normal_latencies()
+    for thread in attackers:
+        thread.join(60)
+    again = normal_latencies()
+
+    assert len(answers) == len(bombs)
+    assert all(status == 413 and limit == "max_jpeg_scans" for status, limit, _ in answers), answers
+    assert max(seconds for *_, seconds in answers) < 2.0, answers
+    baseline = (statistics.median(alone) + statistics.median(again)) / 2
+    ratio = statistics.median(beside) / baseline
+    assert ratio <= 2.0, (ratio, alone, beside, again)
+    reliability.record(
+        "Bad input: 12 distinct 2006-scan JPEGs (49 KB each) beside a client encoding new images",
+        tried=len(answers),
+        failed=sum(status >= 500 for status, *_ in answers),
+        wrong=0,
+        lost=0,
+        note=(
+            f"each a 413 max_jpeg_scans, in {max(s for *_, s in answers):.2f} s at most; the "
+            f"other client's median latency {ratio:.2f}x its median alone (A-B-A, bound 2x)"
+        ),
+    )
 
 
 def test_the_error_handlers_give_every_error_the_shape() -> None:

@@ -185,3 +185,35 @@ def test_custom_resources_place_a_deployments_replicas() -> None:
     for bad in ({"GPU": 1}, {"x": -1}):
         with pytest.raises(ConfigError, match="resources"):
             VitserveConfig.load({"encoder.resources": bad})
+
+
+def test_a_cuda_device_reserves_a_gpu_per_encoder_replica() -> None:
+    """``device: cuda`` gives each encoder replica a GPU of its own (num_gpus 1) unless the
+    config names a share; an explicit 0 beside it is refused, naming why; cpu and the automatic
+    device reserve none."""
+    from vitserve.deployments.common.serving import deployment_options
+
+    def gpus(overrides: dict, environ: dict | None = None) -> float:
+        cfg = VitserveConfig.load(overrides, environ=environ or {})
+        return deployment_options(cfg.encoder)["ray_actor_options"]["num_gpus"]
+
+    assert gpus({"device": "cuda"}) == gpus({"device": "cuda:1"}) == 1.0
+    assert gpus({"device": "cuda", "encoder.num_gpus": 0.5}) == 0.5
+    assert gpus({"device": "cuda"}, {"VITSERVE_ENCODER__NUM_GPUS": "2"}) == 2.0
+    assert gpus({}) == gpus({"device": "cpu"}) == 0.0
+    assert gpus({"encoder.num_gpus": 1}) == 1.0  # the automatic device then takes the GPU
+    assert VitserveConfig(device="cuda").encoder.num_gpus == 1.0
+    assert VitserveConfig(device="cuda").encoder.max_ongoing_requests == 256  # the app's default
+    with pytest.raises(ConfigError, match=r"encoder\.num_gpus 0"):
+        VitserveConfig.load({"device": "cuda", "encoder.num_gpus": 0}, environ={})
+
+
+def test_an_encoder_replica_uses_a_gpu_only_where_ray_reserved_one() -> None:
+    from vitserve.deployments.encoder.replica import replica_device
+
+    assert replica_device(None, []) == "cpu"  # GPUs visible or not: none is this replica's
+    assert replica_device(None, ["0"]) == "cuda"
+    assert replica_device("cuda:0", [3]) == "cuda:0"
+    assert replica_device("cpu", ["0"]) == "cpu"
+    with pytest.raises(ConfigError, match="reserved no GPU"):
+        replica_device("cuda", [])

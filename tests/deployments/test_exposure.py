@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from tests.cli_process import VITSERVE, cli_env, stop, wait_healthy
-from vitserve.deployments.runner import cli, local
+from vitserve.deployments.runner import cli, local, quiet
 from vitserve.errors import ConfigError
 
 
@@ -178,6 +178,11 @@ def test_serve_as_a_user_runs_it_keeps_rays_token_auth_on_every_port_beyond_loop
         # vitserve's /metrics still reads the agent's metrics exporter, now on loopback
         metrics_page = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
         assert metrics_page.status_code == 200, metrics_page.text
+        # the node's timers (runner.quiet) reach Serve's processes, where they take effect
+        serve_procs = [p for p in tree if "Serve" in p.name() or "Proxy" in p.name()]
+        assert len(serve_procs) >= 3, [p.name() for p in tree]  # controller, proxy, replicas
+        for p in serve_procs:
+            assert quiet.QUIET_ENV.items() <= p.environ().items(), p.name()
         ip = _reachable_ip()
         probed = {
             (bound, p, name): _tokenless(_connect_host(bound, ip), p)

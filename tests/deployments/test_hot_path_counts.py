@@ -485,3 +485,123 @@ def test_a_publish_refused_as_unavailable_is_tried_again_and_its_readers_wait(
         assert record is not None and record.key == key and store.tries == refusals + 1
     else:
         assert record is None and store.tries == 1 + len(PUBLISH_RETRY_S)
+
+
+class HeldEncoder:
+    """The encoder's handle, its ``encode`` calls held until ``go`` is set (or failing with
+    ``error``): what a reader of the store sees while an encode answered at its claims runs."""
+
+    def __init__(self, handle: CountingHandle, error: Exception | None = None) -> None:
+        self.handle = handle
+        self.go = asyncio.Event()
+        self.error = error
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.handle, name)
+        if name != "encode":
+            return method
+        held = self
+
+        class Held:
+            def remote(self, *args: Any) -> asyncio.Future:
+                async def call() -> Any:
+                    await held.go.wait()
+                    if held.error is not None:
+                        raise held.error
+                    return await method.remote(*args)
+
+                return asyncio.ensure_future(call())
+
+        return Held()
+
+
+def _claimed_service(loop, engine_cfg, store_url, error: Exception | None = None) -> Service:
+    service = Service(loop, engine_cfg, store_url, "encoder")
+    service.flow.encoder = HeldEncoder(service.flow.encoder, error)
+    return service
+
+
+def test_an_encode_answered_at_its_claims_publishes_after(loop, engine_cfg, store_url) -> None:
+    """``wait=claimed``: the answer comes while the encoder has not even started (a held
+    image described, the new one pending, its claim visible in the store); the encode then runs
+    on and publishes the same record an answer at its publish describes."""
+    from vitserve.cache.base import Pending
+    from vitserve.client.handles import EncodeWait
+    from vitserve.deployments.common import metrics
+
+    service = _claimed_service(loop, engine_cfg, store_url)
+    held_image, new_image = _images(2, seed=600)
+    service.flow.encoder.go.set()
+    [[held]] = service.request([held_image])
+    service.flow.encoder.go.clear()
+    store = service.flow.store
+    failures = metrics.counts().value("background_encode_failures_total")
+
+    async def run() -> tuple[list, list, list]:
+        keys = service.keys([held_image, new_image])
+        answer = await service.flow.encode([held_image, new_image], keys, wait=EncodeWait.CLAIMED)
+        states = store.lookup_states(keys)  # the encoder is held: nothing published yet
+        service.flow.encoder.go.set()
+        await asyncio.gather(*service.flow.background)
+        await service.encoder.drain_publishes()
+        return answer, states, store.lookup_states(keys)
+
+    answer, before, after = loop.run_until_complete(run())
+    assert answer[0] == {**held, "cached": True}
+    assert answer[1] == {"key": service.keys([new_image])[0], "pending": True}
+    assert before[1] is Pending.CLAIMED and not isinstance(before[0], Pending)
+    assert not isinstance(after[1], Pending) and after[1].num_tokens == held["num_tokens"]
+    assert not service.flow.background
+    assert metrics.counts().value("background_encode_failures_total") == failures
+
+
+def test_an_encode_answered_at_its_claims_that_fails_after_releases_and_counts(
+    loop, engine_cfg, store_url
+) -> None:
+    """An encode answered at its claims whose encoder call fails after the answer: its claim is
+    released (a reader waiting on it reads a miss at once, not at the claim's ttl), the
+    failure counted."""
+    from vitserve.cache.base import Pending
+    from vitserve.client.handles import EncodeWait
+    from vitserve.deployments.common import metrics
+    from vitserve.errors import ServiceUnavailableError
+
+    service = _claimed_service(loop, engine_cfg, store_url, ServiceUnavailableError("encoder", "x"))
+    [image] = _images(1, seed=700)
+    [key] = service.keys([image])
+    failures = metrics.counts().value("background_encode_failures_total")
+
+    async def run() -> tuple[list, list]:
+        answer = await service.flow.encode([image], [key], wait=EncodeWait.CLAIMED)
+        service.flow.encoder.go.set()
+        await asyncio.gather(*service.flow.background, return_exceptions=True)
+        await service.flow.flights.drain()  # the release
+        return answer, service.flow.store.lookup_states([key])
+
+    answer, states = loop.run_until_complete(run())
+    assert answer == [{"key": key, "pending": True}]
+    assert states == [Pending.FREE]
+    assert metrics.counts().value("background_encode_failures_total") == failures + 1
+
+
+def test_an_encode_answered_at_its_claims_with_nothing_to_claim_answers_whole(
+    loop, engine_cfg, store_url
+) -> None:
+    """All held, or a key-only item the store lacks: nothing is pending, the answer is the
+    one ``published`` gives."""
+    from vitserve.client.handles import EncodeWait
+
+    service = _claimed_service(loop, engine_cfg, store_url)
+    service.flow.encoder.go.set()
+    image = _images(1, seed=800)[0]
+    [[first]] = service.request([image])
+    absent = "0" * 64
+
+    async def run() -> list:
+        keys = [*service.keys([image]), absent]
+        return await service.flow.encode([image, absent], keys, wait=EncodeWait.CLAIMED)
+
+    cached, missing = loop.run_until_complete(run())
+    assert cached == {**first, "cached": True}
+    assert missing["error"]["type"] == "CacheMissError"
+    assert not service.flow.background

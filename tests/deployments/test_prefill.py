@@ -29,6 +29,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures as cf
 import io
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ import pytest
 
 from vitserve.client.adapters import FAMILIES
 from vitserve.client.chunks import chunk_bounds
+from vitserve.deployments.prefill.chat import PIECE_CHARS
 from vitserve.encoder.testimages import make_image
 from vitserve.encoder.testmodels import IMAGE_TOKEN_ID
 from vitserve.families import SPECS
@@ -398,6 +400,13 @@ def test_bad_requests_get_the_apis_error_shape(pairs) -> None:
     long = {"messages": [{"role": "user", "content": "hello " * 5000}], "max_tokens": 1}
     too_long = error(long, 400)
     assert too_long["type"] == "PromptTooLongError" and too_long["allowed"] == 4096
+    # 2 MB of text: counted only as far as the context, never tokenized whole
+    huge = {"messages": [{"role": "user", "content": "hello " * 350_000}], "max_tokens": 1}
+    started = time.perf_counter()
+    counted = error(huge, 400)
+    assert counted["type"] == "PromptTooLongError" and "at least" in counted["message"]
+    assert 4096 <= counted["tokens"] < 4096 + PIECE_CHARS  # where the count stopped
+    assert time.perf_counter() - started < 30  # (a bound for a loaded host: ~0.1 s alone)
     near = {"messages": [{"role": "user", "content": "hello " * 1320}]}  # ~3,970 tokens
     held = error({**near, "min_tokens": 200}, 400)  # within prefill.max_tokens, past the context
     assert held["type"] == "PromptTooLongError" and "min_tokens" in held["message"]
@@ -440,3 +449,37 @@ def test_the_prefill_replica_loads_no_vision_weight(pairs) -> None:
     )
     assert report["bytes_read"] < report["checkpoint_bytes"]
     assert np.isfinite(report["seconds"])
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "gemma3"])
+def test_a_long_prompt_is_counted_in_pieces_never_above_its_tokens(tiny_models, family) -> None:
+    """``tokens_at_least`` is a lower bound of the whole text's tokens (cuts at whitespace,
+    in a run without any, through a marker), and tokenizes only as far as its limit."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from vitserve.deployments.prefill.chat import PromptBuilder
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models[family])
+    prompts = PromptBuilder.for_model(tokenizer, AutoConfig.from_pretrained(tiny_models[family]))
+    rng = np.random.default_rng(0)
+    words = ["hello", "world,", "42", "naïve", "東京", "\n", prompts.marker, "x" * 300]
+    texts = [
+        " ".join(rng.choice(words, 20_000)),
+        "a" * 50_000 + prompts.marker + "b" * 40_000,  # no whitespace: cut anywhere
+        (prompts.marker * 3 + " ") * 9000,
+    ]
+    for text in texts:
+        whole = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        assert prompts.tokens_at_least(text, 10**9) <= whole
+
+    seen: list[int] = []
+    counting = PromptBuilder(
+        lambda piece, **kw: seen.append(len(piece)) or tokenizer(piece, **kw),
+        prompts.family,
+        prompts.image_token_id,
+        prompts.marker,
+        prompts.expansion,
+    )
+    text = "hello " * 2_000_000  # 12 MB
+    assert counting.tokens_at_least(text, 4096) >= 4096
+    assert sum(seen) <= 4096 * 6 + 2 * PIECE_CHARS  # about the limit's worth, not 12 MB

@@ -15,6 +15,7 @@ import copy
 import itertools
 import json
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -259,6 +260,7 @@ def front(main_app, serve_url) -> Iterator[Front]:
         "api_key": UPSTREAM_KEY,
         "retry_after_s": RETRY_AFTER,
         "encoder_attempts": 3,
+        "overlap": True,  # forced: a CPU encoder's default is off (overlaps)
     }
     cfg = VitserveConfig.load(
         {
@@ -291,18 +293,87 @@ def image_part(url: str) -> dict[str, Any]:
 
 
 def keys_of(front: Front, images: list[bytes]) -> list[str]:
-    """Each image's vitserve key, as the SDK has it (all cached by now)."""
+    """Each image's vitserve key, as the SDK computes it, once the store holds it (the front
+    hands vLLM a chat once its images are claimed; their records follow)."""
     from vitserve.client import EncoderClient
 
     with EncoderClient(front.encoder.url) as client:
-        handles = client.encode(images)
-    assert all(h.cached for h in handles)  # the front's request stored them under these keys
-    return [h.key for h in handles]
+        client.describe()
+        keys = client.core.keys_of(images)
+        deadline = time.monotonic() + 30
+        while None in client.probe(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert None not in client.probe(keys)  # the front's request stored them under these keys
+    return keys
+
+
+def encoder_store(front: Front) -> Any:
+    """The encoder application's store, as its ingress opens it (this process is a Ray
+    driver: a node store is reachable)."""
+    from vitserve.cache import open_store
+    from vitserve.client import EncoderClient
+
+    cfg = front.encoder.config
+    with EncoderClient(front.encoder.url) as client:
+        fingerprint = client.describe()["fingerprint"]
+    return open_store(cfg.store, namespace=cfg.namespace, fingerprint=fingerprint)
+
+
+def test_overlap_is_on_by_default_where_the_encoder_has_gpus_of_its_own() -> None:
+    from vitserve.deployments.common.config import VitserveConfig
+    from vitserve.deployments.vllm.app import overlaps
+
+    def cfg(**kw: object) -> VitserveConfig:
+        return VitserveConfig.load({"model": "demo", **kw})
+
+    assert not overlaps(cfg())  # a CPU encoder shares the cores with vLLM
+    assert not overlaps(cfg(device="cpu"))
+    assert overlaps(cfg(device="cuda")) and overlaps(cfg(**{"encoder.num_gpus": 0.5}))
+    assert overlaps(cfg(**{"vllm.overlap": True})) and not overlaps(
+        cfg(device="cuda", **{"vllm.overlap": False})
+    )
+
+
+def test_a_chat_goes_to_vllm_once_its_images_are_claimed(front) -> None:
+    """``vllm.overlap`` (forced on here): the front forwards the chat as soon as the service has
+    claimed its new images, not once they are encoded: an image whose claim another holds (an
+    encoder elsewhere encoding it) does not hold the chat back. Its record comes once that
+    claim ends (the service's encoder takes it over): vLLM's connector waits for it."""
+    from vitserve.cache.base import Pending
+
+    [image] = fresh_images(1)
+    store = encoder_store(front)
+    [key] = front_keys(front, [image])
+    assert store.claim(key, 60, "an-encoder-elsewhere")
+    try:
+        response = chat(front, [image_part(data_url(image))])
+        assert response.status_code == 200, response.text
+        assert counts(response) == (1, 1, 0)
+        uuid = front.last_forwarded().json()["messages"][0]["content"][0]["uuid"]
+        assert uuid == f"{front.encoder.config.namespace}/{key}"
+        assert store.lookup_states([key]) == [Pending.CLAIMED]  # forwarded before its record
+    finally:
+        store.release(key, "an-encoder-elsewhere")
+    deadline = time.monotonic() + 30  # taken over and published by the service's encoder
+    while store.headers_many([key]) == [None] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.headers_many([key]) != [None]
+    store.close()
+
+
+def front_keys(front: Front, images: list[bytes]) -> list[str]:
+    """The keys the service gives ``images`` (nothing encoded)."""
+    from vitserve.client import EncoderClient
+
+    with EncoderClient(front.encoder.url) as client:
+        client.describe()
+        return client.core.keys_of(images)
 
 
 # -- what is forwarded ----------------------------------------------------------------------------
 def test_data_url_images_are_forwarded_named_by_their_vitserve_keys(front) -> None:
-    """Each data-URL image part gets ``uuid`` = its key (a repeat the same), its URL kept; text,
+    """Each data-URL image part gets ``uuid`` = ``<namespace>/<key>`` (a repeat the same), its
+    URL kept; text,
     remote-URL parts and every other field pass unchanged; the caller's Authorization is
     replaced by the configured api_key."""
     a, b = fresh_images(2)
@@ -324,8 +395,10 @@ def test_data_url_images_are_forwarded_named_by_their_vitserve_keys(front) -> No
         {"model": "fake-vlm", "messages": [{"role": "user", "content": content}], **extra}
     )
     parts = expected["messages"][0]["content"]
+    namespace = front.encoder.config.namespace  # the key, qualified by its namespace
+    assert namespace
     for i, key in ((1, key_a), (3, key_b), (4, key_a)):
-        parts[i]["uuid"] = key
+        parts[i]["uuid"] = f"{namespace}/{key}"
     assert seen.json() == expected
     assert "uuid" not in seen.json()["messages"][0]["content"][2]  # the remote URL's
     assert seen.headers["authorization"] == f"Bearer {UPSTREAM_KEY}"
@@ -334,7 +407,7 @@ def test_data_url_images_are_forwarded_named_by_their_vitserve_keys(front) -> No
     again = chat(front, [image_part(data_url(a)), {"type": "text", "text": "again"}])
     assert again.status_code == 200, again.text
     assert counts(again) == (1, 0, 1)  # the store had it: nothing uploaded
-    assert front.last_forwarded().json()["messages"][0]["content"][0]["uuid"] == key_a
+    assert front.last_forwarded().json()["messages"][0]["content"][0]["uuid"] == parts[1]["uuid"]
 
 
 def test_a_request_without_images_is_forwarded_byte_for_byte(front) -> None:
@@ -493,6 +566,27 @@ def test_images_that_fail_are_refused_in_vitserves_shape_and_nothing_is_forwarde
         headers={"Content-Type": "application/json"},
     )
     assert not_json.status_code == 422 and "error" in not_json.json()
+    recolored = chat(  # its own compositing: vitserve's rows (on white) would not be its
+        front,
+        [image_part(data_url(good))],
+        media_io_kwargs={"image": {"rgba_background_color": [0, 0, 0]}},
+    )
+    assert recolored.status_code == 422, recolored.text
+    assert "rgba_background_color" in recolored.json()["error"]["message"]
+    neutral = chat(  # the defaults, spelled out: forwarded
+        front,
+        [image_part(data_url(good))],
+        media_io_kwargs={"image": {"rgba_background_color": [255, 255, 255]}},
+    )
+    assert neutral.status_code == 200, neutral.text
+    sent += 1
+    values = front.client.post(  # ~900k values, under the byte limit: refused unparsed
+        f"{front.url}/v1/chat/completions",
+        content=b"[" + b"{}," * 900_000 + b"{}]",
+        headers={"Content-Type": "application/json"},
+    )
+    assert values.status_code == 413, values.text
+    assert values.json()["error"]["limit"] == "json_values"
     assert front.sent() == sent
 
 
@@ -503,6 +597,7 @@ def test_the_counts_reach_metrics(front) -> None:
     before = page.page()
     new, held = fresh_images(2)
     assert chat(front, [image_part(data_url(held))]).status_code == 200
+    keys_of(front, [held])  # published (the chat went on at its claim)
     response = chat(front, [image_part(data_url(i)) for i in (new, held, new)])
     assert counts(response) == (3, 1, 1)
     want = {
@@ -572,6 +667,9 @@ def test_serve_takes_vllm_urls_by_flag_set_or_environment(monkeypatch) -> None:
         "vLLM front (OpenAI API) at http://h:1/vllm/v1/chat/completions, forwarding to "
         "http://e:1, http://f:2 (docs: http://h:1/vllm/docs)"
     )
+    secret = local_config({"vllm.urls": ["http://proxy:s3cret-pw@g:8000"]})
+    printed = "\n".join(cli.serving_lines(secret, "http://h:1", prefill=False))
+    assert "s3cret-pw" not in printed and "http://proxy:***@g:8000" in printed
 
 
 def test_vllm_urls_are_checked() -> None:

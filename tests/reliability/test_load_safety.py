@@ -384,6 +384,12 @@ def test_a_slow_body_a_64mib_json_body_and_a_disconnect_are_bounded(app, reliabi
     junk = [base64.b64encode(rng.bytes(3 * 2**18 - 64)).decode() for _ in range(64)]
     doc = json.dumps({"images": [{"data": j} for j in junk]}).encode()
     assert 60 * 2**20 < len(doc) <= len(values) <= 64 * 2**20
+    # what reading ``doc`` (parse, then base64) would hold /healthz up for, were it done on
+    # the ingress's event loop: the least stall the check below must see, on this host
+    started = time.monotonic()
+    for item in json.loads(doc)["images"]:
+        base64.b64decode(item["data"])
+    stall_s = time.monotonic() - started
     # What carrying 64 MiB through Serve's proxy to the ingress costs /healthz here, nothing
     # parsed: the same bytes as text/plain, read whole and refused 415.
     with Health(app) as baseline:
@@ -438,9 +444,13 @@ def test_a_slow_body_a_64mib_json_body_and_a_disconnect_are_bounded(app, reliabi
         again = app.client.post(f"{app.url}/v1/encode", files=files([image]))
         assert again.status_code == 200 and again.json()["items"][0]["cached"] is True
         notes.append("a disconnect mid-encode: published (the retry a hit), work given back")
-    # parsing the bodies costs /healthz no more than carrying them does
+    # parsing the bodies costs /healthz no more than carrying them does: its slowest answer
+    # within twice the carried bodies' slowest, or within half of what reading ``doc`` on the
+    # loop would cost (a longer window than the baseline's, on 2 busy cores, sees a slower
+    # poll or two; reading on the loop would add ``stall_s`` whole)
     assert not health.failures and not baseline.failures, (health.failures, baseline.failures)
-    assert health.slowest <= 2 * baseline.slowest, (health.slowest, baseline.slowest)
+    allowed = max(2 * baseline.slowest, baseline.slowest + stall_s / 2)
+    assert health.slowest <= allowed, (health.slowest, baseline.slowest, stall_s)
     reliability.record(
         "a slow body, a 64 MiB JSON body (two kinds), a disconnect mid-encode",
         tried=4,
