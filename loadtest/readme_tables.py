@@ -165,7 +165,8 @@ def vllm(root: Path) -> str:
     ]
     for model, part in zip(models, parts, strict=True):
         ttft = rows_by(table_after(part, "### Time to first token", name), 0, 1)
-        for scenario in ("1 new image", "4 new images"):
+        scenarios = [s for s, setup in ttft if setup == VLLM_SETUPS[0] and "new image" in s]
+        for scenario in scenarios:  # 1 new image, then the many-image request's
             row = []
             for setup in VLLM_SETUPS:
                 c = ttft.get((scenario, setup))

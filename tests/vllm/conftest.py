@@ -10,7 +10,9 @@ The session's servers, all on loopback:
   store, with the prefill application and the front for vLLM (``--vllm-url`` A and B);
 * vLLM replica **A** over the same folder and replica **B** over a copy whose vision weights are
   noise, both with vitserve's connector (``ec_consumer``), one pinned to each core. B answers
-  right only when its tower never runs: every image it needs comes from vitserve. Noise, not
+  right only when its tower never runs: every image it needs comes from vitserve (its connector
+  runs with ``check_model: tower-may-differ``: the default refuses a service whose vision
+  weights are not vLLM's, ``tests/vllm/test_vouch.py``). Noise, not
   NaN: a NaN tower's request leaves NaN keys and values in the KV blocks it wrote, vLLM reuses
   those blocks once freed, and B's later answers came out NaN (measured: after one control
   request without keys, the conversation test's B turns failed with vLLM's "Out of range float
@@ -30,6 +32,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -54,14 +57,17 @@ def vllm_python() -> str:
     return path
 
 
-def ec_config(vitserve_url: str, store: str) -> str:
-    """The ``--ec-transfer-config`` that makes a vLLM use vitserve as its encoder tier."""
+def ec_config(vitserve_url: str, store: str | None, role: str = "ec_consumer", **extra: Any) -> str:
+    """The ``--ec-transfer-config`` that makes a vLLM use vitserve as its encoder tier
+    (``role``: ``ec_both`` publishes what vLLM encodes; ``extra``: more of
+    ``ec_connector_extra_config``)."""
+    settings = {"url": vitserve_url, **({"store": store} if store else {}), **extra}
     return json.dumps(
         {
             "ec_connector": CONNECTOR,
             "ec_connector_module_path": "vitserve.client.vllm",
-            "ec_role": "ec_consumer",
-            "ec_connector_extra_config": {"url": vitserve_url, "store": store},
+            "ec_role": role,
+            "ec_connector_extra_config": settings,
         }
     )
 
@@ -219,7 +225,12 @@ def stack(
     log = tmp_path_factory.mktemp("vitserve") / "serve.log"
     service = vitserve_serve(model_dir, store.url, ports["vitserve"], log, extra)
     logs = tmp_path_factory.mktemp("vllm")
-    config = ec_config(f"http://127.0.0.1:{ports['vitserve']}", store.url)
+    url = f"http://127.0.0.1:{ports['vitserve']}"
+    # B's tower is deliberately not vitserve's: its connector compares all but the weights
+    configs = {
+        "a": ec_config(url, store.url),
+        "b": ec_config(url, store.url, check_model="tower-may-differ"),
+    }
     servers = {
         name: VllmServer(
             vllm_python(),
@@ -230,7 +241,7 @@ def stack(
             served_model_name=SERVED_NAME,
             ready_timeout=300,
             extra_env={"VLLM_CPU_OMP_THREADS_BIND": core},
-            extra_args=["--ec-transfer-config", config],
+            extra_args=["--ec-transfer-config", configs[name]],
             max_images=MAX_IMAGES,
         )
         for name, folder, core in (("a", model_dir, "0"), ("b", noise_model_dir, "1"))

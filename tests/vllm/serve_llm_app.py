@@ -115,7 +115,11 @@ def llm_config(args: argparse.Namespace) -> LLMConfig:
                 "ec_connector": "VitserveECConnector",
                 "ec_connector_module_path": "vitserve.client.vllm",
                 "ec_role": "ec_consumer",
-                "ec_connector_extra_config": {"url": args.vitserve_url, "store": args.store},
+                "ec_connector_extra_config": {
+                    "url": args.vitserve_url,
+                    "store": args.store,
+                    "check_model": args.check_model,
+                },
             },
         },
         deployment_config={
@@ -150,6 +154,12 @@ def main() -> None:
     parser.add_argument("--metrics-dir", help="the replica's PROMETHEUS_MULTIPROC_DIR (empty)")
     parser.add_argument("--served-model-name", default="tiny")
     parser.add_argument("--max-images", type=int, default=16)
+    parser.add_argument(
+        "--check-model",
+        default="weights",
+        choices=("weights", "tower-may-differ"),
+        help="the connector's check_model (tower-may-differ: a deliberately other tower)",
+    )
     parser.add_argument("--num-cpus", type=int, default=2, help="the private Ray cluster's CPUs")
     parser.add_argument("--ready-timeout", type=float, default=600)
     args = parser.parse_args()

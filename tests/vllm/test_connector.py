@@ -199,7 +199,9 @@ def test_the_store_down_for_one_request(
         down = answer(post(a.url, body([user(images, uuids=keys)])))
         assert tokens(down) == tokens(alone)
         moved = delta(before, a.counts())
-        assert moved["probe_errors"] == 2 and moved["loads"] == 0, moved
+        # the probe failed, or ran past its budget while the SDK tried the service: misses
+        assert moved["probe_errors"] + moved["probe_timeouts"] == 2, moved
+        assert moved["misses"] == 2 and moved["loads"] == 0, moved
     finally:
         store.start()  # the same port, empty
     for replica in replicas.values():  # both replicas keep serving

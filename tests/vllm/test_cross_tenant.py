@@ -31,7 +31,18 @@ import pytest
 
 from vitserve.keys import content_key
 
-from .chat import LOGPROB_TOL, TIMEOUT, answer, body, logprob_gap, png, post, tokens, user
+from .chat import (
+    LOGPROB_TOL,
+    TIMEOUT,
+    answer,
+    body,
+    delta,
+    logprob_gap,
+    png,
+    post,
+    tokens,
+    user,
+)
 from .conftest import Replica, vitserve_serve
 
 ALICE = "xtv-alice-token-0123456789abcdef"
@@ -105,9 +116,15 @@ def test_a_tenants_image_sent_by_another_is_encoded_again_in_its_namespace(
     rng = np.random.default_rng(2801)
     image = png(rng, 224, 224)
     alone = answer(post(replicas["a"].url, body([user([image])])))
+    before = replicas["a"].counts()
     first = front.chat(body([user([image])]), ALICE)
     second = front.chat(body([user([image])]), BOB)
     again = front.chat(body([user([image])]), BOB)
+    # each tenant's image is a hit in vLLM, read from the tenant's own namespace (the front
+    # names it <namespace>/<key>), though the connector's token is no tenant's
+    moved = delta(before, replicas["a"].counts())
+    assert moved["hits"] >= 2 and moved["loads"] >= 2, moved
+    assert moved["mismatches"] == 0 and moved["probe_errors"] == 0, moved
     assert _counts(first) == (1, 0), first.headers
     assert _counts(second) == (1, 0), second.headers  # bob's own entry: no hit of alice's
     assert _counts(again) == (0, 1), again.headers  # then bob's own, held
