@@ -171,7 +171,9 @@ class ECCounts:
     ``load_seconds``: time spent reading and copying; ``waits``: images found being encoded
     (absent, claimed) and waited for; ``wait_misses``: waits that ended without the record
     (the claim gone, or past the wait's limit: misses); ``deferrals``: scheduler steps a
-    request was held back for an image of its next chunk; ``saves`` / ``save_bytes``: items
+    request was held back for an image of its next chunk; ``idle_steps``: steps that scheduled
+    nothing while requests were held back, and idled until the next poll instead of spinning
+    (:meth:`PublishWaits.next_due_in`); ``saves`` / ``save_bytes``: items
     vLLM encoded that the connector published (``ec_both``), ``save_failures``: those it
     could not (a row that does not split, the store down, the publish queue full).
     """
@@ -192,6 +194,7 @@ class ECCounts:
     waits: int = 0
     wait_misses: int = 0
     deferrals: int = 0
+    idle_steps: int = 0
     saves: int = 0
     save_bytes: int = 0
     save_failures: int = 0
@@ -328,6 +331,11 @@ class PublishWaits:
       claim ended without a record: a miss).
     * :meth:`settled` forgets a key whose wait ended (its record came, it was given up, its
       probe failed); :meth:`forget` keys no live request uses.
+    * :meth:`next_due_in` says how long nothing can change for the waiting requests: until the
+      first waited-for key is due again (0 when one is due now), at most ``poll_s``. An engine
+      step that schedules nothing while requests are held back idles that long instead of
+      spinning (vLLM's loop steps again at once when it has requests: a core's worth of CPU
+      taken from the model's threads beside it).
     """
 
     wait_s: float
@@ -346,6 +354,11 @@ class PublishWaits:
 
     def due(self, keys: Iterable[str], now: float) -> list[str]:
         return [k for k in keys if now - self.asked.get(k, -float("inf")) >= self.poll_s]
+
+    def next_due_in(self, now: float) -> float:
+        if not self.asked:
+            return self.poll_s
+        return min(self.poll_s, max(0.0, min(self.asked.values()) + self.poll_s - now))
 
     def claimed(self, key: str, now: float) -> bool:
         since = self.since.setdefault(key, now)

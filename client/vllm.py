@@ -23,6 +23,9 @@ Invariants (the rules are :mod:`vitserve.client.ec_plan`'s; this module performs
   ``load_budget_s`` (then: vLLM encodes them, ``load_timeouts``); ``breaker_failures``
   failures in a row stop every call for ``breaker_open_s`` (``breaker_opens``,
   ``breaker_skips``), then one trial call decides (:class:`~vitserve.client.ec_plan.Breaker`).
+  Nor a spinning one: a step that schedules nothing while requests wait for images being
+  encoded idles until the next poll (at most ``wait_poll_s``, ``idle_steps``), so the waits
+  leave the cores to the model (vLLM steps again at once while it holds any request).
 * **Only rows it can vouch for.** A record is a hit only when its rows, width and (Qwen) patch
   grid equal what vLLM's processor made of the item, from a service that serves vLLM's model.
 * **Never a wrong answer, never a dead engine.** A hit that cannot be loaded when the worker
@@ -381,6 +384,7 @@ class VitserveECConnector(ECConnectorBase):
         # probes past their budget, still going: (future, started, keys, rows, grids)
         self.late: list[tuple[Any, float, list[str], dict[str, int], dict[str, Any]]] = []
         self.late_keys: set[str] = set()
+        self.held_back = False  # a request was held back in this step's schedule
         self.late_probe_s = max(
             2 * self.settings.probe_budget_s, self.settings.probe_budget_s + 0.25
         )
@@ -482,6 +486,7 @@ class VitserveECConnector(ECConnectorBase):
         needed = next_chunk(spans, num_computed_tokens, self.chunk_tokens)
         if any(self.waits.waiting(i) or i in self.late_keys for i in needed):
             self.counts.deferrals += 1
+            self.held_back = True
             return False
         return True
 
@@ -608,6 +613,13 @@ class VitserveECConnector(ECConnectorBase):
             self.saves.append(ItemSave(identifier, key, token, rows, item_grid(feature)))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        if self.held_back and not scheduler_output.total_num_scheduled_tokens:
+            # A step with nothing to run but requests held back for images being encoded:
+            # idle until the next poll is due (PublishWaits.next_due_in) rather than spin;
+            # a request arriving meanwhile waits at most wait_poll_s.
+            self.counts.idle_steps += 1
+            time.sleep(self.waits.next_due_in(time.monotonic()))
+        self.held_back = False
         meta = VitserveECMetadata(
             self.pending, scheduler_output.scheduled_encoder_inputs, self.saves
         )

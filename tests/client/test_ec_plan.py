@@ -249,6 +249,24 @@ def test_a_claimed_image_is_waited_for_and_asked_again_only_every_poll() -> None
     assert not waits.waiting(a) and waits.due([a], now=5.0001) == [a]
 
 
+def test_an_idle_step_lasts_until_the_first_waited_key_is_due_and_never_past_a_poll() -> None:
+    """What an engine step that schedules nothing idles: until the earliest waited-for key is
+    asked about again, 0 when one is due, never longer than a poll (a new request waits at
+    most that)."""
+    waits = PublishWaits(wait_s=10.0, poll_s=0.005)
+    assert waits.next_due_in(now=0.0) == 0.005  # nothing waited for (a late probe): one poll
+    a, b = key(1), key(2)
+    assert waits.claimed(a, now=1.000)
+    assert waits.next_due_in(now=1.001) == pytest.approx(0.004)
+    assert waits.claimed(b, now=1.003)
+    assert waits.next_due_in(now=1.004) == pytest.approx(0.001)  # a's is first due
+    assert waits.next_due_in(now=1.010) == 0.0  # overdue: step again at once
+    assert waits.next_due_in(now=0.5) == 0.005  # a clock behind the asks: at most a poll
+    waits.settled(a)
+    waits.settled(b)
+    assert waits.next_due_in(now=2.0) == 0.005
+
+
 def test_a_wait_past_its_limit_gives_up_and_a_later_claim_starts_over() -> None:
     waits = PublishWaits(wait_s=2.0)
     a = key(3)

@@ -26,6 +26,7 @@ from loadtest.vllm_peer import VllmServer
 from .chat import LOGPROB_TOL, answer, body, delta, image_part, logprob_gap, png, post, tokens
 from .conftest import SERVED_NAME, Replica, Vitserve, ec_config, vllm_python
 
+POLL_S = 0.005  # the connector's wait_poll_s (its default): a step per poll while waiting
 CHUNK = 128  # C's --max-num-batched-tokens: a 224x224 image is 64 rows in the tiny model
 FILLER = " ".join(["word"] * 160)  # ~160 tokens: the second image starts past the first chunk
 
@@ -80,8 +81,11 @@ def test_early_chunks_prefill_while_a_later_image_encodes_and_others_go_on(
     """Two new images with text between them, the second one's encode held: vLLM loads the
     first image and prefills the chunks before the second while the second is still being
     encoded (its claim held, no record), answers another request meanwhile as fast as when
-    idle, and, once the second image is published, answers as vLLM alone does (its own tower,
-    the same server) with both images loaded from vitserve and none encoded by vLLM."""
+    idle, idles rather than spins while only the waiting request is left (one engine step
+    per ``wait_poll_s`` at most, where vLLM's loop would step again at once, taking a core
+    from the model's threads and from an encoder beside it), and, once the second image is
+    published, answers as vLLM alone does (its own tower, the same server) with both images
+    loaded from vitserve and none encoded by vLLM."""
     from vitserve.cache import open_store
     from vitserve.cache.base import Pending
     from vitserve.client import EncoderClient
@@ -119,6 +123,15 @@ def test_early_chunks_prefill_while_a_later_image_encodes_and_others_go_on(
         assert waiting.is_alive()  # it still waits for the second image
         print(f"a text request: {idle * 1e3:.0f} ms idle, {during * 1e3:.0f} ms beside the wait")
         assert during < 2 * idle + 0.5, (during, idle)
+        time.sleep(0.5)  # the text request done: only the waiting request is left
+        quiet, started = c.counts(), time.monotonic()
+        time.sleep(2.0)
+        held = delta(quiet, c.counts())
+        steps_per_s = held.get("deferrals", 0) / (time.monotonic() - started)
+        print(f"engine steps while only the waiting request is left: {steps_per_s:.0f}/s")
+        assert waiting.is_alive()
+        assert held.get("idle_steps", 0) > 0, held
+        assert steps_per_s < 1.5 / POLL_S, (steps_per_s, held)  # one per poll, with slack
         moved = delta(before, c.counts())
         assert moved["deferrals"] > 0 and moved["loads"] == 1, moved
     finally:
