@@ -340,7 +340,7 @@ def _wait_for_cpus(name: str, needed: float, timeout: float = 30) -> None:
                 f"{free:g} free; applications up: {up} (remove what a module no longer "
                 "needs: deploy.remove)"
             )
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 def _with_remove(deploy_fn: Callable[..., Any], apps: dict[str, Any]) -> Iterator[Any]:
@@ -364,6 +364,12 @@ def _with_remove(deploy_fn: Callable[..., Any], apps: dict[str, Any]) -> Iterato
     yield deploy
     _REMOVERS.remove(remove)
     _delete_apps(list(apps))
+
+
+# A stopping replica checks every graceful_shutdown_wait_loop_s that its requests in flight are
+# done (Serve's default 2 s): every application the suite deletes would wait that long.
+STOP_POLL_S = 0.1
+SECTIONS = ("encoder", "preprocess", "ingress", "prefill", "vllm")
 
 
 @pytest.fixture(scope="session")
@@ -392,6 +398,7 @@ def deploy(
             "encoder.num_cpus": 0.2,
             "preprocess.num_cpus": 0.1,
             "ingress.num_cpus": 0.05,
+            **{f"{section}.graceful_shutdown_wait_loop_s": STOP_POLL_S for section in SECTIONS},
         }
         cfg = VitserveConfig.load({**base, **overrides})  # a section given merges
         preprocess = _cpus(cfg.preprocess) if cfg.preprocess_at == "deployment" else 0.0
@@ -552,6 +559,7 @@ def deploy_prefill(deploy: Callable[..., App]) -> Iterator[Callable[..., ChatApp
                 "route_prefix": f"/{name}",
                 "num_cpus": 0.05,
                 "chunk_size": 16,
+                "graceful_shutdown_wait_loop_s": STOP_POLL_S,
             },
         }
         cfg = VitserveConfig.load({**base, **overrides})

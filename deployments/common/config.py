@@ -139,6 +139,9 @@ class DeploymentConfig(_Strict):
     resources: dict[str, float] = Field(default_factory=dict)
     max_ongoing_requests: int = Field(64, gt=0)
     max_queued_requests: int = Field(256, ge=-1)  # -1: unbounded (not recommended)
+    # How often a stopping replica checks that its requests in flight are done (Serve's
+    # graceful_shutdown_wait_loop_s): a replica's stop takes at least this long.
+    graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0)
 
     @field_validator("resources")
     @classmethod

@@ -63,6 +63,7 @@ def deployment_options(d: DeploymentConfig) -> dict[str, Any]:
         },
         "max_ongoing_requests": d.max_ongoing_requests,
         "max_queued_requests": d.max_queued_requests,
+        "graceful_shutdown_wait_loop_s": d.graceful_shutdown_wait_loop_s,
     }
     if d.autoscaling is not None:
         options["autoscaling_config"] = serve_autoscaling_config(d.autoscaling)

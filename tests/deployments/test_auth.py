@@ -551,6 +551,7 @@ def test_a_rotated_token_works_through_the_prefill_app_and_the_vllm_front(
     in erin's namespace), and T1's are refused 401 by both."""
     from ray import serve
 
+    from tests.conftest import STOP_POLL_S
     from tests.deployments.test_vllm_front import FakeVllm
     from vitserve.deployments.runner.local import serve_app
     from vitserve.deployments.vllm.app import build_vllm_application
@@ -563,7 +564,12 @@ def test_a_rotated_token_works_through_the_prefill_app_and_the_vllm_front(
     cfg = VitserveConfig.load(
         {
             **encoder.config.model_dump(),
-            "vllm": {"urls": [fake.url], "encoder_app": encoder.name, "num_cpus": 0.02},
+            "vllm": {
+                "urls": [fake.url],
+                "encoder_app": encoder.name,
+                "num_cpus": 0.02,
+                "graceful_shutdown_wait_loop_s": STOP_POLL_S,
+            },
         }
     )
     serve_app(build_vllm_application(cfg), name=name, route_prefix=f"/{name}")

@@ -187,6 +187,23 @@ def test_custom_resources_place_a_deployments_replicas() -> None:
             VitserveConfig.load({"encoder.resources": bad})
 
 
+def test_how_often_a_stopping_replica_checks_its_requests_is_serves_default_or_set() -> None:
+    """``<section>.graceful_shutdown_wait_loop_s`` reaches Serve's deployment options: Serve's
+    2 s unless set (a replica's stop takes at least that long), never 0 or below."""
+    from vitserve.deployments.common.serving import deployment_options
+
+    cfg = VitserveConfig.load(
+        {"encoder.graceful_shutdown_wait_loop_s": 0.1},
+        environ={"VITSERVE_VLLM__GRACEFUL_SHUTDOWN_WAIT_LOOP_S": "0.5"},
+    )
+    assert deployment_options(cfg.encoder)["graceful_shutdown_wait_loop_s"] == 0.1
+    assert deployment_options(cfg.vllm)["graceful_shutdown_wait_loop_s"] == 0.5
+    assert deployment_options(cfg.ingress)["graceful_shutdown_wait_loop_s"] == 2.0
+    for bad in (0, -1):
+        with pytest.raises(ConfigError, match="graceful_shutdown_wait_loop_s"):
+            VitserveConfig.load({"prefill.graceful_shutdown_wait_loop_s": bad})
+
+
 def test_a_cuda_device_reserves_a_gpu_per_encoder_replica() -> None:
     """``device: cuda`` gives each encoder replica a GPU of its own (num_gpus 1) unless the
     config names a share; an explicit 0 beside it is refused, naming why; cpu and the automatic

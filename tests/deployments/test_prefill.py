@@ -156,14 +156,20 @@ def reference_inputs(path: Path, family: str, config: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def references(tiny_models) -> dict[str, Any]:
+def full_models(tiny_models) -> dict[str, Any]:
+    """family -> the monolithic model, loaded once for the module's references."""
+    return {family: _full_model(tiny_models[family], family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models, full_models) -> dict[str, Any]:
     """family -> (prompt ids, prompt logits, greedy tokens, per-token logits) of the full
     model on the pixels."""
     import torch
 
     out = {}
     for family in FAMILIES:
-        model = _full_model(tiny_models[family], family)
+        model = full_models[family]
         inputs = reference_inputs(tiny_models[family], family, model.config)
         with torch.no_grad():
             logits = model(**inputs).logits[0]
@@ -181,14 +187,14 @@ def references(tiny_models) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def held_references(tiny_models) -> dict[str, Any]:
+def held_references(tiny_models, full_models) -> dict[str, Any]:
     """family -> (greedy tokens, per-token logits) of the full model on the pixels, its end
     tokens held back for the first ``NEW_TOKENS`` (``min_new_tokens``); end token excluded."""
     import torch
 
     out = {}
     for family in FAMILIES:
-        model = _full_model(tiny_models[family], family)
+        model = full_models[family]
         inputs = reference_inputs(tiny_models[family], family, model.config)
         with torch.no_grad():
             gen = model.generate(

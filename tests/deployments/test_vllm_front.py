@@ -246,6 +246,7 @@ class Front:
 def front(main_app, serve_url) -> Iterator[Front]:
     from ray import serve
 
+    from tests.conftest import STOP_POLL_S
     from vitserve.deployments.common.config import VitserveConfig
     from vitserve.deployments.runner.local import serve_app
     from vitserve.deployments.vllm.app import build_vllm_application
@@ -261,6 +262,7 @@ def front(main_app, serve_url) -> Iterator[Front]:
         "retry_after_s": RETRY_AFTER,
         "encoder_attempts": 3,
         "overlap": True,  # forced: a CPU encoder's default is off (overlaps)
+        "graceful_shutdown_wait_loop_s": STOP_POLL_S,
     }
     cfg = VitserveConfig.load(
         {

@@ -206,6 +206,7 @@ def tenants(deploy, deploy_prefill, serve_url) -> Iterator[Tenants]:
     images, stored through every way in."""
     from ray import serve
 
+    from tests.conftest import STOP_POLL_S
     from vitserve.deployments.common.auth import redis_readers
     from vitserve.deployments.common.config import VitserveConfig
     from vitserve.deployments.runner.local import serve_app
@@ -229,6 +230,7 @@ def tenants(deploy, deploy_prefill, serve_url) -> Iterator[Tenants]:
                 "encoder_app": app.name,
                 "route_prefix": f"/{FRONT}",
                 "num_cpus": 0.05,
+                "graceful_shutdown_wait_loop_s": STOP_POLL_S,
             },
         }
     )
