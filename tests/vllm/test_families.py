@@ -1,16 +1,28 @@
 """Every family vLLM's CPU build serves: vLLM with vitserve's connector == vLLM alone.
 
-Per family, a ``vitserve serve`` over the family's tiny test model (built ``vllm=True``: see
-:mod:`vitserve.encoder.testmodels` and ``families.py``) and one vLLM over the same folder with
-the connector, started side by side. Two images of different sizes: vLLM alone (no ``uuid`` s:
-its own tower) and vLLM with the images' vitserve keys give the same greedy tokens and prompt
-logprobs, and the connector loaded every image. (Qwen2-VL runs in ``test_connector.py``, behind
-the front.)
+One Serve cluster serves every family's tiny test model (built ``vllm=True``: see
+:mod:`vitserve.encoder.testmodels` and ``families.py``), one vitserve application per family,
+started the way a Serve config of several applications is run (``serve run config.yaml``, the
+``applications:`` a RayService's ``serveConfigV2`` lists too); beside it one vLLM per family
+over the same folder with the connector, its ``url`` the family's application. All start at
+once: a vLLM start is a chain of three processes that each import vLLM (~20 s of one core each
+on a 2-vCPU EPYC), so side by side they fill the cores that one alone leaves idle, and one
+Ray cluster serves what four ``vitserve serve`` s did.
+
+Per family, two images of different sizes: vLLM alone (no ``uuid`` s: its own tower) and vLLM
+with the images' vitserve keys give the same greedy tokens and prompt logprobs, and the
+connector loaded every image. (Qwen2-VL runs in ``test_connector.py``, behind the front.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,6 +30,7 @@ import numpy as np
 import pytest
 
 from loadtest.vllm_peer import VllmServer
+from tests.cli_process import cli_env, wait_healthy
 from tests.redis_process import RedisServer
 
 from .chat import (
@@ -32,45 +45,118 @@ from .chat import (
     tokens,
     user,
 )
-from .conftest import SERVED_NAME, Replica, ec_config, vitserve_serve, vllm_python
+from .conftest import SERVED_NAME, Replica, ec_config, vllm_python
 from .families import SIZES, VLLM_FAMILIES
 
 FAMILIES = [f for f in VLLM_FAMILIES if f != "qwen2_vl"]
+SERVE = str(Path(sys.executable).parent / "serve")
+# each application's share of the cluster's 2 CPUs: all four fit
+SHARES = {"encoder.num_cpus": 0.2, "ingress.num_cpus": 0.05, "torch_threads": 1}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_connector_equals_vllm_alone(family: str, store: RedisServer, tmp_path: Path) -> None:
+def serve_config(models: dict[str, Path], store: str, port: int) -> dict:
+    """A Serve config: one vitserve application per family at ``/<family>``, over ``store``."""
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [
+            {
+                "name": family,
+                "route_prefix": f"/{family}",
+                "import_path": "vitserve.deployments.encoder.app:build_app",
+                "args": {
+                    "model": str(model),
+                    "store": store,
+                    "dtype": "fp32",
+                    "device": "cpu",
+                    **SHARES,
+                },
+            }
+            for family, model in models.items()
+        ],
+    }
+
+
+@contextlib.contextmanager
+def serve_run(config: dict, work: Path, urls: list[str]) -> Iterator[subprocess.Popen]:
+    """``serve run`` of ``config`` on a new local Ray cluster, until every one of ``urls``
+    answers its health route; stopped as Ctrl-C stops it (its own signal, then its group)."""
+    path = work / "serve.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    log = work / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [SERVE, "run", "--address", "local", str(path)],
+            env=cli_env(work / "cache"),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        for url in urls:
+            wait_healthy(proc, url, timeout=600, log=log)
+        yield proc
+    finally:
+        stop_group(proc)
+        sys.stderr.write(f"serve run log: {log}\n")
+
+
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGINT) -> None:
+    """``sig`` to ``proc`` alone (it stops its cluster), then SIGKILL to its process group."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(sig)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(60)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def families(
+    store: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, tuple[str, Replica]]]:
+    """family -> (its vitserve application's URL, its vLLM replica), all started at once."""
     from vitserve.deployments.runner.local import free_port
     from vitserve.encoder.testmodels import cached_model
 
-    model = cached_model(family, "tiny", vllm=True)
+    work = tmp_path_factory.mktemp("families")
+    models = {family: cached_model(family, "tiny", vllm=True) for family in FAMILIES}
+    port = free_port()
+    urls = {family: f"http://127.0.0.1:{port}/{family}" for family in FAMILIES}
+    service = serve_run(serve_config(models, store.url, port), work, list(urls.values()))
+    servers = {
+        family: VllmServer(
+            vllm_python(),
+            str(models[family]),
+            free_port(),
+            dtype="float32",
+            log_path=str(work / f"vllm-{family}.log"),
+            served_model_name=SERVED_NAME,
+            ready_timeout=600,  # four at once, beside the cluster's start
+            extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"},
+            # the connector reaches vitserve only when a request names a key
+            extra_args=["--ec-transfer-config", ec_config(urls[family], store.url)],
+        )
+        for family in FAMILIES
+    }
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(1 + len(servers)) as pool:
+        started = [pool.submit(stack.enter_context, c) for c in (service, *servers.values())]
+        for future in started:
+            future.result()  # a server that cannot start fails the module here
+        yield {family: (urls[family], Replica(family, servers[family])) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_connector_equals_vllm_alone(family: str, families: dict[str, tuple[str, Replica]]) -> None:
+    url, replica = families[family]
     rng = np.random.default_rng(11)
     images = [png(rng, w, h) for w, h in SIZES[family]]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = VllmServer(
-        vllm_python(),
-        str(model),
-        free_port(),
-        dtype="float32",
-        log_path=str(tmp_path / "vllm.log"),
-        served_model_name=SERVED_NAME,
-        ready_timeout=300,
-        extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"},
-        extra_args=["--ec-transfer-config", ec_config(url, store.url)],
-    )
-    # both start at once: the connector reaches vitserve only when a request names a key
-    service = vitserve_serve(model, store.url, port, tmp_path / "serve.log")
-    with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as pool:
-        started = [pool.submit(stack.enter_context, c) for c in (service, server)]
-        assert started[0].result().url == url
-        started[1].result()  # a server that cannot start fails the test here
-        replica = Replica(family, server)
-        alone = answer(post(server.url, body([user(images)])))
-        keys = keys_of(url, images)
-        before = replica.counts()
-        hit = answer(post(server.url, body([user(images, uuids=keys)])))
-        moved = delta(before, replica.counts())
+    alone = answer(post(replica.url, body([user(images)])))
+    keys = keys_of(url, images)
+    before = replica.counts()
+    hit = answer(post(replica.url, body([user(images, uuids=keys)])))
+    moved = delta(before, replica.counts())
     assert tokens(hit) == tokens(alone)
     gap = logprob_gap(hit, alone)
     print(f"{family}: max |prompt logprob difference| from vLLM alone {gap:.2g}")
