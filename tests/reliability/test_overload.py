@@ -299,6 +299,7 @@ print(json.dumps({"seconds": seconds, "forwards": len(plan.batches), "before": b
 #: eleven runs on a 2-vCPU AMX Xeon, budget 512 MiB, outputs 30 MiB; +272 and +382 MiB on a
 #: 2-vCPU EPYC, one image per forward)
 RETAINED_BYTES = LARGE_BUDGET
+LARGE_TIMEOUT_S = 2400  # within .ci/run's foreground steps, which outlast it
 
 
 @pytest.mark.slow
@@ -333,7 +334,10 @@ def test_64_images_at_2k_encode_within_the_activation_budget(
         env={**os.environ, **WORKER_ENV},
         capture_output=True,
         text=True,
-        timeout=900,
+        # a guard against a hang, not a bound on time: .ci/run runs this at nice 19 beside its
+        # other steps, on the CPU they leave idle (the run alone: 655 s on a 2-vCPU EPYC; beside
+        # the vLLM step it passed 900 s)
+        timeout=LARGE_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
