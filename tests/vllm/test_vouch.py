@@ -19,6 +19,7 @@ import base64
 import contextlib
 import io
 import json
+import os
 import socket
 import statistics
 import threading
@@ -178,33 +179,44 @@ def _start_fails(
 def test_what_can_never_be_right_stops_vllm_at_start_naming_why(
     vitserve: Vitserve, noise_model_dir: Path, model_dir: Path, store: Any, tmp_path: Path
 ) -> None:
-    from concurrent.futures import ThreadPoolExecutor
+    """Every case through vLLM's own argument parser, engine configuration and connector
+    factory (check_refusals.py: the connector vLLM's engine core builds at start), the cases in
+    two vLLM processes (one without `redis`); and one case through a real ``vllm serve``,
+    which must exit naming why: a refusal
+    stops the server, whichever case raised it (a vLLM start costs three processes that each
+    import vLLM)."""
+    import subprocess
 
     from vitserve.deployments.runner.local import free_port
 
-    # a `redis` that cannot be imported, ahead of the real one on vLLM's path
-    shadow = tmp_path / "no-redis" / "redis"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text(
-        'raise ModuleNotFoundError("No module named \'redis\'", name="redis")\n'
-    )
-    no_redis = {"PYTHONPATH": str(shadow.parent)}
-    cases = {
+    def args(folder: Path, config: str, *more: str) -> list[str]:
+        return ["--model", str(folder), "--dtype", "float32", "--ec-transfer-config", config, *more]
+
+    cases: dict[str, dict[str, Any]] = {
+        # `import redis` fails as for a module that is not installed (below)
+        "the redis module missing": {"args": args(model_dir, ec_config(vitserve.url, store.url))},
         # the noise copy: same family, processor and shapes, other vision weights
-        "another checkpoint": (noise_model_dir, ec_config(vitserve.url, store.url), ()),
-        "the redis module missing": (model_dir, ec_config(vitserve.url, store.url), ()),
-        "rgba_background_color": (
-            model_dir,
-            ec_config(vitserve.url, store.url),
-            ("--media-io-kwargs", json.dumps({"image": {"rgba_background_color": [0, 0, 0]}})),
-        ),
-        "malformed store URL": (model_dir, ec_config(vitserve.url, "redis://127.0.0.1:port/0"), ()),
+        "another checkpoint": {
+            "args": args(noise_model_dir, ec_config(vitserve.url, store.url)),
+        },
+        "rgba_background_color": {
+            "args": args(
+                model_dir,
+                ec_config(vitserve.url, store.url),
+                "--media-io-kwargs",
+                json.dumps({"image": {"rgba_background_color": [0, 0, 0]}}),
+            ),
+        },
+        "malformed store URL": {
+            "args": args(model_dir, ec_config(vitserve.url, "redis://127.0.0.1:port/0")),
+        },
         # ec_both would publish another tower's rows for every reader of the store
-        "ec_both, tower-may-differ": (
-            noise_model_dir,
-            ec_config(vitserve.url, store.url, "ec_both", check_model="tower-may-differ"),
-            (),
-        ),
+        "ec_both, tower-may-differ": {
+            "args": args(
+                noise_model_dir,
+                ec_config(vitserve.url, store.url, "ec_both", check_model="tower-may-differ"),
+            ),
+        },
     }
     expected = {
         "another checkpoint": "vision weights or family",
@@ -213,23 +225,48 @@ def test_what_can_never_be_right_stops_vllm_at_start_naming_why(
         "the redis module missing": "needs the Python module 'redis'",
         "ec_both, tower-may-differ": "check_model must be weights",
     }
-    with ThreadPoolExecutor(len(cases)) as pool:
-        tails = {
-            name: pool.submit(
-                _start_fails,
-                name,
-                folder,
-                free_port(),
-                tmp_path / f"{i}.log",
-                config,
-                args,
-                no_redis if name == "the redis module missing" else None,
-            )
-            for i, (name, (folder, config, args)) in enumerate(cases.items())
-        }
-        got = {name: future.result() for name, future in tails.items()}
-    missing = {name: got[name][-1500:] for name in cases if expected[name] not in got[name]}
+    # a `redis` that cannot be imported, ahead of the real one on vLLM's path: that case
+    # runs in a process of its own
+    shadow = tmp_path / "no-redis" / "redis"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text(
+        'raise ModuleNotFoundError("No module named \'redis\'", name="redis")\n'
+    )
+    no_redis = "the redis module missing"
+
+    def refusals(group: dict[str, dict[str, Any]], env: dict[str, str]) -> dict[str, Any]:
+        spec = tmp_path / f"cases-{len(group)}.json"
+        spec.write_text(json.dumps(group))
+        run = subprocess.run(
+            [vllm_python(), str(Path(__file__).with_name("check_refusals.py")), str(spec)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **env},
+            timeout=600,
+        )
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    got = {
+        **refusals({no_redis: cases[no_redis]}, {"PYTHONPATH": str(shadow.parent)}),
+        **refusals({k: v for k, v in cases.items() if k != no_redis}, {}),
+    }
+    missing = {
+        name: (got[name] or "built: no error")[-1500:]
+        for name in cases
+        if expected[name] not in (got[name] or "")
+    }
     assert not missing, missing
+
+    # a real server with one of them: the refusal stops vLLM at start, named in its log
+    log = _start_fails(
+        "another checkpoint",
+        noise_model_dir,
+        free_port(),
+        tmp_path / "serve.log",
+        ec_config(vitserve.url, store.url),
+    )
+    assert expected["another checkpoint"] in log, log[-1500:]
 
 
 # -- a store that black-holes ----------------------------------------------------------------------
