@@ -17,6 +17,12 @@ The session's servers, all on loopback:
   those blocks once freed, and B's later answers came out NaN (measured: after one control
   request without keys, the conversation test's B turns failed with vLLM's "Out of range float
   values are not JSON compliant", and B's log showed no fallback to its tower).
+
+A and B run vLLM's default process layout (API server, engine core, worker: the scheduler's
+connector metadata crosses to the worker process, pickled). The servers the modules start for
+one question each (a family's parity, ``ec_both``, chunked prefill, a black-holed store, a
+refusal at start) run the worker inside the engine core (``ONE_PROCESS``): the same connector
+code in both roles, one process and one import of vLLM fewer per server.
 """
 
 from __future__ import annotations
@@ -46,6 +52,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVED_NAME = "tiny"
 CONNECTOR = "VitserveECConnector"
 MAX_IMAGES = 16  # vLLM's --limit-mm-per-prompt for images
+# vLLM's worker inside its engine core process (vLLM's CPU platform keeps the ``uni`` executor
+# only with V1 multiprocessing off; the API server still runs the engine core in a process of
+# its own): a start then costs two processes that import vLLM, not three
+ONE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+ONE_PROCESS_ARGS = ("--distributed-executor-backend", "uni")
 # a vision weight's name in a saved checkpoint (with or without transformers' "model." prefix)
 VISION_WEIGHT = re.compile(r"^(model\.)?(visual|vision_tower|multi_modal_projector)\.")
 

@@ -20,7 +20,15 @@ import pytest
 from loadtest.vllm_peer import VllmServer
 
 from .chat import LOGPROB_TOL, answer, body, delta, logprob_gap, png, post, tokens, user
-from .conftest import SERVED_NAME, Replica, Vitserve, ec_config, vllm_python
+from .conftest import (
+    ONE_PROCESS_ARGS,
+    ONE_PROCESS_ENV,
+    SERVED_NAME,
+    Replica,
+    Vitserve,
+    ec_config,
+    vllm_python,
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +47,12 @@ def both(
             log_path=str(logs / f"{name}.log"),
             served_model_name=SERVED_NAME,
             ready_timeout=300,
-            extra_env={"VLLM_CPU_OMP_THREADS_BIND": core},
-            extra_args=["--ec-transfer-config", ec_config(vitserve.url, store.url, "ec_both")],
+            extra_env={"VLLM_CPU_OMP_THREADS_BIND": core, **ONE_PROCESS_ENV},
+            extra_args=[
+                "--ec-transfer-config",
+                ec_config(vitserve.url, store.url, "ec_both"),
+                *ONE_PROCESS_ARGS,
+            ],
         )
         for name, core in (("d", "0"), ("e", "1"))
     }

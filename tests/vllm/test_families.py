@@ -45,7 +45,14 @@ from .chat import (
     tokens,
     user,
 )
-from .conftest import SERVED_NAME, Replica, ec_config, vllm_python
+from .conftest import (
+    ONE_PROCESS_ARGS,
+    ONE_PROCESS_ENV,
+    SERVED_NAME,
+    Replica,
+    ec_config,
+    vllm_python,
+)
 from .families import SIZES, VLLM_FAMILIES
 
 FAMILIES = [f for f in VLLM_FAMILIES if f != "qwen2_vl"]
@@ -134,9 +141,13 @@ def families(
             log_path=str(work / f"vllm-{family}.log"),
             served_model_name=SERVED_NAME,
             ready_timeout=600,  # four at once, beside the cluster's start
-            extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"},
+            extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1", **ONE_PROCESS_ENV},
             # the connector reaches vitserve only when a request names a key
-            extra_args=["--ec-transfer-config", ec_config(urls[family], store.url)],
+            extra_args=[
+                "--ec-transfer-config",
+                ec_config(urls[family], store.url),
+                *ONE_PROCESS_ARGS,
+            ],
         )
         for family in FAMILIES
     }

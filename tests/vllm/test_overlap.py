@@ -24,7 +24,15 @@ import pytest
 from loadtest.vllm_peer import VllmServer
 
 from .chat import LOGPROB_TOL, answer, body, delta, image_part, logprob_gap, png, post, tokens
-from .conftest import SERVED_NAME, Replica, Vitserve, ec_config, vllm_python
+from .conftest import (
+    ONE_PROCESS_ARGS,
+    ONE_PROCESS_ENV,
+    SERVED_NAME,
+    Replica,
+    Vitserve,
+    ec_config,
+    vllm_python,
+)
 
 POLL_S = 0.005  # the connector's wait_poll_s (its default): a step per poll while waiting
 CHUNK = 128  # C's --max-num-batched-tokens: a 224x224 image is 64 rows in the tiny model
@@ -45,8 +53,9 @@ def chunked(
         log_path=str(tmp_path_factory.mktemp("vllm-chunked") / "c.log"),
         served_model_name=SERVED_NAME,
         ready_timeout=300,
-        extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"},
+        extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1", **ONE_PROCESS_ENV},
         extra_args=[
+            *ONE_PROCESS_ARGS,
             "--ec-transfer-config",
             ec_config(vitserve.url, store.url),
             "--max-num-batched-tokens",

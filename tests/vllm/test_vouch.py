@@ -36,7 +36,15 @@ from PIL import Image
 from loadtest.vllm_peer import VllmServer
 
 from .chat import LOGPROB_TOL, answer, body, delta, keys_of, logprob_gap, post, tokens
-from .conftest import SERVED_NAME, Replica, Vitserve, ec_config, vllm_python
+from .conftest import (
+    ONE_PROCESS_ARGS,
+    ONE_PROCESS_ENV,
+    SERVED_NAME,
+    Replica,
+    Vitserve,
+    ec_config,
+    vllm_python,
+)
 
 
 def _part(data: bytes, mime: str, uuid: str | None = None) -> dict[str, Any]:
@@ -168,8 +176,8 @@ def _start_fails(
         log_path=str(log),
         served_model_name=SERVED_NAME,
         ready_timeout=300,
-        extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1", **(env or {})},
-        extra_args=["--ec-transfer-config", config, *args],
+        extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1", **ONE_PROCESS_ENV, **(env or {})},
+        extra_args=["--ec-transfer-config", config, *ONE_PROCESS_ARGS, *args],
     )
     with pytest.raises(RuntimeError, match="exited"), server:
         pass
@@ -336,8 +344,8 @@ def holed(
         log_path=str(tmp_path_factory.mktemp("vllm-c") / "c.log"),
         served_model_name=SERVED_NAME,
         ready_timeout=300,
-        extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"},
-        extra_args=["--ec-transfer-config", config],
+        extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1", **ONE_PROCESS_ENV},
+        extra_args=["--ec-transfer-config", config, *ONE_PROCESS_ARGS],
     )
     with server:
         yield Replica("c", server), hole
