@@ -141,13 +141,47 @@ def start_serve(host: str, port: int, *, access_log: bool = False) -> str:
     return f"http://{host}:{port}"
 
 
+#: how often a deploy asks Serve whether its application runs (``serve.run`` asks every 1 s:
+#: each deploy waited half a second on average past the moment its replicas were up)
+READY_POLL_S = 0.1
+
+
 def serve_app(
     app: Any, *, name: str = APP_NAME, route_prefix: str = "/", access_log: bool = False
 ) -> None:
-    """Deploy a built application and wait until it is ready."""
+    """Deploy a built application and wait until it runs (asked every ``READY_POLL_S``); a
+    deploy that fails raises RuntimeError with Serve's messages, the application's and each
+    deployment's (``serve.run`` names the failed deployments, not why they failed)."""
     from ray import serve  # heavy: the CLI imports this module; Ray loads when a command starts it
 
-    serve.run(app, name=name, route_prefix=route_prefix, logging_config=_logging(access_log))
+    target = serve.RunTarget(
+        app, name=name, route_prefix=route_prefix, logging_config=_logging(access_log)
+    )
+    serve.run_many([target], wait_for_applications_running=False)
+    wait_running(name)
+
+
+def wait_running(name: str, poll_s: float = READY_POLL_S) -> None:
+    """Return once Serve's application ``name`` is RUNNING; RuntimeError when its deploy
+    failed or it is gone (deleted meanwhile). Waits as long as Serve deploys, as ``serve.run``
+    does: a deploy that hangs (replicas that never fit the cluster) is the caller's to bound."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    while True:
+        status = serve.status().applications.get(name)
+        if status is None:
+            raise RuntimeError(f"Deploying application {name} failed: it is gone")
+        if status.status == ApplicationStatus.RUNNING:
+            return
+        if status.status == ApplicationStatus.DEPLOY_FAILED:
+            why = [status.message] + [
+                f"{deployment}: {d.message}"
+                for deployment, d in status.deployments.items()
+                if d.message
+            ]
+            raise RuntimeError(f"Deploying application {name} failed: " + "; ".join(why))
+        time.sleep(poll_s)
 
 
 def start_local(
