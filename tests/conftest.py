@@ -299,10 +299,12 @@ def _delete_apps(names: list[str], timeout: float = 120) -> None:
         return
     from ray import serve
 
+    from vitserve.deployments.runner.local import application_statuses
+
     for name in names:
         serve.delete(name, _blocking=False)
     deadline = time.monotonic() + timeout
-    while left := set(names) & set(serve.status().applications):
+    while left := set(names) & set(application_statuses()):
         if time.monotonic() > deadline:
             raise TimeoutError(f"applications not deleted after {timeout} s: {sorted(left)}")
         time.sleep(0.2)

@@ -161,24 +161,35 @@ def serve_app(
     wait_running(name)
 
 
+def application_statuses() -> dict[str, Any]:
+    """Every Serve application's status overview (``StatusOverview``: the application's status
+    and message, each deployment's), by name, read through Serve's client as ``serve.run`` reads
+    it: one controller call of protobuf bytes, about a millisecond of the caller's CPU.
+    (``serve.status()`` asks the controller for every detail and rebuilds each deployment's
+    config, pickling its request router class: ~80 ms of the caller's CPU per call with three
+    applications up, measured on a 2-vCPU EPYC: a 0.1 s poll of it took most of a core.)"""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    return {overview.name: overview for overview in client.list_serve_statuses()}
+
+
 def wait_running(name: str, poll_s: float = READY_POLL_S) -> None:
     """Return once Serve's application ``name`` is RUNNING; RuntimeError when its deploy
     failed or it is gone (deleted meanwhile). Waits as long as Serve deploys, as ``serve.run``
     does: a deploy that hangs (replicas that never fit the cluster) is the caller's to bound."""
-    from ray import serve
     from ray.serve.schema import ApplicationStatus
 
     while True:
-        status = serve.status().applications.get(name)
-        if status is None:
+        overview = application_statuses().get(name)
+        if overview is None:
             raise RuntimeError(f"Deploying application {name} failed: it is gone")
+        status = overview.app_status
         if status.status == ApplicationStatus.RUNNING:
             return
         if status.status == ApplicationStatus.DEPLOY_FAILED:
             why = [status.message] + [
-                f"{deployment}: {d.message}"
-                for deployment, d in status.deployments.items()
-                if d.message
+                f"{d.name}: {d.message}" for d in overview.deployment_statuses if d.message
             ]
             raise RuntimeError(f"Deploying application {name} failed: " + "; ".join(why))
         time.sleep(poll_s)
