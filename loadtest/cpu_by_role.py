@@ -10,7 +10,7 @@ adds what each used since the last reading to its role (``role_of``: a Ray worke
 ``--every`` seconds it appends the running totals to a JSON-lines file. `.ci/run` appends a
 marker line there when a step starts and ends (``{"t", "step", "event"}``). ``--page`` reads the
 file back and writes, per foreground step, its wall time, the CPU all processes used, how busy
-the cores were and the roles that used the most. ::
+the cores were over the snapshots' span and the roles that used the most. ::
 
     python3 -m loadtest.cpu_by_role sample loadtest/results/durations/cpu.jsonl &
     python3 -m loadtest.cpu_by_role page loadtest/results/durations/cpu.jsonl \\
@@ -140,12 +140,13 @@ def sample(out: Path, interval: float, every: float) -> None:
 @dataclass(frozen=True)
 class StepCpu:
     step: str
-    wall: float
+    wall: float  # between its markers
+    span: float  # between the snapshots its CPU is read from (what ``busy`` divides by)
     cpu: float
     roles: tuple[tuple[str, float], ...]  # most CPU first
 
     def busy(self, cores: int) -> float:
-        return self.cpu / (self.wall * cores) if self.wall > 0 else 0.0
+        return self.cpu / (self.span * cores) if self.span > 0 else 0.0
 
 
 def steps_cpu(lines: Iterable[str]) -> list[StepCpu]:
@@ -166,19 +167,18 @@ def steps_cpu(lines: Iterable[str]) -> list[StepCpu]:
     if not snapshots:
         return []
 
-    def nearest(t: float) -> dict[str, float]:
-        return min(snapshots, key=lambda s: abs(s[0] - t))[1]
+    def nearest(t: float) -> tuple[float, dict[str, float]]:
+        return min(snapshots, key=lambda s: abs(s[0] - t))
 
     out = []
     for step, events in marks.items():
         if "start" not in events or "end" not in events:
             continue
-        a, b = nearest(events["start"]), nearest(events["end"])
+        (ta, a), (tb, b) = nearest(events["start"]), nearest(events["end"])
         used = {role: cpu - a.get(role, 0.0) for role, cpu in b.items()}
         roles = sorted(((r, c) for r, c in used.items() if c > 0), key=lambda rc: (-rc[1], rc[0]))
-        out.append(
-            StepCpu(step, events["end"] - events["start"], sum(c for _, c in roles), tuple(roles))
-        )
+        wall = events["end"] - events["start"]
+        out.append(StepCpu(step, wall, tb - ta, sum(c for _, c in roles), tuple(roles)))
     return out
 
 
