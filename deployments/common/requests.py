@@ -24,7 +24,7 @@ import base64
 import binascii
 import json
 import re
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from starlette.requests import ClientDisconnect
 
@@ -140,6 +140,12 @@ def json_values(body: bytes | bytearray) -> int:
     )
 
 
+def _not_json(constant: str) -> NoReturn:
+    """``json.loads`` reads ``NaN``, ``Infinity`` and ``-Infinity``, which JSON (RFC 8259) has
+    not: a body holding one is refused as invalid JSON, like any other client's parser would."""
+    raise ValueError(f"{constant} is not a JSON value")
+
+
 def json_body(body: bytes | bytearray, max_values: int | None = None) -> Any:
     """The JSON value of a body (422 naming why it is not one). With ``max_values``, a body
     holding more values than that (``json_values``) is refused (413) before it is parsed:
@@ -150,7 +156,7 @@ def json_body(body: bytes | bytearray, max_values: int | None = None) -> Any:
     if max_values is not None and (values := json_values(body)) > max_values:
         raise LimitExceededError("json_values", values, max_values)
     try:
-        return json.loads(body)
+        return json.loads(body, parse_constant=_not_json)
     except RecursionError:
         raise MalformedRequestError("invalid JSON: nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int digits over the limit
