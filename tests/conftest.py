@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests import gpu
+from tests import gpu, machine_cpu
 from tests.redis_process import RedisClusterServers, RedisServer
 
 # tests/vllm runs against real vLLM servers from vLLM's own venv: `make test-vllm` runs it (and
@@ -923,8 +923,12 @@ _FAILED = pytest.StashKey[bool]()
 _GPU_FAILURE = pytest.StashKey[str]()  # why a gpu test fails (tests/gpu.py), set at its setup
 
 
+_CPU_AT_SETUP = pytest.StashKey[float | None]()  # the machine's busy seconds (machine_cpu)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_CPU_AT_SETUP] = machine_cpu.read()
     if (guard := item.config.stash.get(_GUARD, None)) is not None:
         item.stash[_VIOLATIONS_BEFORE] = len(guard.violations)
     if item.get_closest_marker("gpu"):
@@ -957,7 +961,12 @@ def pytest_runtest_call(item: pytest.Item) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[Any]:
     """Fail a test that tried what the fast tier's guard refuses, even if it caught the error
     (its teardown's report fails unless its setup or call already did), and say what it tried
-    in the report of the phase that failed."""
+    in the report of the phase that failed. After its teardown, record the machine's CPU
+    from its setup on (tests/machine_cpu.py) for its junit XML entry."""
+    if call.when == "teardown":
+        start, now = item.stash.get(_CPU_AT_SETUP, None), machine_cpu.read()
+        if start is not None and now is not None:
+            item.user_properties.append((machine_cpu.PROPERTY, f"{now - start:.2f}"))
     report = yield
     guard = item.config.stash.get(_GUARD, None)
     if guard is None:

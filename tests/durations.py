@@ -4,9 +4,12 @@ Every `make` test target writes pytest's junit XML to ``$(DURATIONS)/<target>.xm
 ``build/durations/``; ``.ci/run`` writes ``loadtest/results/durations/``, which it keeps), with
 each test's time covering its setup, call and teardown (``junit_duration_report = "total"`` in
 pyproject.toml): a module's fixture that deploys an application is charged to the first test that
-uses it. ``.ci/run`` also appends each step's wall time, installs included, to ``steps.tsv``
-beside them. This script reads those files and prints the slowest tests and the totals per folder
-and per module, or writes them as a results page (``--page``).
+uses it. Each entry also carries the machine's CPU over the same span (``machine_cpu_s``,
+tests/conftest.py with tests/machine_cpu.py): a deploy's CPU is mostly spent outside pytest, in
+the raylet and the replicas starting, and on 2 vCPUs CPU is the budget. ``.ci/run`` also
+appends each step's wall time, installs included, to ``steps.tsv`` beside them. This script
+reads those files and prints the slowest tests, the tests that cost the machine most CPU and the
+totals per folder and per module, or writes them as a results page (``--page``).
 
     .venv/bin/python -m tests.durations build/durations/*.xml
     .venv/bin/python -m tests.durations --top 50 --by module build/durations/test.xml
@@ -21,6 +24,9 @@ Invariants:
   the sum of its tests' times, and a run's wall time is pytest's own (the testsuite's ``time``).
 - A file that is not pytest's junit XML, or a steps file with a malformed line, is an error
   naming the file, never skipped.
+- A test's machine CPU is the ``machine_cpu_s`` property its run recorded (tests/machine_cpu.py:
+  every core's busy time from its setup to its teardown's end), never estimated; a run that
+  recorded none shows no CPU column, and a folder's CPU sums its tests that recorded one.
 - The same files give the same output (tests sort by time, then name).
 """
 
@@ -33,6 +39,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests import machine_cpu
 
 OUTCOMES = ("passed", "failed", "error", "skipped")
 WHOLE = ".ci/run, whole"  # the steps file's line of the run's own wall time (steps may overlap)
@@ -47,6 +55,9 @@ class TestTime:
     nodeid: str  # tests/deployments/test_service.py::test_x[param]
     seconds: float
     outcome: str  # one of OUTCOMES
+    # the machine's CPU from its setup to its teardown's end (tests/machine_cpu.py), where the
+    # run recorded it
+    cpu_s: float | None = None
 
     @property
     def module(self) -> str:
@@ -72,6 +83,10 @@ class Run:
     def test_s(self) -> float:
         return sum(t.seconds for t in self.tests)
 
+    @property
+    def has_cpu(self) -> bool:
+        return any(t.cpu_s is not None for t in self.tests)
+
 
 def _nodeid(case: ET.Element) -> str:
     """pytest's node id from a testcase's ``classname`` (``tests.a.test_b`` or
@@ -82,6 +97,14 @@ def _nodeid(case: ET.Element) -> str:
     module = "/".join(parts[: cut + 1]) + ".py"
     inner = "::".join([*parts[cut + 1 :], case.get("name", "")])
     return f"{module}::{inner}"
+
+
+def _cpu(case: ET.Element) -> float | None:
+    """The testcase's ``machine_cpu_s`` property (tests/machine_cpu.py), if it has one."""
+    for prop in case.iterfind("properties/property"):
+        if prop.get("name") == machine_cpu.PROPERTY:
+            return float(prop.get("value", "nan"))
+    return None
 
 
 def _outcome(case: ET.Element) -> str:
@@ -106,7 +129,8 @@ def read_run(path: Path) -> Run:
         try:
             wall += float(suite.get("time", "nan"))
             for case in suite.iter("testcase"):
-                tests.append(TestTime(_nodeid(case), float(case.get("time", "0")), _outcome(case)))
+                seconds = float(case.get("time", "0"))
+                tests.append(TestTime(_nodeid(case), seconds, _outcome(case), _cpu(case)))
         except ValueError as exc:
             raise DurationsError(f"{path}: a time that is not a number: {exc}") from exc
     if wall != wall:  # nan: no time attribute
@@ -129,17 +153,32 @@ def read_steps(path: Path) -> list[tuple[str, float, int]]:
 
 def totals(tests: Iterable[TestTime], by: str) -> list[tuple[str, int, float]]:
     """(folder or module, tests, seconds), the costliest first."""
+    return [(g, n, s) for g, n, s, _ in cpu_totals(tests, by)]
+
+
+def cpu_totals(tests: Iterable[TestTime], by: str) -> list[tuple[str, int, float, float]]:
+    """(folder or module, tests, seconds, machine CPU-s of the tests that recorded it), the
+    costliest in seconds first."""
     count: dict[str, int] = defaultdict(int)
     seconds: dict[str, float] = defaultdict(float)
+    cpu: dict[str, float] = defaultdict(float)
     for t in tests:
         group = getattr(t, by)
         count[group] += 1
         seconds[group] += t.seconds
-    return sorted(((g, count[g], seconds[g]) for g in count), key=lambda r: (-r[2], r[0]))
+        cpu[group] += t.cpu_s or 0.0
+    rows = ((g, count[g], seconds[g], cpu[g]) for g in count)
+    return sorted(rows, key=lambda r: (-r[2], r[0]))
 
 
 def slowest(tests: Iterable[TestTime], top: int) -> list[TestTime]:
     return sorted(tests, key=lambda t: (-t.seconds, t.nodeid))[:top]
+
+
+def costliest_cpu(tests: Iterable[TestTime], top: int) -> list[TestTime]:
+    """The tests that cost the machine the most CPU (those that recorded it)."""
+    recorded = (t for t in tests if t.cpu_s is not None)
+    return sorted(recorded, key=lambda t: (-(t.cpu_s or 0.0), t.nodeid))[:top]
 
 
 def minutes(seconds: float) -> str:
@@ -192,11 +231,18 @@ def report(runs: Sequence[Run], steps: Sequence[tuple[str, float, int]], top: in
             ]
     for run in runs:
         lines += [f"## `{run.name}`: the costliest {by}s", ""]
+        header = (by, "tests", "seconds", "share", *(("machine CPU-s",) if run.has_cpu else ()))
         lines += _table(
-            (by, "tests", "seconds", "share"),
+            header,
             (
-                (f"`{g}`", n, f"{s:.1f}", f"{100 * s / run.test_s:.0f}%" if run.test_s else "-")
-                for g, n, s in totals(run.tests, by)[:top]
+                (
+                    f"`{g}`",
+                    n,
+                    f"{s:.1f}",
+                    f"{100 * s / run.test_s:.0f}%" if run.test_s else "-",
+                    *((f"{c:.0f}",) if run.has_cpu else ()),
+                )
+                for g, n, s, c in cpu_totals(run.tests, by)[:top]
             ),
         )
         lines += ["", f"## `{run.name}`: the {top} slowest tests", ""]
@@ -204,6 +250,15 @@ def report(runs: Sequence[Run], steps: Sequence[tuple[str, float, int]], top: in
             ("test", "seconds", "outcome"),
             ((f"`{t.nodeid}`", f"{t.seconds:.1f}", t.outcome) for t in slowest(run.tests, top)),
         )
+        if run.has_cpu:
+            lines += ["", f"## `{run.name}`: the {top} tests that cost the machine most CPU", ""]
+            lines += _table(
+                ("test", "machine CPU-s", "seconds"),
+                (
+                    (f"`{t.nodeid}`", f"{t.cpu_s:.1f}", f"{t.seconds:.1f}")
+                    for t in costliest_cpu(run.tests, top)
+                ),
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -219,7 +274,9 @@ def page_head(files: Sequence[Path], machine: str, commit: str, when: str) -> st
             f"Written by `tests/durations.py` from {names} (kept beside this page, under "
             "`durations/`): pytest's junit XML of each run, where a test's time includes its "
             "setup and teardown (a module's fixture that deploys an application is charged to the "
-            "first test that uses it), and `.ci/run`'s wall time per step, installs included.",
+            "first test that uses it), with the machine's CPU over the same span where the run "
+            "recorded it (`tests/machine_cpu.py`: every process's, the test's clusters and "
+            "children included), and `.ci/run`'s wall time per step, installs included.",
             "",
         ]
     )

@@ -9,7 +9,8 @@ Invariants:
   way round, so the two runs together run every test.
 - A misspelled mark fails collection (``--strict-markers``).
 - tests/durations.py reads what pytest's junit XML records: each test's node id, outcome and
-  time (setup and teardown included), and the session's wall time.
+  time (setup and teardown included), the machine's CPU over the same span (tests/machine_cpu.py)
+  and the session's wall time.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import tests.conftest as suite
-from tests import cpu_profiles, durations
+from tests import cpu_profiles, durations, machine_cpu
 from tests.fuzz import budget
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,6 +208,85 @@ def test_the_durations_page_names_its_machine_and_commit(tmp_path: Path) -> None
     assert written.startswith("# Test durations") and "\nMachine: " in written
     assert "| `test` | 1 | 0 | 0 | 0:02.5 |" in written
     assert "| `tests/cache/test_codec.py::test_a` | 1.5 | passed |" in written
+
+
+INNER_CPU = """
+import time
+
+import pytest
+
+
+def _spin(seconds):
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+@pytest.fixture
+def spins_at_teardown():
+    yield
+    _spin(0.3)
+
+
+def test_spins(spins_at_teardown):
+    _spin(0.3)
+
+
+def test_sleeps():
+    time.sleep(0.2)
+"""
+
+
+def test_each_test_records_the_machines_cpu_from_its_setup_to_its_teardowns_end(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its junit entry carries the machine's busy time (tests/machine_cpu.py), teardown
+    included: a test that spins 0.3 s and 0.3 s more in its fixture's teardown records at least
+    0.5 s; one that sleeps 0.2 s records less (on 2 cores, at most 0.4 s of others' work)."""
+    import tests.reliability_table as table
+
+    if machine_cpu.read() is None:
+        pytest.skip("no /proc/stat on this machine")
+    monkeypatch.setattr(table, "ROWS", [])
+    pytester.makepyfile(test_cpu=INNER_CPU)
+    xml = pytester.path / "run.xml"
+    pytester.inline_run(f"--junitxml={xml}", *ARGS, plugins=[suite]).assertoutcome(passed=2)
+    by_name = {t.nodeid.rpartition("::")[2]: t for t in durations.read_run(xml).tests}
+    spins, sleeps = by_name["test_spins"].cpu_s, by_name["test_sleeps"].cpu_s
+    assert spins is not None and sleeps is not None
+    assert spins >= 0.5 and sleeps < spins, (spins, sleeps)
+    # the page: a CPU column per folder, and the tests that cost the machine most CPU
+    assert durations.main([str(xml), "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| folder | tests | seconds | share | machine CPU-s |" in out
+    costliest = out.split("tests that cost the machine most CPU")[1].split("\n")[4]
+    assert costliest.startswith("| `test_cpu.py::test_spins` |"), costliest
+
+
+def test_the_machines_cpu_is_read_from_proc_stat_or_not_at_all(tmp_path: Path) -> None:
+    stat = "cpu  100 20 30 4000 50 6 7 8 9 0\ncpu0 50 10 15 2000 25 3 4 4 0 0\nintr 1 2\n"
+    # user + nice + system + irq + softirq + steal, not idle or iowait (guest is in user)
+    assert machine_cpu.busy_seconds(stat, 100) == pytest.approx((100 + 20 + 30 + 6 + 7 + 8) / 100)
+    with pytest.raises(ValueError, match="aggregate"):
+        machine_cpu.busy_seconds("intr 1 2\n", 100)
+    assert machine_cpu.read(tmp_path / "missing") is None
+    garbage = tmp_path / "stat"
+    garbage.write_text("not a stat file\n")
+    assert machine_cpu.read(garbage) is None
+    # a junit entry without the property has no CPU; one with a bad value is refused
+    xml = tmp_path / "test.xml"
+    xml.write_text(
+        '<testsuite name="pytest" time="1"><testcase classname="tests.test_a" name="test_x" '
+        'time="1"/></testsuite>'
+    )
+    assert durations.read_run(xml).tests[0].cpu_s is None
+    xml.write_text(
+        '<testsuite name="pytest" time="1"><testcase classname="tests.test_a" name="test_x" '
+        'time="1"><properties><property name="machine_cpu_s" value="lots"/></properties>'
+        "</testcase></testsuite>"
+    )
+    with pytest.raises(durations.DurationsError, match=r"test\.xml"):
+        durations.read_run(xml)
 
 
 def test_durations_refuses_what_is_not_its_input(
