@@ -27,6 +27,12 @@ Presets (the language model stays small in all of them; only the vision side sca
 * ``large``: the family's published tower size (transformers' default vision config, e.g. the
   ~670M-parameter Qwen2.5-VL-7B tower), for GPU benchmarks.
 
+``depth`` overrides a preset's number of tower layers and keeps its width, heads and MLP: a
+forward's activation memory is one layer's (the layers run one after another, and vitserve's
+estimate, ``activation_bytes``, has no depth in it), so a shallow ``small`` tower has the
+memory of the ViT-B one at a fraction of its compute, for tests that bound memory, not
+numerics. Such models are cached in their own folders (``...-depth2``).
+
 ``vllm=True`` builds a model that vLLM's CPU build (0.32) serves as well, with these changes the
 default models (kept as they were) lack:
 
@@ -267,19 +273,25 @@ def full_model_class(family: str) -> Any:
     return getattr(tf, _spec(family).checkpoint.model_class)
 
 
-def build_config(family: str, preset: str, *, vllm: bool = False) -> Any:
+def build_config(family: str, preset: str, *, vllm: bool = False, depth: int | None = None) -> Any:
     """The transformers config of a test model (``family`` is the transformers model_type);
-    ``vllm``: text heads ``VLLM_CPU_HEAD_DIM`` wide (see the module docstring)."""
+    ``vllm``: text heads ``VLLM_CPU_HEAD_DIM`` wide; ``depth``: the tower's layers instead of
+    the preset's (see the module docstring)."""
     # heavy: the CLI imports this module (FAMILIES, PRESETS) and must start without it
     import transformers as tf
 
     spec = _spec(family)
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+        raise ConfigError(f"depth must be a positive int, got {depth!r}")
     head_dim = VLLM_CPU_HEAD_DIM if vllm else _HEAD_DIM
+    vit = dict(spec.recipe.large_vit if preset == "large" else _VIT_SIZES[preset])
+    if depth is not None:
+        vit["depth"] = depth
     shape = RecipeShape(
         preset=preset,
-        vit=spec.recipe.large_vit if preset == "large" else _VIT_SIZES[preset],
+        vit=vit,
         text=_text_config(preset, head_dim),
         head_dim=head_dim,
         ids=ROLE_IDS,
@@ -295,6 +307,7 @@ def make_model(
     seed: int = 0,
     max_shard_size: str | None = None,
     vllm: bool = False,
+    depth: int | None = None,
 ) -> Path:
     """Build a random-weight ``family`` VLM of ``preset`` size and save it to ``out``.
 
@@ -302,14 +315,15 @@ def make_model(
     to a size that splits even the tiny model), the config, the generation config (stopping on
     EOS and the family's end-of-turn token), the image-processor config and the tokenizer with
     its chat template (:func:`make_tokenizer`). Deterministic for a given ``seed``.
-    ``vllm``: a model vLLM's CPU build serves too (see the module docstring). Returns ``out``.
+    ``vllm``: a model vLLM's CPU build serves too; ``depth``: the tower's layers instead of the
+    preset's (see the module docstring). Returns ``out``.
     """
     # heavy: the CLI imports this module (FAMILIES, PRESETS) and must start without it
     import torch
     import transformers as tf
 
     spec = _spec(family)
-    config = build_config(family, preset, vllm=vllm)
+    config = build_config(family, preset, vllm=vllm, depth=depth)
     vision_params = tuple(f"{m}." for m in spec.checkpoint.vision_modules)
     torch.manual_seed(seed)
     model = full_model_class(family)._from_config(config, attn_implementation="sdpa")
@@ -372,31 +386,38 @@ def cache_dir() -> Path:
     return Path(base) / "vitserve"
 
 
-def _cache_path(family: str, preset: str, seed: int, vllm: bool = False) -> Path:
-    suffix = "-vllm" if vllm else ""
+def _cache_path(
+    family: str, preset: str, seed: int, vllm: bool = False, depth: int | None = None
+) -> Path:
+    suffix = ("-vllm" if vllm else "") + (f"-depth{depth}" if depth is not None else "")
     return cache_dir() / "models" / f"{family}-{preset}-seed{seed}-{CACHE_VERSION}{suffix}"
 
 
-def is_cached(family: str, preset: str, *, seed: int = 0, vllm: bool = False) -> bool:
+def is_cached(
+    family: str, preset: str, *, seed: int = 0, vllm: bool = False, depth: int | None = None
+) -> bool:
     """Whether :func:`cached_model` would return a folder already built (nothing to build)."""
-    return (_cache_path(family, preset, seed, vllm) / "config.json").is_file()
+    return (_cache_path(family, preset, seed, vllm, depth) / "config.json").is_file()
 
 
-def cached_model(family: str, preset: str, *, seed: int = 0, vllm: bool = False) -> Path:
+def cached_model(
+    family: str, preset: str, *, seed: int = 0, vllm: bool = False, depth: int | None = None
+) -> Path:
     """The folder of a test model in the cache, built once (atomically) if it is not there.
-    ``vllm`` models (see :func:`make_model`) have their own folders (``...-vllm``)."""
-    build_config(family, preset, vllm=vllm)  # validate before touching the disk
-    target = _cache_path(family, preset, seed, vllm)
-    if is_cached(family, preset, seed=seed, vllm=vllm):
+    ``vllm`` and ``depth`` models (see :func:`make_model`) have their own folders (``...-vllm``,
+    ``...-depth2``)."""
+    build_config(family, preset, vllm=vllm, depth=depth)  # validate before touching the disk
+    target = _cache_path(family, preset, seed, vllm, depth)
+    if is_cached(family, preset, seed=seed, vllm=vllm, depth=depth):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        make_model(family, preset, tmp, seed=seed, vllm=vllm)
+        make_model(family, preset, tmp, seed=seed, vllm=vllm, depth=depth)
         try:
             tmp.rename(target)
         except OSError:
-            if not is_cached(family, preset, seed=seed, vllm=vllm):  # not a concurrent win
+            if not is_cached(family, preset, seed=seed, vllm=vllm, depth=depth):  # no race won
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -264,3 +264,33 @@ def test_cached_models_are_rebuilt_with_a_tokenizer(tmp_path, monkeypatch) -> No
         assert (folder / name).is_file(), name
     assert len(AutoTokenizer.from_pretrained(folder)) == VOCAB_SIZE
     assert cached_model("qwen2_vl", "tiny") == folder
+
+
+def test_a_depth_override_keeps_the_towers_width_and_the_activation_estimate(
+    tmp_path, monkeypatch
+) -> None:
+    """``depth`` changes only the tower's layer count, in a folder of its own, and the engine's
+    activation estimate of an image (what the memory tests bound) is the same at any depth."""
+    from vitserve.encoder.engine import EncoderEngine
+    from vitserve.encoder.testimages import make_image
+    from vitserve.errors import ConfigError
+
+    monkeypatch.setenv("VITSERVE_CACHE", str(tmp_path))
+    base = build_config("qwen2_vl", "tiny").vision_config
+    shallow = build_config("qwen2_vl", "tiny", depth=1).vision_config
+    assert (shallow.depth, base.depth) == (1, 2)
+    assert (shallow.embed_dim, shallow.num_heads) == (base.embed_dim, base.num_heads)
+    folder = cached_model("qwen2_vl", "tiny", depth=1)
+    assert folder.name.endswith("-depth1") and folder != cached_model("qwen2_vl", "tiny")
+    assert is_cached("qwen2_vl", "tiny", depth=1) and not is_cached("qwen2_vl", "tiny", depth=3)
+    assert AutoConfig.from_pretrained(folder).vision_config.depth == 1
+    image = make_image(96, 64, seed=3)
+    engines = [
+        EncoderEngine.from_pretrained(str(path), device="cpu", dtype="fp32")
+        for path in (folder, cached_model("qwen2_vl", "tiny"))
+    ]
+    plans = [e.plan([e.prepare_one(image, 0)]) for e in engines]
+    assert plans[0].batches[0].act_bytes == plans[1].batches[0].act_bytes > 0
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ConfigError, match="depth"):
+            build_config("qwen2_vl", "tiny", depth=bad)
