@@ -70,11 +70,17 @@ class Replica:
     name: str = ""
     queue: deque = field(default_factory=deque)  # [remaining patches, arrival, started, key]
     pending: float = 0.0  # the queue's remaining patches (kept, not summed each time)
-    busy: deque = field(default_factory=deque)  # (time, busy seconds in that step)
     done: deque = field(default_factory=deque)  # (time, patches done in that step)
+    # the patches done in the window, kept, not summed each step: whole numbers (P * DT and
+    # every call's patches are), so the running sum is exact
+    done_sum: float = 0.0
 
     def backlog(self) -> float:
         return self.pending
+
+    def busy_s(self) -> float:
+        """The seconds it worked in the window."""
+        return self.done_sum / P
 
     def put(self, call: list) -> None:
         self.queue.append(call)
@@ -116,6 +122,7 @@ def simulate(
     requests = 0
     held: deque = deque()  # the work router's calls waiting for a replica with room
     calls: deque = deque()  # (time, patches) of the calls replicas admitted: CALL_PATCHES
+    calls_sum = 0.0  # their patches (whole numbers: an exact running sum)
     target, state, samples = 1, {}, deque()
     req_state: dict = {}
     run = Run()
@@ -138,6 +145,7 @@ def simulate(
                 r = a if len(a.queue) <= len(b.queue) else b
                 r.put(call)
                 calls.append((t, patches))
+                calls_sum += patches
         # the work router: the waiting calls, oldest first, each to a replica with room
         while held:
             by_name = {r.name: r for r in ready}
@@ -151,6 +159,7 @@ def simulate(
             call = held.popleft()
             by_name[order[0]].put(call)
             calls.append((t, call[0]))
+            calls_sum += call[0]
         # work
         for r in ready:
             budget, used = P * DT, 0.0
@@ -167,23 +176,22 @@ def simulate(
                 if head[0] <= 0:
                     r.queue.popleft()
             if used:
-                r.busy.append((t, used / P))
                 r.done.append((t, used))
-            while r.busy and r.busy[0][0] < t - WINDOW_S:
-                r.busy.popleft()
-                r.done.popleft()
+                r.done_sum += used
+            while r.done and r.done[0][0] < t - WINDOW_S:
+                r.done_sum -= r.done.popleft()[1]
         # metrics a replica would report now, and what waits in the router (the work policy
         # counts it at the mean patches of the calls the replicas admitted, as Serve's context
         # gives it the count only)
         while calls and calls[0][0] < t - WINDOW_S:
-            calls.popleft()
-        call_patches = sum(p for _, p in calls) / len(calls) if calls else 0.0
+            calls_sum -= calls.popleft()[1]
+        call_patches = calls_sum / len(calls) if calls else 0.0
         samples.append(
             (
                 t,
                 sum(r.backlog() for r in ready) + len(held) * call_patches,
                 _tput(ready),
-                sum(sum(b for _, b in r.busy) / WINDOW_S for r in ready),
+                sum(r.busy_s() / WINDOW_S for r in ready),
                 sum(len(r.queue) for r in ready) + len(held),
             )
         )
@@ -222,7 +230,7 @@ def simulate(
 
 
 def _tput(ready: list[Replica]) -> float | None:
-    rates = [sum(p for _, p in r.done) / sum(b for _, b in r.busy) for r in ready if r.busy]
+    rates = [r.done_sum / r.busy_s() for r in ready if r.done]
     return sum(rates) / len(rates) if rates else None
 
 
