@@ -39,6 +39,15 @@ LOAD_S = 8.0  # at least; and until MIN_ADMITTED new images were encoded (at mos
 MIN_ADMITTED = 24
 MAX_LOAD_S = 180.0
 IMAGE = (224, 224)  # 256 patches of the small model: a fraction of a second per forward
+# The small model's tower (ViT-B: 768 wide, 12 heads, MLP 3072) at fewer layers than 12: a
+# forward's activations are one layer's (the layers run one after another, and the planner's
+# estimate has no depth in it), so the memory these tests bound is the 12-layer tower's, at a
+# fraction of its forwards' CPU (the overload lasts MIN_ADMITTED forwards). The overload keeps 4:
+# the refused traffic's CPU is a fixed cost, so the shorter the forward, the larger the admitted
+# latency's ratio to one request alone (on a 2-vCPU EPYC, p90 7.7x alone with 12 layers, 8.5x
+# with 4, 11x with 2, against P90_FACTOR); the 64-image row asserts memory only and takes 2.
+OVERLOAD_DEPTH = 4
+LARGE_DEPTH = 2
 BUDGET_BYTES = 64 * 2**20  # the encoder's activation budget
 RSS_SLACK = 256 * 2**20  # weights' pages touched later, allocator slack, queued inputs/outputs
 NODE_BYTES = 512 * 2**10  # the node tier's budget: about 8 of those records
@@ -52,13 +61,13 @@ MAX_FACTOR = 35.0  # one request stuck (a 60 s claim wait, a lost call) still fa
 L1_ACTOR = "vitserve-test-overload-l1"
 
 
-@pytest.fixture(scope="module")
-def small_model() -> Path:
-    """The demo model (Qwen2-VL, ViT-B tower), built once into the user's cache."""
+def small_model(depth: int) -> Path:
+    """The demo model (Qwen2-VL) with its ViT-B tower at ``depth`` layers, built once into the
+    user's cache."""
     from vitserve.deployments.common.serving import DEMO_FAMILY, DEMO_PRESET
     from vitserve.encoder.testmodels import cached_model
 
-    return cached_model(DEMO_FAMILY, DEMO_PRESET)
+    return cached_model(DEMO_FAMILY, DEMO_PRESET, depth=depth)
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +78,13 @@ def lru_redis() -> Any:
 
 
 @pytest.fixture(scope="module")
-def overload_app(deploy, small_model: Path, lru_redis: RedisServer) -> Any:
+def overload_app(deploy, lru_redis: RedisServer) -> Any:
     from vitserve.cache.urls import tiered_url
 
     l1 = f"node://?actor_name={L1_ACTOR}&max_bytes={NODE_BYTES}&read_cache_bytes=0"
     app = deploy(
         "overload",
-        model=str(small_model),
+        model=str(small_model(OVERLOAD_DEPTH)),
         store=tiered_url(l1, lru_redis.url),
         budget_bytes=BUDGET_BYTES,
         batching={"max_batch_patches": 4096},
@@ -249,11 +258,6 @@ def test_a_10x_overload_is_refused_with_429_and_every_budget_holds(
 # -- a very large request -------------------------------------------------------------------------
 LARGE_IMAGES, LARGE_SIDE = 64, 2048
 LARGE_BUDGET = 512 * 2**20
-# The small model's tower (ViT-B: 768 wide, 12 heads, MLP 3072) at 2 layers instead of 12: a
-# forward's activations are one layer's (the layers run one after another, and the planner's
-# estimate has no depth in it), so the memory this row bounds is the 12-layer tower's, at a sixth
-# of its forwards' CPU (both measured side by side in the commit that made it so).
-LARGE_DEPTH = 2
 
 # Memory is measured from the resident set once the inputs are prepared and the memory the
 # decoding freed is given back to the system (glibc's malloc_trim: freed pages left resident would
@@ -318,20 +322,17 @@ def test_64_images_at_2k_encode_within_the_activation_budget(reliability) -> Non
     one forward (measured alone) stays within the budget and some slack (a 2-image forward
     measured +215 to +500 MiB on the AMX Xeon, its estimate 434); the whole run's peak stays
     within the budget, the outputs and what the tuned allocator keeps (``RETAINED_BYTES``) --
-    far from the ~14 GiB estimated for the 64 images in one forward. The tower: the small
-    model's at ``LARGE_DEPTH`` layers."""
+    far from the ~14 GiB estimated for the 64 images in one forward."""
     import json
 
-    from vitserve.deployments.common.serving import DEMO_FAMILY, DEMO_PRESET, WORKER_ENV
-    from vitserve.encoder.testmodels import cached_model
+    from vitserve.deployments.common.serving import WORKER_ENV
 
-    model = cached_model(DEMO_FAMILY, DEMO_PRESET, depth=LARGE_DEPTH)
     proc = subprocess.run(
         [
             sys.executable,
             "-c",
             _LARGE_SCRIPT,
-            str(model),
+            str(small_model(LARGE_DEPTH)),
             "fp32",
             str(LARGE_IMAGES),
             str(LARGE_SIDE),
