@@ -21,7 +21,7 @@ CPU_PROFILES ?= 8MiB:0 32MiB:1 480MiB:1
 DURATIONS ?= build/durations
 JUNIT = --junitxml=$(DURATIONS)/$@.xml
 
-.PHONY: install demo test test-fast test-system test-large test-profiles test-vllm test-multinode test-gpu lint typecheck bench bench-publish bench-gpu readme
+.PHONY: install demo test test-fast test-system test-large test-profiles test-vllm vllm-registry test-multinode test-gpu lint typecheck bench bench-publish bench-gpu readme
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -87,6 +87,12 @@ VLLM_VENV ?= .venv-vllm
 $(VLLM_VENV)/.installed: tests/vllm/make_env.sh tests/vllm/guard_torchvision.py pyproject.toml
 	PYTHON=$(PYTHON) bash tests/vllm/make_env.sh $(VLLM_VENV)
 	touch $@
+
+# vLLM's model-info cache (~/.cache/vllm/modelinfos) filled for the test models' architectures,
+# so no server tests/vllm starts pays its probe (tests/vllm/warm_registry.py). .ci/run runs it
+# beside the system tier; without it the first server of each architecture probes.
+vllm-registry: install $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python tests/vllm/warm_registry.py $$($(PY) -m tests.vllm.families)
 
 test-vllm: install $(VLLM_VENV)/.installed
 	VITSERVE_TEST_VLLM=1 VITSERVE_VLLM_PYTHON=$(VLLM_VENV)/bin/python RAY_AUTH_MODE=disabled \

@@ -39,3 +39,10 @@ SIZES: dict[str, tuple[tuple[int, int], ...]] = {
     "gemma3": ((224, 224), (224, 224)),  # every other size is resized to 224x224
 }
 VLLM_FAMILIES = tuple(SIZES)
+
+
+if __name__ == "__main__":  # each family's tiny vLLM test model folder, built if missing
+    from vitserve.encoder.testmodels import cached_model
+
+    for family in VLLM_FAMILIES:
+        print(cached_model(family, "tiny", vllm=True))
