@@ -17,7 +17,9 @@ Invariants:
   or lacks them: evicted there, or held only in the service's local tier) are read through the
   service, whose store is where the encoder publishes; an entry gone there too is encoded again
   when its handle still holds the image, else :class:`~vitserve.errors.CacheMissError` names
-  every key missing (so one retry after re-encoding them recovers). Never wrong data: the
+  every key missing (so one retry after re-encoding them recovers); one the service encoded
+  again but could not store (its store unavailable: the answer says ``published: false``) is a
+  retryable :class:`~vitserve.errors.StoreUnavailableError`, never a miss. Never wrong data: the
   store checks every block's checksum, key and fingerprint.
 * Retries only for what can help (429, 503, a dropped connection, a store that is down), with
   exponential backoff, honouring ``Retry-After``; every failure reaches the caller as a
@@ -41,7 +43,7 @@ from vitserve.client.chunks import plan_chunk, spans_of
 from vitserve.client.handles import EncodeWait, FetchedChunk, ImageHandle, Submitted
 from vitserve.client.inputs import ImageInput, image_bytes
 from vitserve.client.metrics import ClientMetrics
-from vitserve.errors import CacheMissError, ConfigError, VitserveError
+from vitserve.errors import CacheMissError, ConfigError, StoreUnavailableError, VitserveError
 from vitserve.keys import content_key
 
 RETRY_STATUSES = frozenset({429, 503})
@@ -406,16 +408,23 @@ class ClientCore:
                 raise CacheMissError(lost)
             data_of = {k: h.source for k, h in gone.items()}
             index_of = dict.fromkeys(gone, -1)
-            yield from self._upload(list(gone), data_of, index_of, EncodeWait.PUBLISHED)  # type: ignore[arg-type]
+            redone = yield from self._upload(list(gone), data_of, index_of, EncodeWait.PUBLISHED)  # type: ignore[arg-type]
             self.metrics.inc("reencoded", len(gone))
             again = [i for i, r in enumerate(records) if r is None]
             for i, record in zip(
                 again, (yield from self._read([reads[i] for i in again])), strict=True
             ):
                 records[i] = record
-            still = [reads[i][0] for i, r in enumerate(records) if r is None]
+            still = list(dict.fromkeys(reads[i][0] for i, r in enumerate(records) if r is None))
+            unstored = [k for k in still if (h := redone.get(k)) is not None and not h.published]
+            if unstored:  # the service said so: its store failed, nothing was evicted
+                raise StoreUnavailableError(
+                    "of the service",
+                    f"{len(unstored)} image(s) encoded again but not stored "
+                    f"({', '.join(k[:16] for k in unstored[:4])}): try again",
+                )
             if still:
-                raise CacheMissError(list(dict.fromkeys(still)))
+                raise CacheMissError(still)
         self.metrics.fetched(
             time.perf_counter() - started,
             sum(r1 - r0 for _, r0, r1 in reads),

@@ -18,9 +18,10 @@ class ImageHandle:
     ``shape`` is ``(num_tokens, hidden)`` of the embedding the LLM consumes; ``extras`` names the
     further per-row tensors (Qwen3-VL: ``deepstack_0``...); ``grid`` is Qwen's ``(t, h, w)``
     patch grid (else None); ``cached`` says the service held it before this call;
-    ``uploaded`` that this call sent its bytes (the store lacked it when probed). The image's
-    bytes ride along (not compared, not shown) so an entry evicted before its fetch can be
-    encoded again without the caller.
+    ``uploaded`` that this call sent its bytes (the store lacked it when probed); ``published``
+    False that the service answered after its publish failed (the store was unavailable): the
+    record is not in the store yet. The image's bytes ride along (not compared, not shown) so an
+    entry evicted before its fetch can be encoded again without the caller.
     """
 
     key: str
@@ -32,6 +33,7 @@ class ImageHandle:
     extras: tuple[str, ...] = ()
     source: bytes | None = field(default=None, repr=False, compare=False)
     uploaded: bool = field(default=False, compare=False)
+    published: bool = field(default=True, compare=False)
 
     @classmethod
     def from_item(
@@ -49,6 +51,7 @@ class ImageHandle:
             extras=tuple(item.get("extras") or ()),
             source=source,
             uploaded=uploaded,
+            published=bool(item.get("published", True)),
         )
 
     @property

@@ -67,6 +67,7 @@ from vitserve.deployments.encoder.wire import (
     describe_header,
     error_item,
     is_error,
+    unpublished,
 )
 from vitserve.encoder.device import available_cpus, dtype_name
 from vitserve.encoder.engine import EncoderEngine
@@ -561,25 +562,34 @@ class EncoderDeployment:
         if previous is not None:
             await asyncio.shield(previous)
         if any(w.publish.release is None for w in work):
-            await asyncio.shield(publishing)
+            failed = await asyncio.shield(publishing)
+            # what its caller cannot find in the store yet: said in the answer, so a client
+            # that misses it after encoding it again is told the store failed, not that the
+            # record was evicted (the publish is tried again in the background)
+            for position, (_, indices, _) in enumerate(groups.values()):
+                if position in failed:
+                    for i in indices:
+                        results[i] = unpublished(results[i])
         return results
 
     async def _published(
         self,
         puts: list[tuple[Any, list[tuple[str, bytes]], list[tuple[str, str]], asyncio.Future]],
         encoded: float,
-    ) -> None:
-        """A step's publishes, awaited: counted and timed. One the store refused as unavailable
-        is tried again in the background (``_publish_again``); one that failed otherwise is
-        logged and its claims are released, so readers waiting on them stop waiting (the
-        embeddings were computed and answered: a reader then misses and the client encodes
-        again)."""
-        for store, values, releases, put in puts:
+    ) -> set[int]:
+        """A step's publishes, awaited: counted and timed; the positions in ``puts`` of those
+        that failed. One the store refused as unavailable is tried again in the background
+        (``_publish_again``); one that failed otherwise is logged and its claims are released,
+        so readers waiting on them stop waiting (the embeddings were computed and answered: a
+        reader then misses and the client encodes again)."""
+        failed: set[int] = set()
+        for position, (store, values, releases, put) in enumerate(puts):
             try:
                 with metrics.timed("store_round_trip_seconds", op="put"):
                     await put
                 metrics.inc("bytes_published_total", sum(len(v) for _, v in values))
             except Exception as exc:
+                failed.add(position)
                 metrics.inc("store_errors_total", op="put")
                 if (
                     isinstance(exc, StoreUnavailableError)
@@ -596,6 +606,7 @@ class EncoderDeployment:
         published = time.perf_counter() - encoded
         self._seconds["publish"] += published
         metrics.observe("stage_seconds", published, stage="publish")
+        return failed
 
     def _publish_again(
         self, store: Any, values: list[tuple[str, bytes]], releases: list[tuple[str, str]]

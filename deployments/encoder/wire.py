@@ -67,7 +67,10 @@ class EncodeBatch:
 
 
 class EncodedItem(TypedDict):
-    """A stored embedding as the API describes it (``cached``: added by the ingress)."""
+    """A stored embedding as the API describes it (``cached``: added by the ingress).
+    ``published`` is there, False, only when the replica answered after its publish failed (the
+    store unavailable while the ingress could not claim the image): its record is not in the
+    store at the answer, and the replica tries the publish again in the background."""
 
     key: str
     num_tokens: int
@@ -76,6 +79,7 @@ class EncodedItem(TypedDict):
     shape: list[int]
     extras: list[str]
     cached: NotRequired[bool]
+    published: NotRequired[bool]
 
 
 class ErrorItem(TypedDict):
@@ -110,6 +114,11 @@ def describe_header(header: Header) -> EncodedItem:
         "shape": [header.num_tokens, header.tensors[0].width],
         "extras": [t.name for t in header.tensors[1:]],
     }
+
+
+def unpublished(item: EncodedItem) -> EncodedItem:
+    """``item`` marked as answered before its record reached the store (a copy)."""
+    return {**item, "published": False}
 
 
 def error_item(exc: VitserveError) -> ErrorItem:

@@ -365,7 +365,9 @@ def test_a_store_that_is_down_gives_503_for_fetches_while_encodes_still_answer(
     server = spawn_redis()
     app = deploy("redisdown", store=f"{server.url}?timeout_s=0.5")
     image = fresh(320, 240)
-    key = app.encode([image]).json()["items"][0]["key"]
+    [stored] = app.encode([image]).json()["items"]
+    key = stored["key"]
+    assert "published" not in stored  # said only of what the store did not take
     assert app.client.get(f"{app.url}/v1/embeddings/{key}").status_code == 200
 
     server.kill()
@@ -385,6 +387,8 @@ def test_a_store_that_is_down_gives_503_for_fetches_while_encodes_still_answer(
     again = app.encode([image, fresh(200, 120)])  # recomputed, not failed
     assert again.status_code == 200, again.text
     assert again.json()["items"][0]["key"] == key
+    # ... and said not to be in the store: the SDK then tells a miss from a store that failed
+    assert [item["published"] for item in again.json()["items"]] == [False, False], again.text
     # both failures counted where they happened, before the answer: the ingress's lookup and
     # the encoder's publish
     stats = app.stats()
