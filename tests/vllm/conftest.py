@@ -144,6 +144,22 @@ class Replica:
         return out
 
 
+@contextlib.contextmanager
+def side_by_side(*servers: contextlib.AbstractContextManager[Any]) -> Iterator[list[Any]]:
+    """Enter every one of ``servers`` at once (a vLLM start leaves cores idle that another's
+    fills) and yield what each gave; on exit stop them all at once too (a vLLM server's stop
+    waits up to 10 s for its group, ``serve run`` up to 60 s). A server that cannot start stops
+    the others that did, and its error is raised."""
+    with ThreadPoolExecutor(len(servers)) as pool:
+        futures = [pool.submit(s.__enter__) for s in servers]
+        entered = [s for s, f in zip(servers, futures, strict=True) if f.exception() is None]
+        try:
+            yield [f.result() for f in futures]  # the first failure raises here
+        finally:
+            for stopped in [pool.submit(s.__exit__, None, None, None) for s in entered]:
+                stopped.result()
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     from vitserve.encoder.testmodels import cached_model
@@ -261,11 +277,8 @@ def stack(
         )
         for name, folder, core in (("a", model_dir, "0"), ("b", noise_model_dir, "1"))
     }
-    with contextlib.ExitStack() as stack, ThreadPoolExecutor(3) as pool:
-        started = [pool.submit(stack.enter_context, s) for s in (service, *servers.values())]
-        for future in started:
-            future.result()  # a server that cannot start fails the session here
-        yield started[0].result(), {name: Replica(name, srv) for name, srv in servers.items()}
+    with side_by_side(service, *servers.values()) as started:  # one that cannot start fails
+        yield started[0], {name: Replica(name, srv) for name, srv in servers.items()}
 
 
 @pytest.fixture(scope="session")

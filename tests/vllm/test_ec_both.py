@@ -9,9 +9,7 @@ on one core, no front: clients send plain OpenAI chats, no ``uuid`` s. (``ec_bot
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -27,6 +25,7 @@ from .conftest import (
     Replica,
     Vitserve,
     ec_config,
+    side_by_side,
     vllm_python,
 )
 
@@ -56,9 +55,7 @@ def both(
         )
         for name, core in (("d", "0"), ("e", "1"))
     }
-    with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as pool:
-        for started in [pool.submit(stack.enter_context, s) for s in servers.values()]:
-            started.result()
+    with side_by_side(*servers.values()):
         yield {name: Replica(name, server) for name, server in servers.items()}
 
 

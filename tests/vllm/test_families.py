@@ -23,7 +23,6 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +50,7 @@ from .conftest import (
     SERVED_NAME,
     Replica,
     ec_config,
+    side_by_side,
     vllm_python,
 )
 from .families import SIZES, VLLM_FAMILIES
@@ -151,10 +151,7 @@ def families(
         )
         for family in FAMILIES
     }
-    with contextlib.ExitStack() as stack, ThreadPoolExecutor(1 + len(servers)) as pool:
-        started = [pool.submit(stack.enter_context, c) for c in (service, *servers.values())]
-        for future in started:
-            future.result()  # a server that cannot start fails the module here
+    with side_by_side(service, *servers.values()):  # one that cannot start fails the module
         yield {family: (urls[family], Replica(family, servers[family])) for family in FAMILIES}
 
 
