@@ -28,6 +28,7 @@ OTHER_LAYOUT = {
     "qwen2_vl": [(r"^visual\.", "model.visual.")],
     "qwen2_5_vl": [(r"^visual\.", "model.visual.")],
     "qwen3_vl": [(r"^model\.visual\.", "visual.")],
+    "qwen3_5": [(r"^model\.visual\.", "visual.")],
     # published LLaVA-1.5 / Gemma 3 layout: the tower's weights under ``vision_model.``
     "llava": [(r"^vision_tower\.", "vision_tower.vision_model.")],
     "gemma3": [(r"^vision_tower\.", "vision_tower.vision_model.")],

@@ -39,6 +39,7 @@ SPECIALS: dict[str, dict[str, str]] = {
     "qwen2_vl": QWEN,
     "qwen2_5_vl": QWEN,
     "qwen3_vl": QWEN,
+    "qwen3_5": QWEN,
     "llava": {
         "pad_token_id": "<pad>",
         "bos_token_id": "<s>",
