@@ -68,9 +68,7 @@ SPEC = dataclasses.replace(
         tower_class=("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5VisionModel"),
         deepstack=False,
     ),
-    checkpoint=dataclasses.replace(
-        _BASE.checkpoint, model_class="Qwen3_5ForConditionalGeneration"
-    ),
+    checkpoint=dataclasses.replace(_BASE.checkpoint, model_class="Qwen3_5ForConditionalGeneration"),
     recipe=dataclasses.replace(
         _BASE.recipe,
         config_class="Qwen3_5Config",
