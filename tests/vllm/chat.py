@@ -18,6 +18,10 @@ from .conftest import SERVED_NAME
 # fp32 on both sides. vLLM's own Qwen2-VL tower and vitserve's (transformers') differ in the
 # order of their float operations (each test prints the largest prompt-logprob difference it saw).
 LOGPROB_TOL = 1e-4
+# In bf16 (Qwen3.5: vLLM's CPU gated-DeltaNet kernels take nothing else) vitserve's tower and
+# vLLM's differ by bf16 roundings: measured on the tiny Qwen3.5, 0.004 at most over 181 prompt
+# logprobs, and one near-tie whose top-1 token flipped (the two tops 4e-5 apart)
+BF16_LOGPROB_TOL = 0.02
 TIMEOUT = httpx.Timeout(300.0, connect=5.0)
 
 
@@ -86,6 +90,21 @@ def logprob_gap(doc: dict[str, Any], ref: dict[str, Any]) -> float:
     if mine.keys() != theirs.keys():
         return float("inf")
     return max(abs(mine[k] - theirs[k]) for k in mine)
+
+
+def near_tie_gap(doc: dict[str, Any], ref: dict[str, Any]) -> float:
+    """:func:`logprob_gap` for a bf16 model: the largest difference over the (position, token)
+    pairs both hold (every prompt token among them); where the top-1 tokens differ, the gap is
+    that of the two tops' logprobs, so a near-tie that flipped stays small and a real change
+    does not."""
+    mine, theirs = prompt_logprobs(doc), prompt_logprobs(ref)
+    gaps = [abs(mine[k] - theirs[k]) for k in mine.keys() & theirs.keys()]
+    positions = {i for i, _ in mine.keys() ^ theirs.keys()}
+    for i in positions:
+        top = max(v for (j, _), v in mine.items() if j == i)
+        other = max(v for (j, _), v in theirs.items() if j == i)
+        gaps.append(abs(top - other))
+    return max(gaps)
 
 
 def keys_of(url: str, images: list[bytes]) -> list[str]:

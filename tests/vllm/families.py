@@ -12,8 +12,13 @@ preprocessing (multiples of the patch grid for Qwen, a crop only for LLaVA, the 
 for Gemma 3); whether vitserve's PIL resize and vLLM's processor agree on other sizes was not
 measured.
 
+Qwen3.5 (added later, checked only through ``test_families.py``) serves in bf16 alone: vLLM's
+CPU gated-DeltaNet kernels refuse fp32 ("CPU GDN attention requires BF16.") and head sizes other
+than the published 128 ("Unexpected head dim size, 32"; the test model's linear-attention heads
+are 128 wide for this).
+
 Families not in ``VLLM_FAMILIES``: VipLLaVA, whose spec refuses vLLM embedding inputs (not
-checked against a vLLM build; ``vitserve/families/vipllava.py``). The other five serve with
+checked against a vLLM build; ``vitserve/families/vipllava.py``). The other six serve with
 ``vllm=True``. Without ``vllm=True`` (the default test models) every family fails in vLLM 0.32
 CPU:
 
@@ -35,6 +40,7 @@ SIZES: dict[str, tuple[tuple[int, int], ...]] = {
     "qwen2_vl": ((224, 224), (112, 168)),  # multiples of 28 (patch 14, merge 2)
     "qwen2_5_vl": ((224, 224), (112, 168)),
     "qwen3_vl": ((224, 224), (128, 192)),  # multiples of 32 (patch 16, merge 2)
+    "qwen3_5": ((224, 224), (128, 192)),  # Qwen3-VL's tower and processor
     "llava": ((224, 224), (336, 224)),  # shortest edge 224 already: a center crop only
     "gemma3": ((224, 224), (224, 224)),  # every other size is resized to 224x224
 }

@@ -18,6 +18,10 @@ from vitserve.families.spec import RecipeShape, frozen
 
 # The published share of each full-attention head that is rotated (the rest passes through).
 PARTIAL_ROTARY = 0.25
+# The linear-attention layers' head size: the published one, and the only one vLLM 0.32's CPU
+# gated-DeltaNet kernel takes of the sizes a test model would use ("Unexpected head dim size,
+# 32" at the first prefill); one key head and two value heads (the published 16:32).
+LINEAR_HEAD_DIM = 128
 
 
 def _text(shape: RecipeShape) -> dict[str, Any]:
@@ -27,15 +31,14 @@ def _text(shape: RecipeShape) -> dict[str, Any]:
     layers = text["num_hidden_layers"]
     half = int(shape.head_dim * PARTIAL_ROTARY) // 2
     hw = half * 3 // 8
-    heads = max(1, text["hidden_size"] // shape.head_dim)
     return {
         **text,
         "layer_types": ["linear_attention"] * (layers - 1) + ["full_attention"],
         "partial_rotary_factor": PARTIAL_ROTARY,
-        "linear_key_head_dim": shape.head_dim,
-        "linear_value_head_dim": shape.head_dim,
-        "linear_num_key_heads": max(1, heads // 2),
-        "linear_num_value_heads": heads,
+        "linear_key_head_dim": LINEAR_HEAD_DIM,
+        "linear_value_head_dim": LINEAR_HEAD_DIM,
+        "linear_num_key_heads": 1,
+        "linear_num_value_heads": 2,
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 10_000_000.0,
