@@ -65,6 +65,10 @@ SERVE = str(Path(sys.executable).parent / "serve")
 # bf16 only ("CPU GDN attention requires BF16."), so Qwen3.5 serves in bf16 on both sides
 DTYPES = {"qwen3_5": ("bfloat16", "bf16")}
 FP32 = ("float32", "fp32")
+# each vLLM's KV cache: the tiny models' 4096 positions take a few MiB; vLLM's CPU build keeps
+# the cache resident, so 64 MiB instead of the harness's 1 GiB leaves ~0.9 GiB per server of
+# the machine's memory to the rest of the suite (the session's stack is up beside these)
+KV_CACHE_BYTES = 64 * 2**20
 # each application's share of the cluster's 2 CPUs: all five fit
 SHARES = {"encoder.num_cpus": 0.2, "ingress.num_cpus": 0.05, "torch_threads": 1}
 
@@ -149,6 +153,7 @@ def families(
             log_path=str(work / f"vllm-{family}.log"),
             served_model_name=SERVED_NAME,
             ready_timeout=600,  # all at once, beside the cluster's start
+            kv_cache_bytes=KV_CACHE_BYTES,
             extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1", **ONE_PROCESS_ENV},
             # the connector reaches vitserve only when a request names a key
             extra_args=[
