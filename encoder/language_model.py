@@ -32,6 +32,9 @@ image embeddings from vitserve. Invariants:
   layout. Exactly one layout per part.
 * The model class (``checkpoint.model_class``) and every name above come from the family's
   :class:`~vitserve.families.spec.FamilySpec`; nothing here branches on a family.
+* A text config with one of the spec's ``checkpoint.refused_text_settings`` set (Gemma 4's
+  bidirectional image attention and per-layer input embeddings, which image embeddings given as
+  ``inputs_embeds`` do not carry) is a :class:`ModelLoadError`, before any tensor is read.
 * Floating weights are cast to ``dtype`` and moved to ``device`` one at a time as they are read;
   the model is returned in eval mode with gradients off.
 
@@ -241,6 +244,14 @@ def load_language_model(
     config = _read_config(source)
     family = str(getattr(config, "model_type", ""))
     spec = family_spec(family, model=model)  # UnsupportedModelError for an unknown family
+    text = config.get_text_config()
+    for setting in spec.checkpoint.refused_text_settings:
+        if getattr(text, setting, None):
+            raise ModelLoadError(
+                model,
+                f"{spec.name} with {setting}={getattr(text, setting)!r} is not supported by "
+                "vitserve's language-model path (the vision tier and vLLM serve it)",
+            )
 
     weight_map, total_size = read_weight_map(source)
     names = set(weight_map)

@@ -85,6 +85,7 @@ START_OF_TURN_ID = 2004  # Gemma 3's turn markers
 END_OF_TURN_ID = 2005
 # Gemma 3's "\n" ... "\n\n\n\n" tokens in vllm=True models (see make_tokenizer).
 NEWLINE_IDS = (2006, 2007, 2008, 2009)
+AUDIO_TOKEN_ID = 2010  # Gemma 4's audio placeholder (its models look it up; no audio is served)
 # Special-token role (the keys of a family's ``Recipe.special_tokens``) -> its id here.
 ROLE_IDS = {
     "pad": PAD_ID,
@@ -96,6 +97,7 @@ ROLE_IDS = {
     "vision_end": VISION_END_ID,
     "start_of_turn": START_OF_TURN_ID,
     "end_of_turn": END_OF_TURN_ID,
+    "audio": AUDIO_TOKEN_ID,
 }
 
 # Part of the cache folder names: bumped whenever make_model's output changes, so that
@@ -441,7 +443,7 @@ def image_prompt(config: Any, counts: list[int]) -> list[int]:
 def pixel_inputs(config: Any, ids: list[int], pixels: Mapping[str, Any]) -> dict[str, Any]:
     """The full model's forward arguments for prompt ``ids`` and the image processor's output
     ``pixels``: the family's extras (Qwen's grids and ``mm_token_type_ids``, Gemma 3's
-    ``token_type_ids``) included."""
+    ``token_type_ids``, Gemma 4's patch positions) included."""
     # heavy: the CLI imports this module (FAMILIES, PRESETS) and must start without it
     import torch
 
@@ -452,6 +454,8 @@ def pixel_inputs(config: Any, ids: list[int], pixels: Mapping[str, Any]) -> dict
         "attention_mask": torch.ones_like(input_ids),
         "pixel_values": pixels["pixel_values"],
     }
+    if "image_position_ids" in pixels:  # Gemma 4's patch positions (-1: padding)
+        kwargs["image_position_ids"] = pixels["image_position_ids"]
     image_types = (input_ids == config.image_token_id).long()
     if spec.positions is Positions.MROPE:
         kwargs |= {"image_grid_thw": pixels["image_grid_thw"], "mm_token_type_ids": image_types}

@@ -61,7 +61,11 @@ class ResizeRule:
     ``patch_size * merge_size`` with its pixel count brought within ``[min_pixels,
     max_pixels]``, keeping its aspect ratio; each patch holds ``channels * temporal_patch_size *
     patch_size**2`` values. Fixed-size processors (CLIP, SigLIP): every image becomes one
-    ``fixed = (height, width)`` array of ``channels`` planes.
+    ``fixed = (height, width)`` array of ``channels`` planes. Budget processors (Gemma 4,
+    ``budget_patches`` set): the image is resized, aspect kept, to the largest sides in
+    multiples of ``patch_size * merge_size`` (``merge_size``: the pooling kernel) within
+    ``budget_patches`` patches; its forward runs the whole budget (the image padded to it), its
+    pixel array holds its own patches, and its tokens are its patches over ``merge_size**2``.
     """
 
     patch_size: int
@@ -74,11 +78,15 @@ class ResizeRule:
     #: the LLM tokens of a fixed-size image (a packed image has one per ``merge_size**2``
     #: patches)
     fixed_tokens: int = 0
+    #: the patches every image is resized within and padded to (0: not a budget processor)
+    budget_patches: int = 0
 
     def resized(self, width: int, height: int) -> tuple[int, int] | None:
         """``(height, width)`` after the processor's resize; None if it refuses the image."""
         if self.fixed is not None:
             return self.fixed
+        if self.budget_patches:
+            return self._within_budget(width, height)
         if width <= 0 or height <= 0 or max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
             return None
         factor = self.patch_size * self.merge_size
@@ -94,6 +102,27 @@ class ResizeRule:
             w_bar = math.ceil(width * beta / factor) * factor
         return h_bar, w_bar
 
+    def _within_budget(self, width: int, height: int) -> tuple[int, int] | None:
+        """Gemma 4's aspect-preserving resize into ``budget_patches`` (its processor's rule,
+        step by step); None where the processor raises."""
+        if width <= 0 or height <= 0:
+            return None
+        p, side = self.patch_size, self.patch_size * self.merge_size
+        target = self.budget_patches * p * p
+        factor = math.sqrt(target / (height * width))
+        h = math.floor(factor * height / side) * side
+        w = math.floor(factor * width / side) * side
+        if h == 0 and w == 0:
+            return None
+        longest = (self.budget_patches // self.merge_size**2) * side
+        if h == 0:
+            h, w = side, min(math.floor(width / height) * side, longest)
+        elif w == 0:
+            h, w = min(math.floor(height / width) * side, longest), side
+        if h * w > target:
+            return None
+        return h, w
+
     @property
     def values_per_patch(self) -> int:
         return self.channels * self.temporal_patch_size * self.patch_size**2
@@ -106,6 +135,9 @@ class ResizeRule:
         if self.fixed is not None:
             h, w = self.fixed
             return ImageWork((h // p) * (w // p), self.channels * h * w * _FLOAT32, decode)
+        if self.budget_patches:
+            nbytes = self.budget_patches * self.values_per_patch * _FLOAT32
+            return ImageWork(self.budget_patches, nbytes, decode)
         patches = self.max_pixels // (p * p)
         return ImageWork(patches, patches * self.values_per_patch * _FLOAT32, decode)
 
@@ -114,6 +146,10 @@ class ResizeRule:
         adds to a prompt, known before it is encoded."""
         if self.fixed is not None:
             return self.fixed_tokens
+        if self.budget_patches:
+            size = self.resized(width, height)
+            p = self.patch_size * self.merge_size
+            return 0 if size is None else (size[0] // p) * (size[1] // p)
         return self.work(width, height).patches // self.merge_size**2
 
     def work(self, width: int, height: int, mode: str = "RGB") -> ImageWork:
@@ -132,7 +168,8 @@ class ResizeRule:
         patches = (h // p) * (w // p)
         if self.fixed is not None:
             return ImageWork(patches, self.channels * h * w * _FLOAT32, decode)
-        return ImageWork(patches, patches * self.values_per_patch * _FLOAT32, decode)
+        nbytes = patches * self.values_per_patch * _FLOAT32
+        return ImageWork(self.budget_patches or patches, nbytes, decode)
 
 
 @dataclass(frozen=True, slots=True)

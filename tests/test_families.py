@@ -87,12 +87,14 @@ def test_each_spec_names_real_transformers_classes(model_type: str) -> None:
         if named is not None:
             module, name = named
             assert getattr(importlib.import_module(module), name)
-    assert (spec.vision.tower is Tower.PACKED) == (spec.positions is Positions.MROPE)
-    assert (spec.vision.tower_class is None) == (spec.vision.tower is not Tower.PACKED)
-    assert (spec.vision.projector_class is None) == (spec.vision.tower is Tower.PACKED)
+    tower = spec.vision.tower
+    variable = tower in (Tower.PACKED, Tower.PADDED_POOLED)  # rows per image, from its size
+    assert (tower is Tower.PACKED) == (spec.positions is Positions.MROPE)
+    assert (spec.vision.tower_class is None) == (not variable)
+    assert (spec.vision.projector_class is None) == (tower is Tower.PACKED)
     assert (spec.vllm is VllmEmbeds.GRID) == (spec.positions is Positions.MROPE)
-    assert (spec.placeholders.count is None) == (spec.positions is Positions.MROPE)
-    if spec.placeholders.marker is Marker.OPEN:
+    assert (spec.placeholders.count is None) == variable
+    if spec.placeholders.marker in (Marker.OPEN, Marker.WRAPPED_IMAGE):
         assert spec.placeholders.open and spec.placeholders.close
     assert set(spec.checkpoint.vision_prefixes) <= {"tower", "projector"}
     assert {"pad", "bos", "eos", "image", spec.recipe.end_of_turn} <= set(

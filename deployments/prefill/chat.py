@@ -17,7 +17,9 @@ Invariants:
   (:mod:`vitserve.families`): ``Marker.IMAGE`` (Qwen, LLaVA) repeats the image token the
   template writes once per image; ``Marker.OPEN`` (Gemma 3) replaces the template's open token
   (``<start_of_image>``) with ``padding + open + image tokens + close + padding``
-  (``\\n\\n<start_of_image>`` ... ``<end_of_image>\\n\\n``).
+  (``\\n\\n<start_of_image>`` ... ``<end_of_image>\\n\\n``); ``Marker.WRAPPED_IMAGE`` (Gemma 4)
+  replaces the template's image token (``<|image|>``) with ``open + image tokens + close``
+  (``<|image>`` ... ``<image|>``).
 """
 
 from __future__ import annotations
@@ -214,10 +216,12 @@ class PromptBuilder:
 
         image_id = int(getattr(config, p.image))
         image = token(p.image)
+        opener, closer = token(p.open), token(p.close)
         if p.marker is Marker.OPEN:
-            opener, closer = token(p.open), token(p.close)
             expansion = (f"{p.padding}{opener}", image, f"{closer}{p.padding}")
             return cls(tokenizer, family, image_id, opener, expansion)
+        if p.marker is Marker.WRAPPED_IMAGE:
+            return cls(tokenizer, family, image_id, image, (opener, image, closer))
         return cls(tokenizer, family, image_id, image, ("", image, ""))
 
     def render(self, request: ChatRequest) -> str:

@@ -10,6 +10,7 @@ tower is one of these kinds needs no code here.
 from __future__ import annotations
 
 from vitserve.encoder.families.base import FamilyAdapter, ImageFeatures, PreparedImage
+from vitserve.encoder.families.budget import Gemma4Adapter
 from vitserve.encoder.families.fixed_size import Gemma3Adapter, LlavaAdapter
 from vitserve.encoder.families.qwen import QwenAdapter
 from vitserve.families import family_spec
@@ -19,6 +20,7 @@ ADAPTERS: dict[Tower, type[FamilyAdapter]] = {
     Tower.PACKED: QwenAdapter,
     Tower.FIXED_SIZE: LlavaAdapter,
     Tower.FIXED_SIZE_POOLED: Gemma3Adapter,
+    Tower.PADDED_POOLED: Gemma4Adapter,
 }
 
 

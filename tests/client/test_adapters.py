@@ -102,7 +102,9 @@ def _pixel_side(path: Path, family: str, config: Any) -> tuple[dict[str, Any], l
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in _images()]
     pixels = dict(processor(images=pil, return_tensors="pt"))
     count = SPECS[family].placeholders.count
-    if count is None:  # per image, from its grid
+    if "num_soft_tokens_per_image" in pixels:  # Gemma 4: per image, as its processor says
+        counts = [int(n) for n in pixels.pop("num_soft_tokens_per_image")]
+    elif count is None:  # per image, from its grid
         merge = config.vision_config.spatial_merge_size
         counts = [int(g.prod()) // merge**2 for g in pixels["image_grid_thw"]]
     else:

@@ -42,7 +42,7 @@ from vitserve.deployments.prefill.chat import PIECE_CHARS
 from vitserve.encoder.testimages import make_image
 from vitserve.encoder.testmodels import IMAGE_TOKEN_ID
 from vitserve.families import SPECS
-from vitserve.families.spec import Positions, Tower
+from vitserve.families.spec import Marker, Positions, Tower
 
 SIZES = ((140, 84), (56, 112))  # (width, height): two images whose Qwen grids differ
 NEW_TOKENS = 6
@@ -136,6 +136,18 @@ def reference_inputs(path: Path, family: str, config: Any) -> dict[str, Any]:
             "mm_token_type_ids": image_types,
             "image_grid_thw": pixels["image_grid_thw"],
         }
+    if spec.placeholders.marker is Marker.WRAPPED_IMAGE:
+        # Gemma 4: its processor's expansion spelled out (Gemma4Processor needs a video
+        # processor, which needs torchvision): <|image|> -> <|image>, n soft tokens, <image|>.
+        pixels = dict(image_processor(images=pil, return_tensors="pt"))
+        counts = [int(n) for n in pixels.pop("num_soft_tokens_per_image")]
+        image, boi, eoi = tokenizer.image_token, tokenizer.boi_token, tokenizer.eoi_token
+        parts = text.split(image)
+        text = parts[0] + "".join(
+            f"{boi}{image * n}{eoi}{p}" for n, p in zip(counts, parts[1:], strict=True)
+        )
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        return {"input_ids": ids, "attention_mask": ids.new_ones(ids.shape), **pixels}
     if spec.vision.tower is Tower.FIXED_SIZE:  # LLaVA-style: the LLaVA processor
         processor = tf.LlavaProcessor(
             image_processor=image_processor,

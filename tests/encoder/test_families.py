@@ -37,6 +37,7 @@ IMAGES = [b for _, b in MIXED]
 # fp32 rows of such a batch were 4.2-5.3 ulps from each image alone, where the mixed set's were 0.
 SMALL = [make_image(64, 48, seed=7_100_000 + i) for i in range(16)]
 QWEN = [f for f in FAMILIES if f.startswith("qwen")]
+BUDGET = ["gemma4"]  # sized under a patch budget, padded to it
 # Rounding per layer an image passes, against an independent fp32 reference.
 REFERENCE_ULPS_PER_LAYER = 4.0
 
@@ -69,10 +70,11 @@ def references(tiny_models):
             )
             processor = AutoImageProcessor.from_pretrained(path)
             inputs = processor(images=[decode_image(b) for b in IMAGES], return_tensors="pt")
-            grid = {"image_grid_thw": inputs["image_grid_thw"]} if family in QWEN else {}
+            # The processor's per-image layout: Qwen's grids, Gemma 4's patch positions.
+            layout = {k: inputs[k] for k in ("image_grid_thw", "image_position_ids") if k in inputs}
             with torch.no_grad():
                 cache[family] = model.eval().model.get_image_features(
-                    inputs["pixel_values"], **grid
+                    inputs["pixel_values"], **layout
                 )
         return cache[family]
 
@@ -89,8 +91,9 @@ def _reference_ulps(ours: list, ref) -> float:
 # -- injected faults ----------------------------------------------------------------------------
 @contextlib.contextmanager
 def shifted_positions(engine: EncoderEngine) -> Iterator[None]:
-    """Every patch takes its neighbour's position: Qwen's rotary table rolled by one row, or a
-    CLIP/SigLIP tower's position ids rolled by one."""
+    """Every patch takes its neighbour's position: Qwen's rotary table rolled by one row, a
+    CLIP/SigLIP tower's position ids rolled by one, or Gemma 4's position tables rolled by one
+    row."""
     tower = engine.adapter.modules["tower"]
     if engine.family in QWEN:
         hook = tower.rotary_pos_emb.register_forward_hook(
@@ -101,9 +104,14 @@ def shifted_positions(engine: EncoderEngine) -> Iterator[None]:
         finally:
             hook.remove()
         return
-    ids = tower.embeddings.position_ids
+    # Gemma 4: its (x, y) position embedding tables; CLIP/SigLIP: their position ids.
+    ids = (
+        tower.patch_embedder.position_embedding_table
+        if engine.family in BUDGET
+        else tower.embeddings.position_ids
+    )
     original = ids.clone()
-    ids.copy_(ids.roll(1, -1))
+    ids.copy_(ids.roll(1, 1))  # along the positions ([1, n] ids, [2, n, width] tables)
     try:
         yield
     finally:
@@ -161,6 +169,9 @@ def test_batched_equals_alone_within_the_engines_promise(
         if family in QWEN:
             t, h, w = e.grid
             assert t * h * w == 4 * e.num_tokens
+        elif family in BUDGET:  # patches before the 3 x 3 pooling
+            t, h, w = e.grid
+            assert (t, h % 3, w % 3) == (1, 0, 0) and h * w == 9 * e.num_tokens
         else:
             assert e.grid is None
     if family == "qwen3_vl":

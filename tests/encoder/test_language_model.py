@@ -37,6 +37,7 @@ from vitserve.encoder.testmodels import (
     rename_tensors,
 )
 from vitserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from vitserve.families import family_spec
 
 # Every layout's vision/projector tensor names, spelled out here rather than taken from the
 # adapters, so the expected sets are computed independently of the loader.
@@ -47,9 +48,15 @@ VISION_PREFIXES = (
     "model.vision_tower.",
     "multi_modal_projector.",
     "model.multi_modal_projector.",
+    "model.embed_vision.",
 )
 # The vision submodules of the in-memory model.
-VISION_MODULES = ("model.visual", "model.vision_tower", "model.multi_modal_projector")
+VISION_MODULES = (
+    "model.visual",
+    "model.vision_tower",
+    "model.multi_modal_projector",
+    "model.embed_vision",
+)
 TEXT_IDS = [1, 11, 12, 13, 40, 50, 60, 70, 2]
 IMAGE_SIZES = ((140, 84), (56, 112))  # (width, height): two Qwen grids that differ
 EXACT = 1e-5  # LM-only against the full model on the same inputs (expected: 0.0)
@@ -72,6 +79,8 @@ OTHER_LAYOUT = {
     "llava": TO_TODAYS_LLAVA,
     "gemma3": TO_TODAYS_LLAVA,
     "vipllava": TO_TODAYS_LLAVA,
+    # Gemma 4 is published in today's layout only: another one is refused.
+    "gemma4": None,
 }
 # What the fixture checkpoints look like (asserted, so a transformers change shows up here).
 SAVED_EMBEDDING = {
@@ -81,6 +90,7 @@ SAVED_EMBEDDING = {
     "qwen3_5": "model.language_model.embed_tokens.weight",
     "llava": "language_model.model.embed_tokens.weight",
     "gemma3": "language_model.model.embed_tokens.weight",
+    "gemma4": "model.language_model.embed_tokens.weight",
     "vipllava": "language_model.model.embed_tokens.weight",
 }
 
@@ -193,7 +203,8 @@ def test_reads_exactly_the_language_model_tensors(tiny_models, family) -> None:
     full_lm = {n for n, _ in full.named_parameters() if not n.startswith(VISION_MODULES)}
     assert {n for n, _ in model.named_parameters()} == full_lm
     tied = model.lm_head.weight is model.get_input_embeddings().weight
-    assert tied == (family == "gemma3")  # Gemma 3 ties lm_head and saves no lm_head tensor
+    # Gemma 3 and 4 tie lm_head and save no lm_head tensor
+    assert tied == (family in ("gemma3", "gemma4"))
     assert tied == (full.lm_head.weight is full.get_input_embeddings().weight)
 
 
@@ -323,7 +334,14 @@ def test_bf16_matches_from_pretrained(tiny_models) -> None:
 def test_other_checkpoint_layout_loads_the_same_model(tiny_models, family, tmp_path) -> None:
     src = tiny_models[family]
     dst = tmp_path / "other-layout"
-    rename_tensors(src, dst, OTHER_LAYOUT[family])
+    rules = OTHER_LAYOUT[family]
+    if rules is None:  # one layout per part: Qwen's ``model.*`` names are no layout of it
+        assert all(len(v) == 1 for v in family_spec(family).checkpoint.lm_layouts.values())
+        rename_tensors(src, dst, [(r"^model\.language_model\.", "model.")])
+        with pytest.raises(ModelLoadError, match="missing language-model tensor"):
+            _load(dst)
+        return
+    rename_tensors(src, dst, rules)
     # Every LM name changed but Qwen's lm_head.weight (the same in both layouts).
     assert _lm_names(dst) & _lm_names(src) <= {"lm_head.weight"}
     assert SAVED_EMBEDDING[family] not in _lm_names(dst)
@@ -380,6 +398,24 @@ def test_tied_embedding_table_missing_is_named(tiny_models, tmp_path) -> None:
     shutil.copytree(tiny_models["gemma3"], dst)
     _drop_tensor(dst, "language_model.model.embed_tokens.weight")
     with pytest.raises(ModelLoadError, match=r"language_model\.model\.embed_tokens\.weight"):
+        _load(dst)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("use_bidirectional_attention", "vision"), ("hidden_size_per_layer_input", 8)],
+)
+def test_a_gemma4_language_model_its_inputs_cannot_express_is_refused(
+    tiny_models, tmp_path, setting, value
+) -> None:
+    """Gemma 4 with images attending both ways, or with per-layer input embeddings: refused
+    before any tensor is read, not served with other logits."""
+    dst = tmp_path / setting
+    shutil.copytree(tiny_models["gemma4"], dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["text_config"][setting] = value
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=f"Gemma 4 with {setting}="):
         _load(dst)
 
 

@@ -60,6 +60,16 @@ SPECIALS: dict[str, dict[str, str]] = {
         "boi_token_id": "<start_of_image>",
         "eoi_token_id": "<end_of_image>",
     },
+    "gemma4": {
+        "pad_token_id": "<pad>",
+        "bos_token_id": "<bos>",
+        "eos_token_id": "<eos>",
+        "image_token_id": "<|image|>",
+        "video_token_id": "<|video|>",
+        "audio_token_id": "<|audio|>",
+        "boi_token_id": "<|image>",
+        "eoi_token_id": "<image|>",
+    },
 }
 TEXT_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")  # on the text config
 # What the chat template writes once per image part (Gemma 3's processor later expands its
@@ -67,19 +77,27 @@ TEXT_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")  # on the text confi
 MARKER = {f: "<|image_pad|>" for f in SPECIALS} | {
     "llava": "<image>",
     "gemma3": "<start_of_image>",
+    "gemma4": "<|image|>",
     "vipllava": "<image>",
 }
 END_OF_TURN = {f: "<|im_end|>" for f in SPECIALS} | {
     "llava": "</s>",
     "gemma3": "<end_of_turn>",
+    "gemma4": "<turn|>",
     "vipllava": "</s>",
 }
 GENERATION_PROMPT = {f: "<|im_start|>assistant\n" for f in SPECIALS} | {
     "llava": "ASSISTANT:",
     "gemma3": "<start_of_turn>model\n",
+    "gemma4": "<|turn>model\n",
     "vipllava": "###Assistant:",
 }
-BOS = {f: "" for f in SPECIALS} | {"llava": "<s>", "gemma3": "<bos>", "vipllava": "<s>"}
+BOS = {f: "" for f in SPECIALS} | {
+    "llava": "<s>",
+    "gemma3": "<bos>",
+    "gemma4": "<bos>",
+    "vipllava": "<s>",
+}
 # Families whose template ends only the assistant's turn (LLaVA's "</s>" after the answer).
 ENDS_ONLY_THE_ASSISTANT = ("llava", "vipllava")
 

@@ -78,6 +78,10 @@ class Tower(enum.Enum):
     # One fixed square per image; the last hidden state, pooled to a fixed token count by the
     # projector (Gemma 3: ``Gemma3Adapter``).
     FIXED_SIZE_POOLED = "fixed_size_pooled"
+    # Variable resolution under a patch budget: each image resized (aspect kept) to at most the
+    # budget, padded to it, and its valid patches pooled ``k x k``; images of one budget stack
+    # into a [B, budget, patch] batch with a padding mask (Gemma 4: ``Gemma4Adapter``).
+    PADDED_POOLED = "padded_pooled"
 
 
 class Positions(enum.Enum):
@@ -104,6 +108,9 @@ class Marker(enum.Enum):
     # The token that opens an image (Gemma 3's ``<start_of_image>``); the expansion replaces it
     # with ``padding + open + image tokens + close + padding``.
     OPEN = "open"
+    # The image token itself (Gemma 4's ``<|image|>``); the expansion replaces it with
+    # ``open + image tokens + close``.
+    WRAPPED_IMAGE = "wrapped_image"
 
 
 class VllmEmbeds(enum.Enum):
@@ -169,6 +176,9 @@ class Checkpoint:
     # For each part of the language model, its state-dict prefix -> the checkpoint prefixes it
     # is saved under, one per layout, today's first.
     lm_layouts: Mapping[str, tuple[str, ...]]
+    # Text-config attributes the language-model loader refuses when set (not None, 0 or
+    # False): what its transformers inputs cannot express.
+    refused_text_settings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +202,7 @@ class Recipe:
     processor_class: str  # the transformers image-processor class
     processor: Callable[[Any, str], dict[str, Any]]  # (config, preset) -> its keyword arguments
     # Special-token role (pad, bos, eos, image, video, vision_start, vision_end,
-    # start_of_turn, end_of_turn) -> the token as the published tokenizer spells it.
+    # start_of_turn, end_of_turn, audio) -> the token as the published tokenizer spells it.
     special_tokens: Mapping[str, str]
     # Tokenizer attribute (``image_token``, ...) -> special-token role.
     named_tokens: Mapping[str, str]
