@@ -85,7 +85,9 @@ START_OF_TURN_ID = 2004  # Gemma 3's turn markers
 END_OF_TURN_ID = 2005
 # Gemma 3's "\n" ... "\n\n\n\n" tokens in vllm=True models (see make_tokenizer).
 NEWLINE_IDS = (2006, 2007, 2008, 2009)
-AUDIO_TOKEN_ID = 2010  # Gemma 4's audio placeholder (its models look it up; no audio is served)
+# Gemma 4's audio placeholder, open and close (its model and processor look them up; no audio
+# is served).
+AUDIO_TOKEN_ID, AUDIO_START_ID, AUDIO_END_ID = 2010, 2011, 2012
 # Special-token role (the keys of a family's ``Recipe.special_tokens``) -> its id here.
 ROLE_IDS = {
     "pad": PAD_ID,
@@ -98,6 +100,8 @@ ROLE_IDS = {
     "start_of_turn": START_OF_TURN_ID,
     "end_of_turn": END_OF_TURN_ID,
     "audio": AUDIO_TOKEN_ID,
+    "audio_start": AUDIO_START_ID,
+    "audio_end": AUDIO_END_ID,
 }
 
 # Part of the cache folder names: bumped whenever make_model's output changes, so that

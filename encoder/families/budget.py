@@ -85,7 +85,9 @@ class Gemma4Adapter(FamilyAdapter):
             raise ModelLoadError(spec.model_type, "an image processor without resizing")
 
     def settings(self) -> dict[str, Any]:
-        return {"family": self.spec.model_type, "budget": self.budget, "kernel": self.kernel}
+        # From the config alone (an LLM server computes it without the processor); the budget
+        # (``max_soft_tokens``) is the processor's, in the fingerprint with its settings.
+        return {"family": self.spec.model_type, "kernel": self.kernel}
 
     def resize_rule(self) -> ResizeRule:
         return ResizeRule(

@@ -185,6 +185,14 @@ def test_the_identity_an_llm_server_checks_tracks_weights_and_config_not_place_o
     assert family["config"] != base.identity["config"]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_familys_identity_is_computed_from_the_checkpoint_alone(
+    tiny_models, engines, family
+) -> None:
+    """What an LLM server computes (config and files, no image processor) is the encoder's."""
+    assert vision_identity(str(tiny_models[family])) == engines[family].identity
+
+
 def test_hf_id_fetches_only_vision_shards(tiny_models, engines, tmp_path, monkeypatch) -> None:
     """Offline, through the real huggingface_hub cache: an HF id resolves, and loading needs
     only the index, the configs and the shards holding vision tensors."""

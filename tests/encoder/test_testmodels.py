@@ -67,6 +67,7 @@ SPECIALS: dict[str, dict[str, str]] = {
         "image_token_id": "<|image|>",
         "video_token_id": "<|video|>",
         "audio_token_id": "<|audio|>",
+        "boa_token_id": "<|audio>",
         "boi_token_id": "<|image>",
         "eoi_token_id": "<image|>",
     },

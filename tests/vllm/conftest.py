@@ -58,7 +58,7 @@ MAX_IMAGES = 16  # vLLM's --limit-mm-per-prompt for images
 ONE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 ONE_PROCESS_ARGS = ("--distributed-executor-backend", "uni")
 # a vision weight's name in a saved checkpoint (with or without transformers' "model." prefix)
-VISION_WEIGHT = re.compile(r"^(model\.)?(visual|vision_tower|multi_modal_projector)\.")
+VISION_WEIGHT = re.compile(r"^(model\.)?(visual|vision_tower|multi_modal_projector|embed_vision)\.")
 
 
 def vllm_python() -> str:

@@ -12,10 +12,13 @@ preprocessing (multiples of the patch grid for Qwen, a crop only for LLaVA, the 
 for Gemma 3); whether vitserve's PIL resize and vLLM's processor agree on other sizes was not
 measured.
 
-Qwen3.5 (added later, checked only through ``test_families.py``) serves in bf16 alone: vLLM's
-CPU gated-DeltaNet kernels refuse fp32 ("CPU GDN attention requires BF16.") and head sizes other
-than the published 128 ("Unexpected head dim size, 32"; the test model's linear-attention heads
-are 128 wide for this).
+Gemma 4 (added later, checked through ``test_families.py``) serves in fp32 with the audio
+placeholder and its open/close tokens in the tokenizer (vLLM's Gemma 4 processor refuses a
+tokenizer without them) and ``vision_config.default_output_length`` in the config (vLLM sizes its
+prompts by it). Qwen3.5 (added later, checked only through ``test_families.py``) serves in bf16
+alone: vLLM's CPU gated-DeltaNet kernels refuse fp32 ("CPU GDN attention requires BF16.") and
+head sizes other than the published 128 ("Unexpected head dim size, 32"; the test model's
+linear-attention heads are 128 wide for this).
 
 Families not in ``VLLM_FAMILIES``: VipLLaVA, whose spec refuses vLLM embedding inputs (not
 checked against a vLLM build; ``vitserve/families/vipllava.py``). The other six serve with
@@ -43,6 +46,9 @@ SIZES: dict[str, tuple[tuple[int, int], ...]] = {
     "qwen3_5": ((224, 224), (128, 192)),  # Qwen3-VL's tower and processor
     "llava": ((224, 224), (336, 224)),  # shortest edge 224 already: a center crop only
     "gemma3": ((224, 224), (224, 224)),  # every other size is resized to 224x224
+    # already the largest sides in multiples of 48 px within 630 patches (70 soft tokens):
+    # 64 and 60 rows; vLLM's count of soft tokens (its own formula) agrees at these sizes
+    "gemma4": ((384, 384), (480, 288)),
 }
 VLLM_FAMILIES = tuple(SIZES)
 

@@ -14,11 +14,17 @@ with the images' vitserve keys give the same greedy tokens and prompt logprobs, 
 connector loaded every image. (Qwen2-VL runs in ``test_connector.py``, behind the front.)
 Every family in fp32 but Qwen3.5, which vLLM's CPU build serves in bf16 only: there vitserve
 encodes in bf16 too, and the prompt logprobs agree to bf16's tolerance (:func:`near_tie_gap`).
+
+The families added since the front was tested on Qwen2-VL alone (``NOISE_FAMILIES``) also go
+through vitserve's vLLM front, an application of the same cluster, to a second vLLM whose vision
+weights are noise: the front's answer is vLLM alone's only if every image came from vitserve,
+and that vLLM's own tower (the control, without keys) answers far from it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -26,6 +32,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -54,6 +61,7 @@ from .conftest import (
     SERVED_NAME,
     Replica,
     ec_config,
+    noise_vision_copy,
     side_by_side,
     vllm_python,
 )
@@ -69,12 +77,39 @@ FP32 = ("float32", "fp32")
 # the cache resident, so 64 MiB instead of the harness's 1 GiB leaves ~0.9 GiB per server of
 # the machine's memory to the rest of the suite (the session's stack is up beside these)
 KV_CACHE_BYTES = 64 * 2**20
+# the families also served through the front to a vLLM whose vision weights are noise
+NOISE_FAMILIES = ("qwen3_5", "gemma4")
 # each application's share of the cluster's 2 CPUs: all five fit
 SHARES = {"encoder.num_cpus": 0.2, "ingress.num_cpus": 0.05, "torch_threads": 1}
 
 
-def serve_config(models: dict[str, Path], store: str, port: int) -> dict:
-    """A Serve config: one vitserve application per family at ``/<family>``, over ``store``."""
+def front_prefix(family: str) -> str:
+    return f"/{family}-front"
+
+
+def serve_config(
+    models: dict[str, Path], store: str, port: int, fronts: dict[str, str] | None = None
+) -> dict:
+    """A Serve config: one vitserve application per family at ``/<family>``, over ``store``,
+    and for each family of ``fronts`` (family -> a vLLM's URL) vitserve's vLLM front at
+    ``/<family>-front`` to that vLLM, encoding through the family's application."""
+    front_apps = [
+        {
+            "name": f"{family}-front",
+            "route_prefix": front_prefix(family),
+            "import_path": "vitserve.deployments.vllm.app:build_app",
+            "args": {
+                "model": str(models[family]),
+                "store": store,
+                "dtype": DTYPES.get(family, FP32)[1],
+                "device": "cpu",
+                "vllm.urls": [url],
+                "vllm.encoder_app": family,
+                "vllm.num_cpus": 0.05,
+            },
+        }
+        for family, url in (fronts or {}).items()
+    ]
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": port},
@@ -92,7 +127,8 @@ def serve_config(models: dict[str, Path], store: str, port: int) -> dict:
                 },
             }
             for family, model in models.items()
-        ],
+        ]
+        + front_apps,
     }
 
 
@@ -131,46 +167,89 @@ def stop_group(proc: subprocess.Popen, sig: int = signal.SIGINT) -> None:
     proc.wait()
 
 
+@dataclasses.dataclass
+class Family:
+    url: str  # its vitserve application
+    replica: Replica  # vLLM over its checkpoint, with the connector
+    front: str | None = None  # vitserve's vLLM front to ``noise`` (NOISE_FAMILIES)
+    noise: Replica | None = None  # vLLM over a copy whose vision weights are noise
+
+
+def family_vllm(
+    family: str, folder: Path, url: str, store: str, log: Path, **extra: Any
+) -> VllmServer:
+    """A vLLM over ``folder`` in the family's dtype whose connector encodes through ``url``
+    (``extra``: more of its connector's config)."""
+    from vitserve.deployments.runner.local import free_port
+
+    return VllmServer(
+        vllm_python(),
+        str(folder),
+        free_port(),
+        dtype=DTYPES.get(family, FP32)[0],
+        log_path=str(log),
+        served_model_name=SERVED_NAME,
+        # all at once, beside the cluster's start (four took ~320 s with it on the 8 MiB EPYC;
+        # six start now)
+        ready_timeout=900,
+        kv_cache_bytes=KV_CACHE_BYTES,
+        extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1", **ONE_PROCESS_ENV},
+        # the connector reaches vitserve only when a request names a key
+        extra_args=["--ec-transfer-config", ec_config(url, store, **extra), *ONE_PROCESS_ARGS],
+    )
+
+
 @pytest.fixture(scope="module")
 def families(
     store: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, tuple[str, Replica]]]:
-    """family -> (its vitserve application's URL, its vLLM replica), all started at once."""
+) -> Iterator[dict[str, Family]]:
+    """family -> its application, vLLM, and (NOISE_FAMILIES) front and noise vLLM, all
+    started at once."""
     from vitserve.deployments.runner.local import free_port
     from vitserve.encoder.testmodels import cached_model
 
     work = tmp_path_factory.mktemp("families")
     models = {family: cached_model(family, "tiny", vllm=True) for family in FAMILIES}
     port = free_port()
-    urls = {family: f"http://127.0.0.1:{port}/{family}" for family in FAMILIES}
-    service = serve_run(serve_config(models, store.url, port), work, list(urls.values()))
+    base = f"http://127.0.0.1:{port}"
+    urls = {family: f"{base}/{family}" for family in FAMILIES}
     servers = {
-        family: VllmServer(
-            vllm_python(),
-            str(models[family]),
-            free_port(),
-            dtype=DTYPES.get(family, FP32)[0],
-            log_path=str(work / f"vllm-{family}.log"),
-            served_model_name=SERVED_NAME,
-            ready_timeout=600,  # all at once, beside the cluster's start
-            kv_cache_bytes=KV_CACHE_BYTES,
-            extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1", **ONE_PROCESS_ENV},
-            # the connector reaches vitserve only when a request names a key
-            extra_args=[
-                "--ec-transfer-config",
-                ec_config(urls[family], store.url),
-                *ONE_PROCESS_ARGS,
-            ],
+        family: family_vllm(
+            family, models[family], urls[family], store.url, work / f"vllm-{family}.log"
         )
         for family in FAMILIES
     }
-    with side_by_side(service, *servers.values()):  # one that cannot start fails the module
-        yield {family: (urls[family], Replica(family, servers[family])) for family in FAMILIES}
+    # its tower is deliberately not vitserve's: its connector compares all but the weights
+    noise = {
+        family: family_vllm(
+            family,
+            noise_vision_copy(models[family], work / f"{family}-noise"),
+            urls[family],
+            store.url,
+            work / f"vllm-{family}-noise.log",
+            check_model="tower-may-differ",
+        )
+        for family in NOISE_FAMILIES
+    }
+    fronts = {family: f"{base}{front_prefix(family)}" for family in NOISE_FAMILIES}
+    config = serve_config(models, store.url, port, {f: s.url for f, s in noise.items()})
+    service = serve_run(config, work, [*urls.values(), *fronts.values()])
+    # one that cannot start fails the module
+    with side_by_side(service, *servers.values(), *noise.values()):
+        yield {
+            family: Family(
+                urls[family],
+                Replica(family, servers[family]),
+                fronts.get(family),
+                Replica(f"{family}-noise", noise[family]) if family in noise else None,
+            )
+            for family in FAMILIES
+        }
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_connector_equals_vllm_alone(family: str, families: dict[str, tuple[str, Replica]]) -> None:
-    url, replica = families[family]
+def test_connector_equals_vllm_alone(family: str, families: dict[str, Family]) -> None:
+    url, replica = families[family].url, families[family].replica
     rng = np.random.default_rng(11)
     images = [png(rng, w, h) for w, h in SIZES[family]]
     alone = answer(post(replica.url, body([user(images)])))
@@ -179,8 +258,39 @@ def test_connector_equals_vllm_alone(family: str, families: dict[str, tuple[str,
     hit = answer(post(replica.url, body([user(images, uuids=keys)])))
     moved = delta(before, replica.counts())
     assert tokens(hit) == tokens(alone)
-    bf16 = family in DTYPES
-    gap = (near_tie_gap if bf16 else logprob_gap)(hit, alone)
+    gap, tol = gap_and_tolerance(family, hit, alone)
     print(f"{family}: max |prompt logprob difference| from vLLM alone {gap:.2g}")
-    assert gap < (BF16_LOGPROB_TOL if bf16 else LOGPROB_TOL), gap
+    assert gap < tol, gap
     assert moved["loads"] == len(set(keys)) and moved["load_fallbacks"] == 0, moved
+
+
+def gap_and_tolerance(family: str, doc: dict[str, Any], ref: dict[str, Any]) -> tuple[float, float]:
+    """The prompt logprobs' gap between ``doc`` and ``ref``, and the family's tolerance."""
+    if family in DTYPES:
+        return near_tie_gap(doc, ref), BF16_LOGPROB_TOL
+    return logprob_gap(doc, ref), LOGPROB_TOL
+
+
+@pytest.mark.parametrize("family", NOISE_FAMILIES)
+def test_the_front_to_a_noise_tower_gives_vllm_alones_answer(
+    family: str, families: dict[str, Family]
+) -> None:
+    """Through vitserve's front, a vLLM whose vision weights are noise gives vLLM alone's
+    tokens and prompt logprobs, every image loaded by its connector; the control, the same
+    request to it without the front (its own tower), answers far from them."""
+    f = families[family]
+    assert f.front and f.noise
+    rng = np.random.default_rng(12)
+    images = [png(rng, w, h) for w, h in SIZES[family]]
+    alone = answer(post(f.replica.url, body([user(images)])))
+    before = f.noise.counts()
+    served = answer(post(f.front, body([user(images)])))
+    moved = delta(before, f.noise.counts())
+    control = answer(post(f.noise.url, body([user(images)])))
+    gap, tol = gap_and_tolerance(family, served, alone)
+    control_gap, _ = gap_and_tolerance(family, control, alone)
+    print(f"{family}: through the front {gap:.2g} from vLLM alone, its own tower {control_gap:.2g}")
+    assert tokens(served) == tokens(alone)
+    assert gap < tol, gap
+    assert moved["loads"] == len(images) and moved["load_fallbacks"] == 0, moved
+    assert control_gap > 10 * tol, control_gap

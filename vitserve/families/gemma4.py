@@ -46,6 +46,8 @@ def _config(shape: RecipeShape) -> dict[str, Any]:
         "num_key_value_heads": v["heads"],
         "head_dim": v["width"] // v["heads"],
         "intermediate_size": v["mlp"],
+        # The published configs' soft tokens per image (vLLM sizes its prompts by it).
+        "default_output_length": MAX_SOFT_TOKENS[shape.preset],
     }
     if shape.preset == "tiny":
         # Rows of the (x, y) position tables: the longest side in patches the budget allows
@@ -72,6 +74,8 @@ def _config(shape: RecipeShape) -> dict[str, Any]:
         "eoi_token_id": shape.ids["vision_end"],
         # Looked up in every forward that takes embeddings (transformers' placeholder mask).
         "audio_token_id": shape.ids["audio"],
+        "boa_token_id": shape.ids["audio_start"],
+        "eoa_token_index": shape.ids["audio_end"],
     }
 
 
@@ -139,6 +143,8 @@ SPEC = FamilySpec(
                 "start_of_turn": "<|turn>",
                 "end_of_turn": "<turn|>",
                 "audio": "<|audio|>",
+                "audio_start": "<|audio>",
+                "audio_end": "<audio|>",
             }
         ),
         named_tokens=frozen(
@@ -146,6 +152,8 @@ SPEC = FamilySpec(
                 "image_token": "image",
                 "video_token": "video",
                 "audio_token": "audio",
+                "boa_token": "audio_start",
+                "eoa_token": "audio_end",
                 "boi_token": "vision_start",
                 "eoi_token": "vision_end",
             }

@@ -202,7 +202,8 @@ class Recipe:
     processor_class: str  # the transformers image-processor class
     processor: Callable[[Any, str], dict[str, Any]]  # (config, preset) -> its keyword arguments
     # Special-token role (pad, bos, eos, image, video, vision_start, vision_end,
-    # start_of_turn, end_of_turn, audio) -> the token as the published tokenizer spells it.
+    # start_of_turn, end_of_turn, audio, audio_start, audio_end) -> the token as the published
+    # tokenizer spells it.
     special_tokens: Mapping[str, str]
     # Tokenizer attribute (``image_token``, ...) -> special-token role.
     named_tokens: Mapping[str, str]
