@@ -92,6 +92,11 @@ class ImageDecodeError(ImageError):
     """The bytes are not an image vitserve can decode (empty, truncated, unknown format)."""
 
 
+class VideoDecodeError(ImageDecodeError):
+    """The bytes are not a video vitserve can decode (format, codec, a header that does not
+    bound its decode, a corrupt or truncated stream)."""
+
+
 class ImageTooLargeError(ImageError):
     """The image exceeds a configured limit; checked before the pixels are decoded.
 
