@@ -54,9 +54,17 @@ from vitserve.encoder.images import DEFAULT_LIMITS, ImageLimits
 from vitserve.encoder.loading import LoadReport, load_vision
 from vitserve.encoder.planner import Plan, PlanItem, plan_batches
 from vitserve.encoder.preprocess import Preprocessor
+from vitserve.encoder.video import (
+    DEFAULT_VIDEO_LIMITS,
+    VideoLimits,
+    VideoSampling,
+    decode_frames,
+    probe,
+    sample_indices,
+)
 from vitserve.encoder.work import Capacity, Terms
-from vitserve.errors import ConfigError, ImageError
-from vitserve.keys import content_key, model_fingerprint
+from vitserve.errors import ConfigError, ImageError, ImagePreprocessError
+from vitserve.keys import content_key, model_fingerprint, video_fingerprint
 
 _EMPTY = np.empty(0, np.float32)
 # What batching may change an embedding by, per dtype, in ulps of its largest magnitude.
@@ -224,6 +232,32 @@ class EncoderEngine:
             with self._lock:
                 self.counters.refused += refused
         return out
+
+    def video_key(self, data: bytes | bytearray | memoryview, sampling: VideoSampling) -> str:
+        """The content key of a video's bytes sampled by ``sampling`` under this engine's
+        model and namespace (:func:`vitserve.keys.video_fingerprint`)."""
+        return content_key(
+            data, video_fingerprint(self.fingerprint, sampling.settings()), self.namespace
+        )
+
+    def prepare_video(
+        self,
+        data: bytes | bytearray | memoryview,
+        sampling: VideoSampling,
+        index: int = 0,
+        limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
+    ) -> PreparedImage:
+        """Probe (limits first), sample, decode and preprocess one video; raises ImageError.
+        The result runs through :meth:`run` like an image (Qwen: a packed grid with t > 1)."""
+        info = probe(data, index=index, limits=limits)
+        indices = sample_indices(info, sampling, index=index)
+        frames = list(decode_frames(data, indices, index=index, limits=limits))
+        try:
+            return self.adapter.preprocess_video(frames, self.video_key(data, sampling), sampling)
+        except ImageError as exc:
+            raise type(exc)(index, exc.reason) from None
+        except Exception as exc:
+            raise ImagePreprocessError(index, f"{type(exc).__name__}: {exc}") from exc
 
     # -- device half -------------------------------------------------------------------------
     def plan(self, prepared: Sequence[PreparedImage]) -> Plan:

@@ -77,6 +77,14 @@ class VideoSampling:
     min_frames: int = 4
     max_frames: int = 768
     temporal_patch: int = 2
+    # each frame's pixels after the resize, as the video processor bounds them (Qwen2-VL's
+    # defaults: 128 to 768 merged patches of 28 px)
+    min_pixels: int = 128 * 28 * 28
+    max_pixels: int = 768 * 28 * 28
+
+    def settings(self) -> dict[str, float | int]:
+        """Every field, by name: part of a video's key."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ CASES = [
     errors.ModelLoadError("m", "why"),
     errors.UnsupportedModelError("m", "why"),
     errors.ImageDecodeError(3, "truncated"),
+    errors.VideoDecodeError(4, "truncated stream"),
     errors.ImageTooLargeError(2, "max_image_pixels", 10, 5),
     errors.ImagePreprocessError(1, "odd"),
     errors.StoreUnavailableError("redis", "down"),

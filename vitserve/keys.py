@@ -8,7 +8,9 @@ different images, models, processor settings, dtypes or tenants never share a ke
 image under the same model always does, whichever process computes it.
 
 Both fields are length-prefixed so that no choice of namespace can make one (namespace,
-fingerprint) pair collide with another.
+fingerprint) pair collide with another. A video's key is the same construction over its bytes
+under :func:`video_fingerprint` (the model's fingerprint and every frame-sampling setting), so
+one video sampled two ways, or the same bytes as an image and as a video, have other keys.
 """
 
 from __future__ import annotations
@@ -85,6 +87,16 @@ def model_identity(
         return blake3.blake3(blob).hexdigest()
 
     return {"config": digest(config), "weights": digest({**config, "weights": weights})}
+
+
+def video_fingerprint(fingerprint: str, sampling: Mapping[str, Any]) -> str:
+    """The fingerprint a video's key is made under: the model's, and every setting of its
+    frame sampling (``sampling``), as one digest. It differs from the model's own, so a video
+    and an image of the same bytes never share a key."""
+    h = blake3.blake3()
+    fields = {"model": fingerprint, "video_sampling": _canonical(dict(sampling))}
+    h.update(json.dumps(fields, sort_keys=True).encode())
+    return h.hexdigest()
 
 
 def content_key(

@@ -27,13 +27,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from vitserve.encoder.work import ResizeRule
-from vitserve.errors import ModelLoadError
+from vitserve.errors import ImagePreprocessError, ModelLoadError
 from vitserve.families import family_spec
 from vitserve.families.spec import FamilySpec
 
 if TYPE_CHECKING:
     import torch
     from PIL import Image
+
+    from vitserve.encoder.video import VideoSampling
 
 # Pixel arrays that arrive through Ray's object store are read-only; the tower only reads them
 # (pack_rows copies them into its input buffer), so torch's warning about it is noise.
@@ -138,6 +140,13 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def preprocess(self, image: Image.Image, key: str) -> PreparedImage:
         """Run the family's image processor on one decoded RGB image."""
+
+    def preprocess_video(
+        self, frames: Sequence[np.ndarray], key: str, sampling: VideoSampling
+    ) -> PreparedImage:
+        """Run the family's video preprocessing on a video's sampled RGB frames (``[H, W, 3]``
+        uint8, as :func:`vitserve.encoder.video.decode_frames` yields them)."""
+        raise ImagePreprocessError(0, f"{self.spec.name} takes no video")
 
     # -- per batch (device) ------------------------------------------------------------------
     @abstractmethod

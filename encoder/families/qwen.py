@@ -8,6 +8,11 @@ image yields ``t*h*w / merge_size**2`` tokens. Qwen3-VL also returns one deepsta
 tapped layer (same rows), which the LLM adds into its first layers: they are part of the output,
 as ``extras["deepstack_<i>"]``.
 
+A video is the same packed input with ``t > 1``: its sampled frames, each preprocessed as an
+image is, woven ``temporal_patch_size`` at a time into temporal patches
+(:meth:`QwenAdapter.preprocess_video`, what transformers' Qwen video processors make), so its
+frames batch with images in one forward.
+
 Buckets: images whose patch counts fall in the same power-of-two class share a bucket. Packing
 never pads, so the bucket only keeps a forward's images of similar cost, which keeps a small
 image from waiting on a huge one's forward.
@@ -21,7 +26,9 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
 
 from vitserve.encoder.families.base import (
     FamilyAdapter,
@@ -32,6 +39,9 @@ from vitserve.encoder.families.base import (
 )
 from vitserve.encoder.work import ResizeRule
 from vitserve.families.spec import FamilySpec, config_value
+
+if TYPE_CHECKING:
+    from vitserve.encoder.video import VideoSampling
 
 
 class QwenAdapter(FamilyAdapter):
@@ -104,6 +114,42 @@ class QwenAdapter(FamilyAdapter):
         return PreparedImage(
             key=key,
             pixels=out["pixel_values"],
+            grid=(t, h, w),
+            num_tokens=patches // self.merge_size**2,
+            patches=patches,
+            seq_len=patches,
+            bucket=("qwen", patches.bit_length()),
+        )
+
+    def preprocess_video(
+        self, frames: Sequence[Any], key: str, sampling: VideoSampling
+    ) -> PreparedImage:
+        """The video processor's pixels: each frame resized within the video's pixel bounds,
+        rescaled and normalized as an image is (the image processor, frame by frame), then
+        every ``temporal_patch_size`` frames (the last repeated to fill the last group) woven
+        into one temporal patch, groups in time order: ``[t*h*w, C*T*P*P]``, grid ``(t, h, w)``.
+        """
+        from PIL import Image
+
+        p = self.processor
+        tps, size = int(p.temporal_patch_size), int(p.patch_size)
+        frames = list(frames)
+        frames += frames[-1:] * (-len(frames) % tps)
+        bounds = {"shortest_edge": sampling.min_pixels, "longest_edge": sampling.max_pixels}
+        out = p(images=[Image.fromarray(f) for f in frames], size=bounds, return_tensors="np")
+        grids = {tuple(int(x) for x in g) for g in out["image_grid_thw"]}
+        if len(grids) != 1:
+            raise ValueError(f"the frames of one video were resized differently: {grids}")
+        (_, h, w), t = grids.pop(), len(frames) // tps
+        # An image's patch holds its frame tps times (C, T, P, P); a video's patch holds tps
+        # consecutive frames: keep one copy of each frame, weave each group's frames.
+        single = out["pixel_values"].reshape(len(frames), h * w, 3, tps, size, size)[:, :, :, 0]
+        woven = single.reshape(t, tps, h * w, 3, size, size).transpose(0, 2, 3, 1, 4, 5)
+        pixels = np.ascontiguousarray(woven).reshape(t * h * w, 3 * tps * size * size)
+        patches = t * h * w
+        return PreparedImage(
+            key=key,
+            pixels=pixels,
             grid=(t, h, w),
             num_tokens=patches // self.merge_size**2,
             patches=patches,
