@@ -70,8 +70,9 @@ DEFAULT_VIDEO_LIMITS = VideoLimits()
 
 @dataclass(frozen=True, slots=True)
 class VideoSampling:
-    """How a model's video processor picks frames (``fps`` a second, within ``[min_frames,
-    max_frames]``, a multiple of ``temporal_patch``); every field changes the rows."""
+    """How a model's video processor picks and sizes frames: ``fps`` a second, within
+    ``[min_frames, max_frames]``, a multiple of ``temporal_patch`` (the Qwen families), or
+    ``num_frames`` spread evenly (Gemma 4's, when set); every field changes the rows."""
 
     fps: float = 2.0
     min_frames: int = 4
@@ -81,6 +82,10 @@ class VideoSampling:
     # defaults: 128 to 768 merged patches of 28 px)
     min_pixels: int = 128 * 28 * 28
     max_pixels: int = 768 * 28 * 28
+    # Gemma 4: frames spread evenly over the clip (0: sample by fps), each within this many
+    # soft tokens (its video processor's 32 frames of 70 tokens)
+    num_frames: int = 0
+    max_soft_tokens: int = 0
 
     def settings(self) -> dict[str, float | int]:
         """Every field, by name: part of a video's key."""
@@ -176,8 +181,13 @@ def probe(
 
 
 def sample_indices(info: VideoInfo, sampling: VideoSampling, *, index: int = 0) -> list[int]:
-    """The frames the model's video processor samples (see the module's invariants)."""
+    """The frames the model's video processor samples (see the module's invariants); with
+    ``num_frames`` set, transformers' default sampling (``i * total // num_frames``), over all
+    the clip's frames where it has fewer."""
     total, tps = info.frames, sampling.temporal_patch
+    if sampling.num_frames:
+        count = min(sampling.num_frames, total)
+        return [i * total // count for i in range(count)]
     most = math.floor(min(sampling.max_frames, total) / tps) * tps
     wanted = total / info.fps * sampling.fps
     count = math.floor(min(max(wanted, sampling.min_frames), most, total) / tps) * tps

@@ -16,13 +16,17 @@ Invariants:
 * A prepared image holds its valid patches only (``[n, 3*p*p]``, a copy: the padded array is
   not kept) and its grid ``(1, height, width)`` in patches; the forward rebuilds its positions
   (row-major, ``(x, y)``) and its padding.
+* A video is its sampled frames, each an image within the video's soft tokens (Gemma 4's video
+  processor: 70) and padded to that budget: one item of grid ``(frames, height, width)`` (a
+  video's frames share a size), in the bucket of that budget, one tower row per frame; its
+  rows are its frames' rows in time order (``get_video_features``).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,6 +34,9 @@ from vitserve.encoder.families.base import FamilyAdapter, ImageFeatures, Prepare
 from vitserve.encoder.work import ResizeRule
 from vitserve.errors import ModelLoadError
 from vitserve.families.spec import FamilySpec, config_value
+
+if TYPE_CHECKING:
+    from vitserve.encoder.video import VideoSampling
 
 
 def _resolve(name: tuple[str, str] | None) -> Any:
@@ -101,39 +108,70 @@ class Gemma4Adapter(FamilyAdapter):
         return {"embedding": int(config_value(self.config, self.spec.vision.output_width))}
 
     def preprocess(self, image: Any, key: str) -> PreparedImage:
-        out = self.processor(images=[image], return_tensors="np")
-        positions = out["image_position_ids"][0]
-        valid = int((positions != -1).all(axis=-1).sum())
-        if valid == 0 or valid % self.kernel**2:
-            raise ModelLoadError(self.spec.model_type, f"processor made {valid} patches")
-        height = int(positions[:valid, 1].max()) + 1
-        width = int(positions[:valid, 0].max()) + 1
+        return self._prepare([image], key, int(self.processor.max_soft_tokens))
+
+    def preprocess_video(
+        self, frames: Sequence[Any], key: str, sampling: VideoSampling
+    ) -> PreparedImage:
+        """Each sampled frame as an image within ``sampling.max_soft_tokens`` (the video
+        processor's 70): frames of one video share a size, so one item of grid ``(frames, h,
+        w)`` whose frames pad to that budget each."""
+        from PIL import Image
+
+        if not sampling.max_soft_tokens:
+            raise ValueError("Gemma 4 samples videos with max_soft_tokens set")
+        images = [Image.fromarray(f) for f in frames]
+        return self._prepare(images, key, sampling.max_soft_tokens)
+
+    def _prepare(self, images: Sequence[Any], key: str, soft_tokens: int) -> PreparedImage:
+        budget = soft_tokens * self.kernel**2
+        out = self.processor(images=list(images), max_soft_tokens=soft_tokens, return_tensors="np")
+        positions = out["image_position_ids"]
+        valid = {int(n) for n in (positions != -1).all(axis=-1).sum(axis=-1)}
+        count = valid.pop()
+        if valid or count == 0 or count % self.kernel**2:
+            raise ModelLoadError(self.spec.model_type, f"processor made {count} patches")
+        height = int(positions[0, :count, 1].max()) + 1
+        width = int(positions[0, :count, 0].max()) + 1
+        frames = len(images)
+        # A copy: only the valid patches are kept, not the padded array.
+        pixels = np.array(out["pixel_values"][:, :count], dtype=np.float32)
         return PreparedImage(
             key=key,
-            pixels=np.array(out["pixel_values"][0, :valid], dtype=np.float32),  # a copy
-            grid=(1, height, width),
-            num_tokens=valid // self.kernel**2,
-            patches=self.budget,
-            seq_len=self.budget,
-            bucket=(self.spec.model_type, self.budget),
+            pixels=pixels.reshape(frames * count, -1),
+            grid=(frames, height, width),
+            num_tokens=frames * count // self.kernel**2,
+            patches=frames * budget,
+            seq_len=frames * budget,
+            bucket=(self.spec.model_type, budget),
         )
+
+    def attention_span(self, p: PreparedImage) -> float:
+        # Each frame (an image: one) attends within its own padded budget.
+        return float(p.seq_len // p.grid[0]) if p.grid else float(p.seq_len)
 
     def forward(self, batch: Sequence[PreparedImage]) -> list[ImageFeatures]:
         import torch  # heavy: the loaders import the adapters and stay torch-free
 
-        budget, dim = self.budget, batch[0].pixels.shape[1]
-        pixels = torch.zeros((len(batch), budget, dim), dtype=self.dtype, device=self.device)
-        positions = torch.full((len(batch), budget, 2), -1, dtype=torch.long, device=self.device)
-        for i, p in enumerate(batch):
-            _, height, width = p.grid  # type: ignore[misc]
+        # One bucket: one budget (the images' or a video's frames'); one row per frame.
+        budget, dim = int(batch[0].bucket[1]), batch[0].pixels.shape[1]  # type: ignore[index]
+        frames = sum(int(p.grid[0]) if p.grid else 1 for p in batch)
+        pixels = torch.zeros((frames, budget, dim), dtype=self.dtype, device=self.device)
+        positions = torch.full((frames, budget, 2), -1, dtype=torch.long, device=self.device)
+        row = 0
+        for p in batch:
+            count, height, width = p.grid  # type: ignore[misc]
             rows, cols = torch.meshgrid(
                 torch.arange(height, device=self.device),
                 torch.arange(width, device=self.device),
                 indexing="ij",
             )
             n = height * width
-            pixels[i, :n].copy_(torch.from_numpy(p.pixels), non_blocking=True)
-            positions[i, :n] = torch.stack([cols, rows], dim=-1).reshape(n, 2)
+            pixels[row : row + count, :n].copy_(
+                torch.from_numpy(p.pixels).view(count, n, dim), non_blocking=True
+            )
+            positions[row : row + count, :n] = torch.stack([cols, rows], dim=-1).reshape(n, 2)
+            row += count
         with torch.inference_mode():
             # The tower strips the padding: [sum of the images' rows, width], image by image.
             hidden = self.tower(pixel_values=pixels, pixel_position_ids=positions)

@@ -110,6 +110,13 @@ def test_sampling_respects_max_frames_and_the_temporal_patch() -> None:
         sample_indices(info(1, 30.0), VideoSampling())
 
 
+def test_sampling_a_number_of_frames_is_transformers_default() -> None:
+    """Gemma 4's: ``i * total // num_frames``; a clip with fewer frames gives all of them."""
+    gemma = VideoSampling(num_frames=32, max_soft_tokens=70)
+    assert sample_indices(info(40, 10.0), gemma) == [i * 40 // 32 for i in range(32)]
+    assert sample_indices(info(5, 10.0), gemma) == [0, 1, 2, 3, 4]
+
+
 def test_decoding_yields_exactly_the_sampled_frames() -> None:
     data = clip(23)
     indices = sample_indices(probe(data), VideoSampling())

@@ -114,3 +114,71 @@ def test_a_family_without_video_refuses_it_per_item(engines) -> None:
     with pytest.raises(ImagePreprocessError, match="LLaVA takes no video") as caught:
         engines["llava"].prepare_video(clip(23), SAMPLING, 4)
     assert caught.value.index == 4
+
+
+# Gemma 4: frames spread evenly, each an image within 70 soft tokens (its video processor's).
+GEMMA4 = VideoSampling(num_frames=32, max_soft_tokens=70)
+
+
+def _gemma4_reference(data: bytes, patch: int, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' Gemma 4 video patches of the clip's sampled frames, padded to ``budget``
+    with positions (-1, -1), by the formula of its video processor (rescale only: mean 0, std
+    1; the tower scales)."""
+    indices = sample_indices(probe(data), GEMMA4)
+    frames = torch.stack([torch.from_numpy(f) for f in decode_frames(data, indices)])
+    video = frames.permute(0, 3, 1, 2).float() / 255  # [F, C, H, W]
+    f, c, h, w = video.shape
+    ph, pw = h // patch, w // patch
+    patches = video.reshape(f, c, ph, patch, pw, patch).permute(0, 2, 4, 3, 5, 1)
+    patches = patches.reshape(f, ph * pw, patch * patch * c)
+    grid = torch.stack(
+        torch.meshgrid(torch.arange(pw), torch.arange(ph), indexing="xy"), dim=-1
+    ).reshape(ph * pw, 2)
+    pixels = torch.zeros(f, budget, patches.shape[-1])
+    positions = torch.full((f, budget, 2), -1, dtype=torch.long)
+    pixels[:, : ph * pw], positions[:, : ph * pw] = patches, grid
+    return pixels, positions
+
+
+def test_gemma4_videos_batched_with_images_equal_get_video_features(engines, tiny_models) -> None:
+    """Two clips (6 frames of 384x384, 5 of 480x288: fewer than 32, all sampled), already the
+    largest sides in 48 px within 630 patches (no resize), and an image, in one forward (12
+    frames of 630 patches, under the suite's 8192-patch cap): the tiny model's images have the
+    frames' budget (70 soft tokens), so they share a bucket."""
+    engine = engines["gemma4"]
+    videos = [clip(6, 384, 384, rate=10), clip(5, 480, 288, rate=10)]
+    prepared = [
+        engine.prepare_video(videos[0], GEMMA4),
+        engine.prepare_one(make_image(96, 160, seed=3), 1),
+        engine.prepare_video(videos[1], GEMMA4, 2),
+    ]
+    assert [p.grid for p in prepared] == [(6, 24, 24), (1, 30, 18), (5, 18, 30)]
+    before = engine.counters.forward_calls
+    batched = engine.run(prepared)
+    assert engine.counters.forward_calls - before == 1
+    alone = [engine.run([p])[0] for p in prepared]
+
+    refs = [_gemma4_reference(v, 16, 630) for v in videos]
+    for p, (pixels, positions) in zip((prepared[0], prepared[2]), refs, strict=True):
+        valid = (positions[0] != -1).all(-1).sum()
+        got = torch.from_numpy(p.pixels).view(p.grid[0], -1, pixels.shape[-1])
+        assert torch.allclose(got, pixels[:, :valid], atol=1e-6)
+    model = full_model_class("gemma4").from_pretrained(
+        tiny_models["gemma4"], dtype=torch.float32, attn_implementation="sdpa"
+    )
+    with torch.no_grad():
+        ref = model.eval().model.get_video_features(
+            torch.cat([r[0] for r in refs]),
+            torch.cat([r[1] for r in refs]),
+            num_frames_per_video=torch.tensor([6, 5]),
+        )
+    bound = REFERENCE_ULPS_PER_LAYER * (engine.adapter.tower_shape.depth + 2)
+    diffs = [ulps_apart(batched[i].tensor, ref.pooler_output[k]) for k, i in enumerate((0, 2))]
+    batch = max(ulps_apart(x.tensor, y.tensor) for x, y in zip(batched, alone, strict=True))
+    print(
+        f"\ngemma4: videos of 6 and 5 frames vs get_video_features {max(diffs):.3g} ulps "
+        f"(bound {bound:g}); batched vs alone {batch:.3g} ulps"
+    )
+    assert max(diffs) <= bound
+    assert batch <= BATCH_TOLERANCE_ULPS["fp32"]
+    assert [batched[0].num_tokens, batched[2].num_tokens] == [6 * 64, 5 * 60]
