@@ -251,11 +251,14 @@ class EncoderEngine:
         The result runs through :meth:`run` like an image (Qwen: a packed grid with t > 1)."""
         info = probe(data, index=index, limits=limits)
         indices = sample_indices(info, sampling, index=index)
-        frames = list(decode_frames(data, indices, index=index, limits=limits))
-        try:
-            return self.adapter.preprocess_video(frames, self.video_key(data, sampling), sampling)
-        except ImageError as exc:
-            raise type(exc)(index, exc.reason) from None
+        frames = decode_frames(data, indices, index=index, limits=limits)
+        key = self.video_key(data, sampling)
+        try:  # frame by frame: decoded, preprocessed, dropped
+            return self.adapter.preprocess_video(frames, len(indices), key, sampling)
+        except ImageError as exc:  # the decode's own (this index) or the family's refusal
+            if exc.index == index:
+                raise
+            raise ImagePreprocessError(index, exc.reason) from None
         except Exception as exc:
             raise ImagePreprocessError(index, f"{type(exc).__name__}: {exc}") from exc
 

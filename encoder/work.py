@@ -26,7 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 #: Peak bytes per decoded pixel that decoding (PIL stores RGB in 4 bytes a pixel), the RGB
 #: conversion and the image processor's arrays add, over-estimated by mode class: measured per
@@ -40,6 +40,11 @@ HIGH_DEPTH_MODES = ("I", "F", "I;16")  # prefixes of PIL modes with more than 8 
 MAX_ASPECT_RATIO = 200
 #: the admission's default patch capacity holds this many full forwards (see Capacity)
 QUEUE_FORWARDS = 4
+#: Peak bytes per pixel of one video frame that decoding adds while a video is prepared: its
+#: frames are decoded and preprocessed one at a time (an image's DECODE_BYTES_PER_PIXEL), beside
+#: the decoder's own frames (H.264 keeps up to 16 reference frames of 1.5 bytes a pixel, plus
+#: the one it outputs). A bound from the formats, not a measurement.
+VIDEO_DECODE_BYTES_PER_PIXEL = DECODE_BYTES_PER_PIXEL + 17 * 3 // 2 + 3
 _FLOAT32 = 4
 
 
@@ -122,6 +127,39 @@ class ResizeRule:
         if h * w > target:
             return None
         return h, w
+
+    def for_frames(self, *, min_pixels: int, max_pixels: int, soft_tokens: int) -> ResizeRule:
+        """The rule a video's frames are sized by: a packed processor's within the video's
+        pixel bounds, a budget processor's within the video's soft tokens per frame."""
+        if self.budget_patches:
+            return replace(self, budget_patches=soft_tokens * self.merge_size**2)
+        if self.fixed is not None:
+            return self
+        return replace(self, min_pixels=min_pixels, max_pixels=max_pixels)
+
+    def video_work(self, width: int, height: int, frames: int) -> ImageWork:
+        """The cost of ``frames`` sampled frames of ``width`` x ``height`` under this frame rule
+        (:meth:`for_frames`): packed, every ``temporal_patch_size`` frames one temporal patch
+        (the last group filled); budget, every frame its own padded budget. Decoding holds one
+        frame at a time (:data:`VIDEO_DECODE_BYTES_PER_PIXEL`)."""
+        decode = VIDEO_DECODE_BYTES_PER_PIXEL * width * height
+        size = self.resized(width, height)
+        if size is None or frames <= 0:
+            return ImageWork(0, 0, decode)
+        p = self.patch_size
+        per_frame = (size[0] // p) * (size[1] // p)
+        if self.budget_patches:
+            nbytes = frames * per_frame * self.values_per_patch * _FLOAT32
+            return ImageWork(frames * self.budget_patches, nbytes, decode)
+        groups = -(-frames // self.temporal_patch_size)
+        patches = groups * per_frame
+        return ImageWork(patches, patches * self.values_per_patch * _FLOAT32, decode)
+
+    def video_tokens(self, width: int, height: int, frames: int) -> int:
+        """The LLM tokens of ``frames`` sampled frames under this frame rule."""
+        if self.budget_patches:
+            return frames * self.tokens(width, height)
+        return self.video_work(width, height, frames).patches // self.merge_size**2
 
     @property
     def values_per_patch(self) -> int:
@@ -216,6 +254,7 @@ class Terms:
 __all__ = [
     "DECODE_BYTES_PER_PIXEL",
     "QUEUE_FORWARDS",
+    "VIDEO_DECODE_BYTES_PER_PIXEL",
     "Capacity",
     "ImageWork",
     "ResizeRule",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -142,10 +142,11 @@ class FamilyAdapter(ABC):
         """Run the family's image processor on one decoded RGB image."""
 
     def preprocess_video(
-        self, frames: Sequence[np.ndarray], key: str, sampling: VideoSampling
+        self, frames: Iterable[np.ndarray], count: int, key: str, sampling: VideoSampling
     ) -> PreparedImage:
-        """Run the family's video preprocessing on a video's sampled RGB frames (``[H, W, 3]``
-        uint8, as :func:`vitserve.encoder.video.decode_frames` yields them)."""
+        """Run the family's video preprocessing on a video's ``count`` sampled RGB frames
+        (``[H, W, 3]`` uint8, as :func:`vitserve.encoder.video.decode_frames` yields them),
+        one at a time as they are decoded."""
         raise ImagePreprocessError(0, f"{self.spec.name} takes no video")
 
     # -- per batch (device) ------------------------------------------------------------------

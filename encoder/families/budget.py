@@ -25,7 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -108,39 +108,63 @@ class Gemma4Adapter(FamilyAdapter):
         return {"embedding": int(config_value(self.config, self.spec.vision.output_width))}
 
     def preprocess(self, image: Any, key: str) -> PreparedImage:
-        return self._prepare([image], key, int(self.processor.max_soft_tokens))
+        soft = int(self.processor.max_soft_tokens)
+        pixels, height, width = self._patches(image, soft)
+        return self._prepared(key, pixels, 1, height, width, soft)
 
     def preprocess_video(
-        self, frames: Sequence[Any], key: str, sampling: VideoSampling
+        self, frames: Iterable[Any], count: int, key: str, sampling: VideoSampling
     ) -> PreparedImage:
-        """Each sampled frame as an image within ``sampling.max_soft_tokens`` (the video
-        processor's 70): frames of one video share a size, so one item of grid ``(frames, h,
-        w)`` whose frames pad to that budget each."""
-        from PIL import Image
-
+        """Each of the ``count`` sampled frames as an image within ``sampling.max_soft_tokens``
+        (the video processor's 70), written into the video's array as it comes: frames of one
+        video share a size, so one item of grid ``(frames, h, w)`` whose frames pad to that
+        budget each."""
         if not sampling.max_soft_tokens:
             raise ValueError("Gemma 4 samples videos with max_soft_tokens set")
-        images = [Image.fromarray(f) for f in frames]
-        return self._prepare(images, key, sampling.max_soft_tokens)
+        soft = sampling.max_soft_tokens
+        out: np.ndarray | None = None
+        size = (0, 0)
+        seen = 0
+        for i, frame in enumerate(frames):
+            pixels, height, width = self._patches(frame, soft)
+            if out is None:
+                size = (height, width)
+                out = np.empty((count, *pixels.shape), np.float32)
+            elif (height, width) != size:
+                raise ValueError(
+                    f"frames of one video resized differently: {size}, {height, width}"
+                )
+            out[i] = pixels
+            seen = i + 1
+        if out is None or seen != count:
+            raise ValueError(f"{seen} frames decoded of {count} sampled")
+        return self._prepared(key, out.reshape(-1, out.shape[-1]), count, *size, soft)
 
-    def _prepare(self, images: Sequence[Any], key: str, soft_tokens: int) -> PreparedImage:
-        budget = soft_tokens * self.kernel**2
-        out = self.processor(images=list(images), max_soft_tokens=soft_tokens, return_tensors="np")
-        positions = out["image_position_ids"]
-        valid = {int(n) for n in (positions != -1).all(axis=-1).sum(axis=-1)}
-        count = valid.pop()
-        if valid or count == 0 or count % self.kernel**2:
+    def _patches(self, image: Any, soft_tokens: int) -> tuple[np.ndarray, int, int]:
+        """One image's valid patches (a copy: the padded array is not kept) and its size in
+        patches."""
+        from PIL import Image
+
+        if isinstance(image, np.ndarray):
+            image = Image.fromarray(image)
+        out = self.processor(images=[image], max_soft_tokens=soft_tokens, return_tensors="np")
+        positions = out["image_position_ids"][0]
+        count = int((positions != -1).all(axis=-1).sum())
+        if count == 0 or count % self.kernel**2:
             raise ModelLoadError(self.spec.model_type, f"processor made {count} patches")
-        height = int(positions[0, :count, 1].max()) + 1
-        width = int(positions[0, :count, 0].max()) + 1
-        frames = len(images)
-        # A copy: only the valid patches are kept, not the padded array.
-        pixels = np.array(out["pixel_values"][:, :count], dtype=np.float32)
+        height = int(positions[:count, 1].max()) + 1
+        width = int(positions[:count, 0].max()) + 1
+        return np.array(out["pixel_values"][0, :count], dtype=np.float32), height, width
+
+    def _prepared(
+        self, key: str, pixels: np.ndarray, frames: int, height: int, width: int, soft: int
+    ) -> PreparedImage:
+        budget = soft * self.kernel**2
         return PreparedImage(
             key=key,
-            pixels=pixels.reshape(frames * count, -1),
+            pixels=pixels,
             grid=(frames, height, width),
-            num_tokens=frames * count // self.kernel**2,
+            num_tokens=frames * height * width // self.kernel**2,
             patches=frames * budget,
             seq_len=frames * budget,
             bucket=(self.spec.model_type, budget),

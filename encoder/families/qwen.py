@@ -25,7 +25,7 @@ path and deepstack features.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -122,34 +122,45 @@ class QwenAdapter(FamilyAdapter):
         )
 
     def preprocess_video(
-        self, frames: Sequence[Any], key: str, sampling: VideoSampling
+        self, frames: Iterable[Any], count: int, key: str, sampling: VideoSampling
     ) -> PreparedImage:
-        """The video processor's pixels: each frame resized within the video's pixel bounds,
-        rescaled and normalized as an image is (the image processor, frame by frame), then
+        """The video processor's pixels: each of the ``count`` frames resized within the
+        video's pixel bounds, rescaled and normalized as an image is (the image processor), then
         every ``temporal_patch_size`` frames (the last repeated to fill the last group) woven
         into one temporal patch, groups in time order: ``[t*h*w, C*T*P*P]``, grid ``(t, h, w)``.
-        """
+        Frame by frame: each is written into the video's array as it comes, so the decoded
+        frames are never all held."""
         from PIL import Image
 
         p = self.processor
         tps, size = int(p.temporal_patch_size), int(p.patch_size)
-        frames = list(frames)
-        frames += frames[-1:] * (-len(frames) % tps)
         bounds = {"shortest_edge": sampling.min_pixels, "longest_edge": sampling.max_pixels}
-        out = p(images=[Image.fromarray(f) for f in frames], size=bounds, return_tensors="np")
-        grids = {tuple(int(x) for x in g) for g in out["image_grid_thw"]}
-        if len(grids) != 1:
-            raise ValueError(f"the frames of one video were resized differently: {grids}")
-        (_, h, w), t = grids.pop(), len(frames) // tps
-        # An image's patch holds its frame tps times (C, T, P, P); a video's patch holds tps
-        # consecutive frames: keep one copy of each frame, weave each group's frames.
-        single = out["pixel_values"].reshape(len(frames), h * w, 3, tps, size, size)[:, :, :, 0]
-        woven = single.reshape(t, tps, h * w, 3, size, size).transpose(0, 2, 3, 1, 4, 5)
-        pixels = np.ascontiguousarray(woven).reshape(t * h * w, 3 * tps * size * size)
+        t = -(-count // tps)
+        woven: np.ndarray | None = None  # [t, h*w, C, tps, P, P], once the first frame is sized
+        grid = (0, 0, 0)
+        seen = 0
+        for i, frame in enumerate(frames):
+            out = p(images=[Image.fromarray(frame)], size=bounds, return_tensors="np")
+            _, fh, fw = (int(x) for x in out["image_grid_thw"][0])
+            this = (1, fh, fw)
+            if woven is None:
+                grid = this
+                woven = np.empty((t, this[1] * this[2], 3, tps, size, size), np.float32)
+            elif this != grid:
+                raise ValueError(f"frames of one video resized differently: {grid}, {this}")
+            # An image's patch holds its frame tps times (C, T, P, P): keep one copy.
+            rows = out["pixel_values"].reshape(-1, 3, tps, size, size)[:, :, 0]
+            woven[i // tps, :, :, i % tps] = rows
+            seen = i + 1
+        if woven is None or seen != count:
+            raise ValueError(f"{seen} frames decoded of {count} sampled")
+        for i in range(count, t * tps):  # the last group filled with the last frame
+            woven[i // tps, :, :, i % tps] = woven[(count - 1) // tps, :, :, (count - 1) % tps]
+        h, w = grid[1], grid[2]
         patches = t * h * w
         return PreparedImage(
             key=key,
-            pixels=pixels,
+            pixels=woven.reshape(patches, 3 * tps * size * size),
             grid=(t, h, w),
             num_tokens=patches // self.merge_size**2,
             patches=patches,

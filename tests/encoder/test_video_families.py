@@ -182,3 +182,27 @@ def test_gemma4_videos_batched_with_images_equal_get_video_features(engines, tin
     assert max(diffs) <= bound
     assert batch <= BATCH_TOLERANCE_ULPS["fp32"]
     assert [batched[0].num_tokens, batched[2].num_tokens] == [6 * 64, 5 * 60]
+
+
+@pytest.mark.parametrize("family", [*QWEN, "gemma4"])
+def test_the_video_work_rule_is_what_preparing_makes(engines, family: str) -> None:
+    """What admission will read of a video before decoding it (its header's size and frame
+    count, the sampling): the patches, the pixel bytes and the tokens that preparing it makes."""
+    engine = engines[family]
+    sampling = GEMMA4 if family == "gemma4" else SAMPLING
+    rule = engine.adapter.resize_rule().for_frames(
+        min_pixels=sampling.min_pixels,
+        max_pixels=sampling.max_pixels,
+        soft_tokens=sampling.max_soft_tokens,
+    )
+    for frames, width, height in ((23, 64, 48), (9, 100, 30), (17, 30, 100), (5, 250, 186)):
+        data = clip(frames, width, height, rate=10)
+        sampled = len(sample_indices(probe(data), sampling))
+        prepared = engine.prepare_video(data, sampling)
+        work = rule.video_work(width, height, sampled)
+        assert (work.patches, work.prepared_bytes) == (
+            prepared.patches,
+            prepared.pixels.nbytes,
+        ), (frames, width, height)
+        assert rule.video_tokens(width, height, sampled) == prepared.num_tokens
+        assert work.decode_bytes >= 24 * width * height
