@@ -697,7 +697,7 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
     "tests/client/test_client.py::test_importing_the_client_loads_no_heavy_dependency": (
         "subprocess",
     ),
-    "tests/encoder/test_engine.py::test_cpu_allocator_tuning_stops_refaulting_large_buffers": (
+    "tests/encoder/test_allocator.py::test_cpu_allocator_tuning_stops_refaulting_large_buffers": (
         "subprocess",
     ),
     "tests/encoder/test_language_model.py::test_importing_the_loader_loads_no_torch": (

@@ -185,34 +185,6 @@ def test_identical_images_in_one_call_are_encoded_once(engines) -> None:
     assert out[0].key != out[1].key
 
 
-@pytest.mark.parametrize("tuned", [False, True])
-def test_cpu_allocator_tuning_stops_refaulting_large_buffers(tuned: bool) -> None:
-    """A freed 64 MiB buffer is reused (no new page faults) only after tune_cpu_allocator."""
-    import subprocess
-    import sys
-
-    code = (
-        "import resource, torch\n"
-        "from vitserve.encoder.device import tune_cpu_allocator\n"
-        f"assert tune_cpu_allocator() if {tuned} else True\n"
-        "def faults():\n"
-        "    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-        "counts = []\n"
-        "for _ in range(6):\n"  # the first uses fault in any case; take the best later one
-        "    before = faults()\n"
-        "    torch.ones(16 * 2**20).sum()\n"
-        "    counts.append(faults() - before)\n"
-        "print(min(counts[2:]))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    refaults = int(out.stdout.split()[-1])
-    pages = 64 * 2**20 // 4096
-    if tuned:
-        assert refaults < pages // 10
-    else:
-        assert refaults > pages // 2
-
-
 def test_the_cpu_batch_cap_is_a_function_of_cache_size_and_bf16_support() -> None:
     """The profiles seen on machines of this project's kind, as inputs, not as the host."""
     mib = 2**20
