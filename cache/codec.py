@@ -6,7 +6,8 @@ Layout of a value::
                        | payload offset u32
     header   msgpack   key, model fingerprint, dtype, num_tokens, grid, and per tensor: name,
                        shape, offset in the payload, rows per checksum block, block checksums;
-                       plus the checksum of the whole payload
+                       plus the checksum of the whole payload; a video's record adds
+                       ``times``, the time in seconds of each frame its rows were made from
     header checksum    16 bytes: the checksum of the prefix and header (format version 2)
     padding            zeros up to ``payload offset`` (a multiple of 64)
     payload            the tensors back to back, each starting 64-byte aligned: "embedding"
@@ -28,6 +29,11 @@ Invariants:
 * Every byte a reader relies on is checked: the prefix and header by the header checksum (a
   flipped key, grid, shape or offset is refused, not misread), the payload by its checksums.
   Only the zero padding is not covered, and it carries nothing.
+* A video's rows are its frame groups in time order, ``grid[0]`` groups of
+  ``num_tokens // grid[0]`` rows each (a Qwen temporal patch of ``temporal_patch`` frames, a
+  Gemma 4 frame); ``times`` holds each sampled frame's time, increasing, and the frames of group
+  ``g`` are ``times[g * f : (g + 1) * f]`` with ``f = ceil(len(times) / grid[0])``
+  (:meth:`Header.frame_groups`). An image's record has no ``times``.
 * Values of another format version raise RecordFormatError: a newer one with ``newer_version``
   set (a miss here, kept for newer readers), an older one (version 1 had no header checksum) as
   a plain miss, so it is recomputed.
@@ -36,6 +42,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -159,6 +166,7 @@ class EmbeddingRecord:
     grid: tuple[int, int, int] | None
     tensors: Mapping[str, np.ndarray]
     row_start: int = 0
+    times: tuple[float, ...] | None = None  # a video's sampled frames' times (seconds)
 
     @property
     def embedding(self) -> np.ndarray:
@@ -202,14 +210,61 @@ class Header:
     payload_bytes: int
     payload_sum: bytes
     tensors: tuple[TensorInfo, ...] = field(default_factory=tuple)
+    times: tuple[float, ...] | None = None  # a video's sampled frames' times (seconds)
 
     @property
     def itemsize(self) -> int:
         return DTYPES[self.dtype].itemsize
 
+    def frame_groups(self) -> list[FrameGroup]:
+        """A video's frame groups in time order, each with its rows and its frames' times
+        (see the module's invariants); ``[]`` for an image."""
+        return frame_groups(self.num_tokens, self.grid, self.times)
+
     @property
     def total_bytes(self) -> int:
         return self.payload_offset + self.payload_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class FrameGroup:
+    """Rows ``[start, end)`` of a video's record: the frames sampled at ``times`` (seconds)."""
+
+    start: int
+    end: int
+    times: tuple[float, ...]
+
+
+def frame_groups(
+    num_tokens: int, grid: tuple[int, int, int] | None, times: tuple[float, ...] | None
+) -> list[FrameGroup]:
+    """The frame groups of a record of ``num_tokens`` rows, ``grid`` and frame ``times``."""
+    if times is None or grid is None:
+        return []
+    groups = grid[0]
+    rows, per = num_tokens // groups, -(-len(times) // groups)
+    return [
+        FrameGroup(g * rows, (g + 1) * rows, tuple(times[g * per : (g + 1) * per]))
+        for g in range(groups)
+    ]
+
+
+def _check_times(times: Any, num_tokens: int, grid: Any) -> tuple[float, ...] | None:
+    """``times`` as a record may hold them, or RecordFormatError (ValueError on writing)."""
+    if times is None:
+        return None
+    if (
+        not isinstance(times, (list, tuple))
+        or not times
+        or not all(isinstance(t, float) and math.isfinite(t) and t >= 0 for t in times)
+        or list(times) != sorted(times)
+        or grid is None
+        or not 0 < grid[0] <= len(times)
+        or num_tokens % grid[0]
+        or -(-len(times) // grid[0]) * (grid[0] - 1) >= len(times)
+    ):
+        raise RecordFormatError("record frame times do not match its rows and grid")
+    return tuple(times)
 
 
 def encode_record(record: EmbeddingRecord) -> memoryview:
@@ -250,6 +305,10 @@ def encode_record(record: EmbeddingRecord) -> memoryview:
             }
         )
         offset = end
+    try:
+        times = _check_times(record.times, record.num_tokens, record.grid)
+    except RecordFormatError as exc:
+        raise ValueError(str(exc)) from None
     doc = {
         "key": record.key,
         "fp": record.fingerprint,
@@ -259,6 +318,8 @@ def encode_record(record: EmbeddingRecord) -> memoryview:
         "tensors": entries,
         "sum": bytes(SUM_BYTES),  # placeholder of the final size, so the header size is known
     }
+    if times is not None:
+        doc["times"] = list(times)
     payload_offset = _align(PREFIX.size + len(msgpack.packb(doc)) + SUM_BYTES)
     out = bytearray(payload_offset + offset)
     body = np.frombuffer(out, dtype=np.uint8)
@@ -377,6 +438,7 @@ def _parse_header(doc: Any, version: int, payload_offset: int) -> Header:
     payload_sum = _field(doc, "sum", bytes)
     if len(payload_sum) != SUM_BYTES or payload_offset % ALIGN:
         raise RecordFormatError("record payload checksum or offset is malformed")
+    times = _check_times(doc.get("times"), num_tokens, grid)
     return Header(
         version=version,
         key=_field(doc, "key", str),
@@ -388,6 +450,7 @@ def _parse_header(doc: Any, version: int, payload_offset: int) -> Header:
         payload_bytes=end,
         payload_sum=payload_sum,
         tensors=tuple(tensors),
+        times=times,
     )
 
 
@@ -413,6 +476,7 @@ def _record(header: Header, tensors: dict[str, np.ndarray], row_start: int = 0) 
         grid=header.grid,
         tensors=tensors,
         row_start=row_start,
+        times=header.times,
     )
 
 

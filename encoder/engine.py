@@ -54,17 +54,10 @@ from vitserve.encoder.images import DEFAULT_LIMITS, ImageLimits
 from vitserve.encoder.loading import LoadReport, load_vision
 from vitserve.encoder.planner import Plan, PlanItem, plan_batches
 from vitserve.encoder.preprocess import Preprocessor
-from vitserve.encoder.video import (
-    DEFAULT_VIDEO_LIMITS,
-    VideoLimits,
-    VideoSampling,
-    decode_frames,
-    probe,
-    sample_indices,
-)
+from vitserve.encoder.video import DEFAULT_VIDEO_LIMITS, VideoLimits, VideoSampling
 from vitserve.encoder.work import Capacity, Terms
-from vitserve.errors import ConfigError, ImageError, ImagePreprocessError
-from vitserve.keys import content_key, model_fingerprint, video_fingerprint
+from vitserve.errors import ConfigError, ImageError
+from vitserve.keys import content_key, item_key, model_fingerprint, video_fingerprint
 
 _EMPTY = np.empty(0, np.float32)
 # What batching may change an embedding by, per dtype, in ulps of its largest magnitude.
@@ -97,6 +90,7 @@ class Embedding:
     num_tokens: int
     grid: tuple[int, int, int] | None
     extras: Mapping[str, Any] = field(default_factory=dict)
+    times: tuple[float, ...] | None = None  # a video's frames' times (PreparedImage.times)
 
 
 @dataclass
@@ -122,6 +116,7 @@ class EncoderEngine:
         budget_bytes: int | None = None,
         max_batch_patches: int | None = None,
         limits: ImageLimits = DEFAULT_LIMITS,
+        video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
         namespace: str = "",
         model: str = "",
         revision: str | None = None,
@@ -138,7 +133,7 @@ class EncoderEngine:
         self.max_batch_patches = max_batch_patches or default_max_batch_patches(
             adapter.device, adapter.tower_shape.mlp, adapter.dtype
         )
-        self.preprocessor = Preprocessor(adapter, limits)
+        self.preprocessor = Preprocessor(adapter, limits, video_limits)
         self.namespace = namespace
         self.model = model
         self.revision = revision
@@ -209,8 +204,15 @@ class EncoderEngine:
         return str(self.adapter.config.model_type)
 
     def key(self, data: bytes | bytearray | memoryview) -> str:
-        """The content key of an image's bytes under this engine's model and namespace."""
-        return content_key(data, self.fingerprint, self.namespace)
+        """The content key of an item's bytes (an image, or a video sampled as the model
+        samples it) under this engine's model and namespace."""
+        return item_key(data, self.fingerprint, self.namespace, self.video_settings)
+
+    @property
+    def video_settings(self) -> dict[str, float | int] | None:
+        """How the model samples a video (part of a video's key); None: it takes none."""
+        sampling = self.adapter.video_sampling
+        return sampling.settings() if sampling is not None else None
 
     # -- CPU half ----------------------------------------------------------------------------
     def prepare_one(self, data: bytes | bytearray | memoryview, index: int = 0) -> PreparedImage:
@@ -233,9 +235,12 @@ class EncoderEngine:
                 self.counters.refused += refused
         return out
 
-    def video_key(self, data: bytes | bytearray | memoryview, sampling: VideoSampling) -> str:
-        """The content key of a video's bytes sampled by ``sampling`` under this engine's
-        model and namespace (:func:`vitserve.keys.video_fingerprint`)."""
+    def video_key(
+        self, data: bytes | bytearray | memoryview, sampling: VideoSampling | None = None
+    ) -> str:
+        """The content key of a video's bytes sampled by ``sampling`` (else the model's) under
+        this engine's model and namespace (:func:`vitserve.keys.video_fingerprint`)."""
+        sampling = sampling or self.adapter.video_sampling or VideoSampling()
         return content_key(
             data, video_fingerprint(self.fingerprint, sampling.settings()), self.namespace
         )
@@ -243,24 +248,13 @@ class EncoderEngine:
     def prepare_video(
         self,
         data: bytes | bytearray | memoryview,
-        sampling: VideoSampling,
+        sampling: VideoSampling | None = None,
         index: int = 0,
-        limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
     ) -> PreparedImage:
         """Probe (limits first), sample, decode and preprocess one video; raises ImageError.
         The result runs through :meth:`run` like an image (Qwen: a packed grid with t > 1)."""
-        info = probe(data, index=index, limits=limits)
-        indices = sample_indices(info, sampling, index=index)
-        frames = decode_frames(data, indices, index=index, limits=limits)
         key = self.video_key(data, sampling)
-        try:  # frame by frame: decoded, preprocessed, dropped
-            return self.adapter.preprocess_video(frames, len(indices), key, sampling)
-        except ImageError as exc:  # the decode's own (this index) or the family's refusal
-            if exc.index == index:
-                raise
-            raise ImagePreprocessError(index, exc.reason) from None
-        except Exception as exc:
-            raise ImagePreprocessError(index, f"{type(exc).__name__}: {exc}") from exc
+        return self.preprocessor.prepare_video(data, key, index, sampling)
 
     # -- device half -------------------------------------------------------------------------
     def plan(self, prepared: Sequence[PreparedImage]) -> Plan:
@@ -328,6 +322,7 @@ class EncoderEngine:
                         num_tokens=p.num_tokens,
                         grid=p.grid,
                         extras=f.extras,
+                        times=p.times,
                     )
                     for p, f in zip(members, features, strict=True)
                 ]

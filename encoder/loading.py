@@ -37,12 +37,14 @@ from typing import Any
 import blake3
 
 from vitserve.encoder.families import FamilyAdapter, adapter_class
+from vitserve.encoder.video import VideoSampling
 from vitserve.errors import ModelLoadError
 from vitserve.families import family_spec
 from vitserve.keys import model_identity
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+VIDEO_CONFIG = "video_preprocessor_config.json"  # transformers' name for a video processor's
 
 # safetensors dtype tags -> torch dtype names
 _DTYPES = {
@@ -264,8 +266,11 @@ def checkpoint_bytes(source: CheckpointSource, total_size: int | None) -> int:
     return int(total_size) if total_size else source.fetch(SINGLE_FILE).stat().st_size
 
 
-def _read_configs(source: CheckpointSource) -> tuple[Any, Any, type[FamilyAdapter]]:
-    """The model config, the image processor and the family adapter class of ``source``."""
+def _read_configs(
+    source: CheckpointSource,
+) -> tuple[Any, Any, type[FamilyAdapter], VideoSampling | None]:
+    """The model config, the image processor, the family adapter class of ``source`` and how
+    it samples videos (``None``: its family takes none)."""
     # heavy: importing the loaders loads no torch (language_model promises it)
     from transformers import AutoConfig, AutoImageProcessor
 
@@ -278,8 +283,26 @@ def _read_configs(source: CheckpointSource) -> tuple[Any, Any, type[FamilyAdapte
         raise ModelLoadError(source.model, f"cannot read config or image processor: {exc}") from exc
     model_type = str(getattr(config, "model_type", ""))
     adapter_cls = adapter_class(model_type, model=source.model)
-    adapter_cls.check_processor(family_spec(model_type), processor)
-    return config, processor, adapter_cls
+    spec = family_spec(model_type)
+    adapter_cls.check_processor(spec, processor)
+    return config, processor, adapter_cls, _video_sampling(source, spec)
+
+
+def _video_sampling(source: CheckpointSource, spec: Any) -> VideoSampling | None:
+    """The family's video sampling, as the checkpoint's ``video_preprocessor_config.json``
+    (when it has one) sets it over the family's defaults."""
+    if spec.video is None:
+        return None
+    config = None
+    if source.exists(VIDEO_CONFIG):
+        try:
+            config = json.loads(source.fetch(VIDEO_CONFIG).read_text())
+        except ValueError as exc:
+            raise ModelLoadError(source.model, f"unreadable {VIDEO_CONFIG}: {exc}") from None
+    try:
+        return VideoSampling.from_config(spec.video, config)
+    except ValueError as exc:
+        raise ModelLoadError(source.model, f"{VIDEO_CONFIG}: {exc}") from None
 
 
 def load_preprocessor(model: str, *, revision: str | None = None) -> FamilyAdapter:
@@ -287,8 +310,9 @@ def load_preprocessor(model: str, *, revision: str | None = None) -> FamilyAdapt
     for CPU workers that turn images into pixel arrays for the encoder."""
     import torch  # heavy: importing the loaders loads no torch (language_model promises it)
 
-    config, processor, adapter_cls = _read_configs(CheckpointSource(model, revision))
-    return adapter_cls(config, processor, {}, device=torch.device("cpu"), dtype=torch.float32)
+    config, processor, adapter_cls, video = _read_configs(CheckpointSource(model, revision))
+    cpu = torch.device("cpu")
+    return adapter_cls(config, processor, {}, device=cpu, dtype=torch.float32, video=video)
 
 
 def load_vision(
@@ -304,7 +328,7 @@ def load_vision(
 
     started = time.perf_counter()
     source = CheckpointSource(model, revision)
-    config, processor, adapter_cls = _read_configs(source)
+    config, processor, adapter_cls, video = _read_configs(source)
 
     weight_map, total_size = read_weight_map(source)
     spec = family_spec(str(config.model_type))
@@ -340,7 +364,9 @@ def load_vision(
         shards_total=len(shard_names),
         seconds=time.perf_counter() - started,
     )
-    adapter = adapter_cls(config, processor, modules, device=torch.device(device), dtype=dtype)
+    adapter = adapter_cls(
+        config, processor, modules, device=torch.device(device), dtype=dtype, video=video
+    )
     return LoadedVision(
         adapter=adapter,
         model=model,

@@ -357,12 +357,38 @@ def make_model(
     processor_class = getattr(tf, spec.recipe.processor_class)
     processor = processor_class(**spec.recipe.processor(config, preset))
     processor.save_pretrained(out)
+    if spec.video is not None:
+        _save_video_config(out, spec)
     tokenizer = make_tokenizer(family, config, vllm=vllm)
     tokenizer.save_pretrained(out)
     if vllm and spec.recipe.vllm_processor_class:
         tokens = getattr(config, str(spec.placeholders.count))
         _save_processor_config(out, spec, processor, tokenizer, tokens)
     return out
+
+
+# VideoSampling's fields under transformers' names (the pixel bounds are the image processor's)
+_VIDEO_NAMES = {
+    "fps": "fps",
+    "min_frames": "min_frames",
+    "max_frames": "max_frames",
+    "temporal_patch": "temporal_patch_size",
+    "num_frames": "num_frames",
+    "max_soft_tokens": "max_soft_tokens",
+}
+
+
+def _save_video_config(out: Path, spec: FamilySpec) -> None:
+    """The family's ``video_preprocessor_config.json``: the image processor's settings (a test
+    model's frames are sized as its images), the family's sampling defaults and its video
+    processor class, which samples (``do_sample_frames``): what transformers and vLLM load."""
+    doc = json.loads((out / "preprocessor_config.json").read_text())
+    doc.pop("image_processor_type", None)
+    for name, value in (spec.video or {}).items():
+        if name in _VIDEO_NAMES:
+            doc[_VIDEO_NAMES[name]] = value
+    doc |= {"video_processor_type": spec.recipe.video_processor_class, "do_sample_frames": True}
+    (out / "video_preprocessor_config.json").write_text(json.dumps(doc, indent=2))
 
 
 def _save_processor_config(

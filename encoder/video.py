@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -90,6 +90,33 @@ class VideoSampling:
     def settings(self) -> dict[str, float | int]:
         """Every field, by name: part of a video's key."""
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+    @classmethod
+    def from_config(
+        cls, defaults: Mapping[str, Any], config: Mapping[str, Any] | None = None
+    ) -> VideoSampling:
+        """A family's sampling: its video processor's ``defaults`` (the family spec's
+        ``video``), overridden by what a checkpoint's ``video_preprocessor_config.json``
+        (``config``) sets, read under transformers' names (``size.shortest_edge`` /
+        ``longest_edge`` or ``min_pixels`` / ``max_pixels``, ``temporal_patch_size``)."""
+        doc = dict(config or {})
+        size = doc.get("size") if isinstance(doc.get("size"), Mapping) else {}
+        given = {
+            "fps": doc.get("fps"),
+            "min_frames": doc.get("min_frames"),
+            "max_frames": doc.get("max_frames"),
+            "temporal_patch": doc.get("temporal_patch_size"),
+            "min_pixels": size.get("shortest_edge", doc.get("min_pixels")),
+            "max_pixels": size.get("longest_edge", doc.get("max_pixels")),
+            "num_frames": doc.get("num_frames"),
+            "max_soft_tokens": doc.get("max_soft_tokens"),
+        }
+        fields = {**defaults, **{k: v for k, v in given.items() if v is not None}}
+        kinds = {f: type(getattr(cls(), f)) for f in cls.__dataclass_fields__}
+        try:
+            return cls(**{k: kinds[k](v) for k, v in fields.items()})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"unreadable video sampling {fields}: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)

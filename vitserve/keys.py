@@ -21,6 +21,8 @@ from typing import Any
 
 import blake3
 
+from vitserve.media import Media, media_of
+
 KEY_FORMAT_VERSION = 1
 KEY_HEX_CHARS = 64
 
@@ -109,3 +111,18 @@ def content_key(
         h.update(field)
     h.update(image_bytes)
     return h.hexdigest()
+
+
+def item_key(
+    data: bytes | bytearray | memoryview,
+    fingerprint: str,
+    namespace: str = "",
+    video: Mapping[str, Any] | None = None,
+) -> str:
+    """The key of an item's bytes, image or video (:func:`vitserve.media.media_of`): a
+    video's under :func:`video_fingerprint` with ``video``, the model's video sampling
+    settings (``None``: the model takes no video; the bytes are keyed as an image, which
+    then fails to decode, naming why)."""
+    if video is not None and media_of(data) is Media.VIDEO:
+        fingerprint = video_fingerprint(fingerprint, video)
+    return content_key(data, fingerprint, namespace)

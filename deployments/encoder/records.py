@@ -44,6 +44,7 @@ def embedding_record(embedding: Any, fingerprint: str) -> EmbeddingRecord:
         num_tokens=embedding.num_tokens,
         grid=embedding.grid,
         tensors=tensors,
+        times=getattr(embedding, "times", None),
     )
 
 

@@ -61,6 +61,8 @@ class PreparedImage:
     patches: int
     seq_len: int
     bucket: Hashable
+    # a video's sampled frames' times in seconds (its record's ``times``); None for an image
+    times: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +106,14 @@ class FamilyAdapter(ABC):
         *,
         device: torch.device,
         dtype: torch.dtype,
+        video: VideoSampling | None = None,
     ) -> None:
         self.config = config
         self.spec: FamilySpec = family_spec(str(config.model_type))
         self.processor = processor
+        # how this model samples a video (None: it takes none): the spec's defaults and the
+        # checkpoint's video_preprocessor_config.json (the loader reads it)
+        self.video_sampling = video
         self.modules = dict(modules)
         self.device = device
         self.dtype = dtype

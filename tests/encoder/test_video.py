@@ -124,3 +124,33 @@ def test_decoding_yields_exactly_the_sampled_frames() -> None:
     assert [f.shape for f in frames] == [(48, 64, 3)] * len(indices)
     levels = [int(np.median(f)) for f in frames]
     assert levels == [8 * i for i in indices]  # lossless: each frame is its own
+
+
+def test_media_is_told_from_the_containers_first_bytes() -> None:
+    from vitserve.encoder.testimages import make_image
+    from vitserve.media import Media, media_of
+
+    assert media_of(clip(4)) is Media.VIDEO  # MP4: ftyp at byte 4
+    assert media_of(b"\x1a\x45\xdf\xa3" + bytes(20)) is Media.VIDEO  # Matroska / WebM
+    assert media_of(b"RIFF\0\0\0\0AVI LIST") is Media.VIDEO
+    assert media_of(b"RIFF\0\0\0\0WEBPVP8 ") is Media.IMAGE  # a WebP is RIFF too
+    for fmt in ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"):
+        assert media_of(make_image(16, 16, fmt=fmt)) is Media.IMAGE, fmt
+    assert media_of(b"") is Media.IMAGE and media_of(b"ftyp") is Media.IMAGE
+
+
+def test_sampling_reads_a_video_processor_config_over_the_family_defaults() -> None:
+    defaults = {"min_pixels": 100, "max_pixels": 1000}
+    assert VideoSampling.from_config(defaults) == VideoSampling(min_pixels=100, max_pixels=1000)
+    config = {
+        "fps": 1,
+        "max_frames": 64,
+        "temporal_patch_size": 2,
+        "size": {"shortest_edge": 3136, "longest_edge": 102400},
+        "do_sample_frames": True,  # and whatever else a processor config holds
+    }
+    got = VideoSampling.from_config(defaults, config)
+    assert got == VideoSampling(fps=1.0, max_frames=64, min_pixels=3136, max_pixels=102400)
+    assert isinstance(got.fps, float)
+    with pytest.raises(ValueError, match="unreadable video sampling"):
+        VideoSampling.from_config(defaults, {"max_frames": "many"})

@@ -12,6 +12,7 @@ batch with two images.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,8 @@ from vitserve.encoder.engine import BATCH_TOLERANCE_ULPS, ulps_apart
 from vitserve.encoder.testimages import make_image
 from vitserve.encoder.testmodels import full_model_class
 from vitserve.encoder.video import VideoSampling, decode_frames, probe, sample_indices
+from vitserve.families import family_spec
+from vitserve.keys import content_key
 
 # Small frames are not upscaled to the video processors' 128-token floor: each frame's own size.
 SAMPLING = VideoSampling(min_pixels=32 * 32)
@@ -101,7 +104,8 @@ def test_a_videos_key_covers_its_bytes_and_every_sampling_setting(engines) -> No
     data = clip(23)
     key = engine.video_key(data, SAMPLING)
     assert key == engine.video_key(bytes(data), VideoSampling(min_pixels=32 * 32))
-    assert key != engine.key(data)  # the same bytes as an image
+    assert engine.key(data) == engine.video_key(data)  # keyed as a video, by its bytes
+    assert content_key(data, engine.fingerprint) != key  # not as an image of the same bytes
     for change in ({"fps": 1.0}, {"max_frames": 8}, {"min_pixels": 64 * 64}, {"min_frames": 2}):
         other = VideoSampling(**{**SAMPLING.settings(), **change})
         assert engine.video_key(data, other) != key, change
@@ -206,3 +210,37 @@ def test_the_video_work_rule_is_what_preparing_makes(engines, family: str) -> No
         ), (frames, width, height)
         assert rule.video_tokens(width, height, sampled) == prepared.num_tokens
         assert work.decode_bytes >= 24 * width * height
+
+
+@pytest.mark.parametrize("family", [*QWEN, "gemma4"])
+def test_the_model_samples_as_its_checkpoints_video_config_says(engines, tiny_models, family):
+    """make-model writes the family's video_preprocessor_config.json; the loader reads it over
+    the family's defaults (transformers' class attributes)."""
+    import json
+
+    sampling = engines[family].adapter.video_sampling
+    doc = json.loads((tiny_models[family] / "video_preprocessor_config.json").read_text())
+    assert sampling == VideoSampling.from_config(family_spec(family).video or {}, doc)
+    if family == "gemma4":
+        assert (sampling.num_frames, sampling.max_soft_tokens) == (32, 70)
+    else:  # a tiny model's frames are sized as its images (its image processor's bounds)
+        size = engines[family].adapter.processor.size
+        assert (sampling.min_pixels, sampling.max_pixels) == (
+            size.shortest_edge,
+            size.longest_edge,
+        )
+    assert engines["llava"].adapter.video_sampling is None
+
+
+def test_a_video_is_prepared_as_one_by_its_bytes_with_its_frames_times(engines) -> None:
+    engine = engines["qwen2_vl"]
+    data = clip(23, rate=10)  # 2.3 s: 4 frames sampled at 2 fps, t = 2
+    [prepared] = engine.prepare([data])
+    alone = engine.prepare_video(data)
+    assert prepared.key == alone.key == engine.key(data)
+    assert prepared.grid == alone.grid and prepared.grid[0] == 2
+    assert np.array_equal(prepared.pixels, alone.pixels)
+    indices = sample_indices(probe(data), engine.adapter.video_sampling)
+    assert prepared.times == tuple(i / 10 for i in indices)
+    [embedding] = engine.run([prepared])
+    assert embedding.times == prepared.times

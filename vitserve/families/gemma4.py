@@ -126,10 +126,13 @@ SPEC = FamilySpec(
         refused_text_settings=("use_bidirectional_attention", "hidden_size_per_layer_input"),
     ),
     vllm=VllmEmbeds.NONE,
+    # Gemma4VideoProcessor's: 32 frames spread over the clip, each within 70 soft tokens
+    video=frozen({"num_frames": 32, "max_soft_tokens": 70}),
     recipe=Recipe(
         config_class="Gemma4Config",
         config=_config,
         processor_class="Gemma4ImageProcessorPil",
+        video_processor_class="Gemma4VideoProcessor",
         processor=_processor,
         special_tokens=frozen(
             {

@@ -127,10 +127,23 @@ SPEC = FamilySpec(
         ),
     ),
     vllm=VllmEmbeds.GRID,
+    # Qwen2VLVideoProcessor's: 2 frames a second, 4 to 768 of them, 2 per temporal patch,
+    # each frame within 128 to 768 merged patches of 28 px
+    video=frozen(
+        {
+            "fps": 2.0,
+            "min_frames": 4,
+            "max_frames": 768,
+            "temporal_patch": 2,
+            "min_pixels": 128 * 28 * 28,
+            "max_pixels": 768 * 28 * 28,
+        }
+    ),
     recipe=Recipe(
         config_class="Qwen2VLConfig",
         config=_config,
         processor_class="Qwen2VLImageProcessorPil",
+        video_processor_class="Qwen2VLVideoProcessor",
         processor=processor,
         special_tokens=frozen(
             {

@@ -56,11 +56,14 @@ SPEC = dataclasses.replace(
         deepstack=True,
     ),
     checkpoint=dataclasses.replace(_BASE.checkpoint, model_class="Qwen3VLForConditionalGeneration"),
+    # Qwen3VLVideoProcessor's: Qwen2-VL's sampling, frames within 128 to 768 patches of 32 px
+    video=frozen({**(_BASE.video or {}), "min_pixels": 128 * 32 * 32, "max_pixels": 768 * 32 * 32}),
     recipe=dataclasses.replace(
         _BASE.recipe,
         config_class="Qwen3VLConfig",
         config=_config,
         processor=_processor,
+        video_processor_class="Qwen3VLVideoProcessor",
         large_vit=frozen({"width": 1152, "depth": 27, "heads": 16, "mlp": 4304}),
     ),
 )

@@ -221,6 +221,8 @@ class Recipe:
     vllm_renames: tuple[tuple[str, str], ...] = ()
     vllm_newline_tokens: bool = False
     vllm_processor_class: str | None = None
+    # the transformers video processor class a test model's video_preprocessor_config.json names
+    video_processor_class: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +239,10 @@ class FamilySpec:
     checkpoint: Checkpoint
     vllm: VllmEmbeds
     recipe: Recipe
+    # The family's video processor defaults (transformers' class attributes), by
+    # ``vitserve.encoder.video.VideoSampling`` field; a checkpoint's
+    # ``video_preprocessor_config.json`` overrides them. ``None``: the family takes no video.
+    video: Mapping[str, Any] | None = None
 
 
 __all__ = [
