@@ -44,7 +44,8 @@ from vitserve.client.handles import EncodeWait, FetchedChunk, ImageHandle, Submi
 from vitserve.client.inputs import ImageInput, image_bytes
 from vitserve.client.metrics import ClientMetrics
 from vitserve.errors import CacheMissError, ConfigError, StoreUnavailableError, VitserveError
-from vitserve.keys import content_key
+from vitserve.keys import item_key
+from vitserve.media import Media, media_of
 
 RETRY_STATUSES = frozenset({429, 503})
 HEADER_CACHE_SIZE = 4096  # record headers kept for row reads (a few KiB each at most)
@@ -175,6 +176,7 @@ def handle_of_header(header: Header, cached: bool, source: bytes | None = None) 
         cached=cached,
         extras=tuple(t.name for t in header.tensors[1:]),
         source=source,
+        times=header.times,
     )
 
 
@@ -247,10 +249,12 @@ class ClientCore:
                 self.store = EmbeddingStore(given.connection, policy, counters=given.counters)
 
     def keys_of(self, datas: Sequence[bytes]) -> list[str]:
-        """The content keys of image bytes, as the service computes them (after describe)."""
+        """The content keys of image or video bytes, as the service computes them (after
+        describe): a video's under the model's video sampling (:func:`vitserve.keys.item_key`)."""
         assert self.model is not None
         fp, ns = self.model["fingerprint"], self.model.get("namespace") or ""
-        return [content_key(d, fp, ns) for d in datas]
+        video = self.model.get("video")
+        return [item_key(d, fp, ns, video) for d in datas]
 
     # -- encode --------------------------------------------------------------------------------
     def encode(self, images: Sequence[ImageInput]) -> Flow:
@@ -346,8 +350,14 @@ class ClientCore:
         max_images = self._limit("max_images_per_request", 64)
         max_bytes = self._limit("max_request_bytes", 2**62)
         out: dict[str, ImageHandle | None] = {}
-        for batch in _batches(keys, data_of, max_images, max_bytes):
-            payload: dict[str, Any] = {"images": [data_of[k] for k in batch]}
+        max_videos = self._limit("max_videos_per_request", 2**62)
+        for batch in _batches(keys, data_of, max_images, max_bytes, max_videos):
+            # the service answers a request's images, then its videos: send them so
+            batch.sort(key=lambda k: media_of(data_of[k]) is Media.VIDEO)
+            payload: dict[str, Any] = {
+                field: [data_of[k] for k in batch if media_of(data_of[k]) is kind]
+                for field, kind in (("images", Media.IMAGE), ("videos", Media.VIDEO))
+            }
             if wait is not EncodeWait.PUBLISHED:
                 payload["wait"] = wait.value
             try:
@@ -533,19 +543,27 @@ def _item_error(doc: dict[str, Any], index: int) -> VitserveError:
 
 
 def _batches(
-    keys: list[str], data_of: dict[str, bytes], max_images: int, max_bytes: int
+    keys: list[str],
+    data_of: dict[str, bytes],
+    max_images: int,
+    max_bytes: int,
+    max_videos: int = 2**62,
 ) -> list[list[str]]:
-    """Keys in upload requests of at most ``max_images`` images and ``max_bytes`` bytes (an
-    image over the byte limit alone goes alone: the service says why it refuses it)."""
+    """Keys in upload requests of at most ``max_images`` items (``max_videos`` of them videos)
+    and ``max_bytes`` bytes (an item over the byte limit alone goes alone: the service says why
+    it refuses it)."""
     out: list[list[str]] = []
-    size = 0
+    size = videos = 0
     for key in keys:
         n = len(data_of[key])
-        if not out or len(out[-1]) >= max_images or size + n > max_bytes:
+        video = media_of(data_of[key]) is Media.VIDEO
+        full = len(out[-1]) >= max_images or size + n > max_bytes if out else True
+        if full or (video and videos >= max_videos):
             out.append([])
-            size = 0
+            size = videos = 0
         out[-1].append(key)
         size += n
+        videos += video
     return out
 
 

@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from vitserve.cache.codec import DTYPES
+from vitserve.cache.codec import DTYPES, FrameGroup, frame_groups
 from vitserve.client.chunks import ChunkPiece
 
 
@@ -34,6 +34,9 @@ class ImageHandle:
     source: bytes | None = field(default=None, repr=False, compare=False)
     uploaded: bool = field(default=False, compare=False)
     published: bool = field(default=True, compare=False)
+    # a video's sampled frames' times in seconds (its record's; ``frame_groups`` maps them to
+    # rows); None for an image
+    times: tuple[float, ...] | None = None
 
     @classmethod
     def from_item(
@@ -52,7 +55,12 @@ class ImageHandle:
             source=source,
             uploaded=uploaded,
             published=bool(item.get("published", True)),
+            times=tuple(float(t) for t in item["times"]) if item.get("times") else None,
         )
+
+    def frame_groups(self) -> list[FrameGroup]:
+        """A video's frame groups: each one's rows and its frames' times (``[]``: an image)."""
+        return frame_groups(self.num_tokens, self.grid, self.times)
 
     @property
     def row_bytes(self) -> int:

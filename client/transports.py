@@ -90,8 +90,9 @@ def _request(call: ApiCall) -> dict[str, Any]:
         return {"method": "POST", "url": "/v1/probe", "json": call.payload}
     if call.route == "encode":
         files = [
-            ("images", (f"{i}", data, "application/octet-stream"))
-            for i, data in enumerate(call.payload["images"])
+            (field, (f"{i}", data, "application/octet-stream"))
+            for field in ("images", "videos")
+            for i, data in enumerate(call.payload.get(field, ()))
         ]
         wait = call.payload.get("wait")
         params = {"wait": wait} if wait is not None else None

@@ -154,6 +154,7 @@ class EncoderEngine:
         max_batch_patches: int | None = None,
         revision: str | None = None,
         limits: ImageLimits = DEFAULT_LIMITS,
+        video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
         namespace: str = "",
         tune_allocator: bool = True,
     ) -> EncoderEngine:
@@ -185,6 +186,7 @@ class EncoderEngine:
             budget_bytes=budget_bytes,
             max_batch_patches=max_batch_patches,
             limits=limits,
+            video_limits=video_limits,
             namespace=namespace,
             model=model,
             revision=loaded.revision,
@@ -301,7 +303,7 @@ class EncoderEngine:
             max_bytes=max_bytes,
         )
         row = sum(self.adapter.output_widths().values()) * self.dtype.itemsize
-        return Terms(rule=rule, capacity=capacity, row_bytes=row)
+        return Terms(rule=rule, capacity=capacity, row_bytes=row, video=self.adapter.video_sampling)
 
     def run(self, prepared: Sequence[PreparedImage], plan: Plan | None = None) -> list[Embedding]:
         """Encode prepared images: one forward per planned batch; results in input order."""

@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from vitserve.encoder.video import VideoSampling
+
 #: Peak bytes per decoded pixel that decoding (PIL stores RGB in 4 bytes a pixel), the RGB
 #: conversion and the image processor's arrays add, over-estimated by mode class: measured per
 #: family and image kind in ``loadtest/results/decode-memory-cpu.md``
@@ -249,6 +251,7 @@ class Terms:
     rule: ResizeRule
     capacity: Capacity
     row_bytes: int
+    video: VideoSampling | None = None  # how the model samples a video (None: takes none)
 
 
 __all__ = [

@@ -35,6 +35,7 @@ from vitserve.encoder.device import DTYPES, HOST_OVERRIDE_VARS
 
 if TYPE_CHECKING:
     from vitserve.encoder.images import ImageLimits
+    from vitserve.encoder.video import VideoLimits
 from vitserve.errors import ConfigError
 
 ENV_PREFIX = "VITSERVE_"
@@ -66,6 +67,14 @@ class LimitsConfig(_Strict):
     max_rows_bytes: int = Field(64 * 2**20, gt=0)
     # The most a request's body may take to arrive (a slower client is answered 408).
     body_timeout_s: float = Field(30.0, gt=0)
+    # Videos (a request's items count images and videos together). What a video's decode
+    # costs is its header's frames times pixels, checked before any frame is decoded
+    # (vitserve.encoder.video); the work of its sampled frames is admitted like an image's.
+    max_videos_per_request: int = Field(8, gt=0)
+    max_video_bytes: int = Field(64 * 2**20, gt=0)
+    max_video_seconds: float = Field(600.0, gt=0)
+    max_video_frames: int = Field(36_000, gt=0)  # frames the header counts: what a decode walks
+    max_frame_pixels: int = Field(3840 * 2160, gt=0)
 
     def image_limits(self) -> ImageLimits:
         """The per-image limits every decode and header read runs under."""
@@ -75,6 +84,17 @@ class LimitsConfig(_Strict):
             max_image_bytes=self.max_image_bytes,
             max_image_pixels=self.max_image_pixels,
             max_jpeg_scans=self.max_jpeg_scans,
+        )
+
+    def video_limits(self) -> VideoLimits:
+        """The per-video limits every probe and decode runs under."""
+        from vitserve.encoder.video import VideoLimits  # numpy only; PyAV loads at a decode
+
+        return VideoLimits(
+            max_video_bytes=self.max_video_bytes,
+            max_video_seconds=self.max_video_seconds,
+            max_video_frames=self.max_video_frames,
+            max_frame_pixels=self.max_frame_pixels,
         )
 
 

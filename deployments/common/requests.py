@@ -29,6 +29,7 @@ from typing import Any, NoReturn, Protocol
 from starlette.requests import ClientDisconnect
 
 from vitserve.errors import LimitExceededError, MalformedRequestError, RequestTimeoutError
+from vitserve.media import Media, media_of
 
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 KEY_SCHEMA = {"type": "string", "pattern": KEY_RE.pattern}
@@ -47,6 +48,8 @@ class Limits(Protocol):
     def max_images_per_request(self) -> int: ...
     @property
     def max_request_bytes(self) -> int: ...
+    @property
+    def max_videos_per_request(self) -> int: ...
 
 
 # -- bodies ---------------------------------------------------------------------------------
@@ -173,7 +176,12 @@ def multipart_parts(body: bytes | bytearray, ctype: str) -> int:
 
 
 # -- /v1/encode ------------------------------------------------------------------------------
-ENCODE_SHAPE = '{"images": [{"data": "<base64>"} | {"key": "<64 hex>"}, ...]}'
+ENCODE_SHAPE = (
+    '{"images": [{"data": "<base64>"} | {"key": "<64 hex>"}, ...], "videos": [...] (optional)}'
+)
+#: the fields of an encode request that hold items, in the order their items are answered
+ENCODE_FIELDS = ("images", "videos")
+_CONTAINERS = "an MP4/MOV, Matroska/WebM or AVI container"
 
 
 def _count(items: Any, limit: int, name: str = "max_images_per_request") -> None:
@@ -182,31 +190,53 @@ def _count(items: Any, limit: int, name: str = "max_images_per_request") -> None
 
 
 def encode_json(doc: Any, max_images: int) -> list[Item]:
-    """``/v1/encode``'s JSON document -> its items (image bytes or keys), in order; the image
-    count checked before any base64 is decoded."""
-    if not isinstance(doc, dict) or set(doc) != {"images"} or not isinstance(doc["images"], list):
+    """``/v1/encode``'s JSON document -> its items (image or video bytes, or keys): the
+    images, then the videos, each in order; the item count checked before any base64 is
+    decoded, each item's kind against its field (:func:`check_media`)."""
+    if (
+        not isinstance(doc, dict)
+        or not doc
+        or set(doc) - set(ENCODE_FIELDS)
+        or not all(isinstance(v, list) for v in doc.values())
+    ):
         raise MalformedRequestError(f"expected {ENCODE_SHAPE}")
-    _count(doc["images"], max_images)
+    _count([i for f in ENCODE_FIELDS for i in doc.get(f, ())], max_images)
     items: list[Item] = []
-    for i, item in enumerate(doc["images"]):
-        if isinstance(item, dict) and len(item) == 1:
-            [(field, value)] = item.items()
-            if field in ("data", "key") and isinstance(value, str):
-                items.append(_encode_item(i, field, value))
-                continue
-        raise MalformedRequestError(f'images[{i}] must be {{"data": ...}} or {{"key": ...}}')
+    for name in ENCODE_FIELDS:
+        for i, item in enumerate(doc.get(name, ())):
+            if isinstance(item, dict) and len(item) == 1:
+                [(field, value)] = item.items()
+                if field in ("data", "key") and isinstance(value, str):
+                    items.append(check_media(_encode_item(i, field, value, name), name, i))
+                    continue
+            raise MalformedRequestError(f'{name}[{i}] must be {{"data": ...}} or {{"key": ...}}')
     return items
 
 
-def _encode_item(i: int, field: str, value: str | memoryview) -> Item:
-    """Item ``i`` of an encode document: ``data`` (base64) as its bytes, or a ``key``."""
+def check_media(item: Item, field: str, index: int) -> Item:
+    """``item`` of ``field`` (``images`` or ``videos``) at ``index``, or 422 when its bytes
+    are the other kind (:func:`vitserve.media.media_of`): a video sent as an image or the
+    reverse is refused at the door, naming where it is, not decoded as the wrong thing."""
+    if isinstance(item, str):
+        return item  # a key: what it names was checked when it was encoded
+    video = media_of(item) is Media.VIDEO
+    if field == "videos" and not video:
+        raise MalformedRequestError(f"{field}[{index}] is not a video ({_CONTAINERS})")
+    if field != "videos" and video:
+        raise MalformedRequestError(f"{field}[{index}] is a video; send it in 'videos'")
+    return item
+
+
+def _encode_item(i: int, field: str, value: str | memoryview, name: str = "images") -> Item:
+    """Item ``i`` of an encode document's ``name`` list: ``data`` (base64) as its bytes, or a
+    ``key``."""
     if field == "key":
         text = value if isinstance(value, str) else bytes(value).decode("ascii")
-        return key(text, f"images[{i}].key")
+        return key(text, f"{name}[{i}].key")
     try:
         return base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
-        raise MalformedRequestError(f"images[{i}].data is not base64") from None
+        raise MalformedRequestError(f"{name}[{i}].data is not base64") from None
 
 
 # One item of an encode document as JSON writers lay it out (no escapes: base64 and hex have
@@ -252,21 +282,34 @@ def _encode_items(body: bytes | bytearray, max_images: int) -> list[Item] | None
         return None
     _count(spans, max_images)  # before any base64 is decoded
     view = memoryview(body)  # each image's base64 decoded where it lies, not copied first
-    return [_encode_item(i, field, view[start:end]) for i, (field, start, end) in enumerate(spans)]
+    return [
+        check_media(_encode_item(i, field, view[start:end]), "images", i)
+        for i, (field, start, end) in enumerate(spans)
+    ]
 
 
 def encode_payload(payload: Any, max_images: int) -> list[Item]:
-    """``Ingress.call("encode", ...)``'s payload ``{"images": [bytes | key, ...]}`` -> items."""
-    images = payload.get("images") if isinstance(payload, dict) else None
-    if not isinstance(images, list) or set(payload) != {"images"}:
-        raise MalformedRequestError('expected {"images": [bytes | 64-hex key, ...]}')
-    _count(images, max_images)
-    for i, item in enumerate(images):
-        if isinstance(item, str):
-            key(item, f"images[{i}]")
-        elif not isinstance(item, bytes):
-            raise MalformedRequestError(f"images[{i}] must be bytes or a 64-hex key")
-    return images
+    """``Ingress.call("encode", ...)``'s payload ``{"images": [bytes | key, ...], "videos":
+    [...]}`` (either list may be left out) -> items: the images, then the videos."""
+    if (
+        not isinstance(payload, dict)
+        or not payload
+        or set(payload) - set(ENCODE_FIELDS)
+        or not all(isinstance(v, list) for v in payload.values())
+    ):
+        raise MalformedRequestError(
+            'expected {"images": [bytes | 64-hex key, ...], "videos": [...]}'
+        )
+    _count([i for f in ENCODE_FIELDS for i in payload.get(f, ())], max_images)
+    items: list[Item] = []
+    for name in ENCODE_FIELDS:
+        for i, item in enumerate(payload.get(name, ())):
+            if isinstance(item, str):
+                key(item, f"{name}[{i}]")
+            elif not isinstance(item, bytes):
+                raise MalformedRequestError(f"{name}[{i}] must be bytes or a 64-hex key")
+            items.append(check_media(item, name, i))
+    return items
 
 
 def check_items(items: list[Item], limits: Limits) -> None:
@@ -275,6 +318,8 @@ def check_items(items: list[Item], limits: Limits) -> None:
     if not items:
         raise MalformedRequestError("no images in the request")
     _count(items, limits.max_images_per_request)
+    videos = [i for i in items if isinstance(i, bytes) and media_of(i) is Media.VIDEO]
+    _count(videos, limits.max_videos_per_request, "max_videos_per_request")
     total = sum(len(i) for i in items if isinstance(i, bytes))
     if total > limits.max_request_bytes:
         raise LimitExceededError("max_request_bytes", total, limits.max_request_bytes)
@@ -343,6 +388,25 @@ def _json_body(schema: dict[str, Any]) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": schema}}}
 
 
+_ENCODE_ITEM_SCHEMA = {
+    "oneOf": [
+        {
+            "type": "object",
+            "required": ["data"],
+            "additionalProperties": False,
+            "properties": {
+                "data": {"type": "string", "format": "byte", "description": "the file, base64"}
+            },
+        },
+        {
+            "type": "object",
+            "required": ["key"],
+            "additionalProperties": False,
+            "properties": {"key": {**KEY_SCHEMA, "description": "an item already encoded"}},
+        },
+    ]
+}
+_VIDEOS = "videos (MP4/MOV, Matroska/WebM, AVI), answered after the images"
 ENCODE_OPENAPI = {
     "requestBody": {
         "required": True,
@@ -350,53 +414,31 @@ ENCODE_OPENAPI = {
             "application/json": {
                 "schema": {
                     "type": "object",
-                    "required": ["images"],
                     "additionalProperties": False,
+                    "minProperties": 1,
                     "properties": {
-                        "images": {
+                        "images": {"type": "array", "items": _ENCODE_ITEM_SCHEMA},
+                        "videos": {
                             "type": "array",
-                            "minItems": 1,
-                            "items": {
-                                "oneOf": [
-                                    {
-                                        "type": "object",
-                                        "required": ["data"],
-                                        "additionalProperties": False,
-                                        "properties": {
-                                            "data": {
-                                                "type": "string",
-                                                "format": "byte",
-                                                "description": "the image file, base64",
-                                            }
-                                        },
-                                    },
-                                    {
-                                        "type": "object",
-                                        "required": ["key"],
-                                        "additionalProperties": False,
-                                        "properties": {
-                                            "key": {
-                                                **KEY_SCHEMA,
-                                                "description": "an image already encoded",
-                                            }
-                                        },
-                                    },
-                                ]
-                            },
-                        }
+                            "description": _VIDEOS,
+                            "items": _ENCODE_ITEM_SCHEMA,
+                        },
                     },
                 }
             },
             "multipart/form-data": {
                 "schema": {
                     "type": "object",
-                    "required": ["images"],
                     "properties": {
                         "images": {
                             "type": "array",
-                            "minItems": 1,
                             "items": {"type": "string", "format": "binary"},
-                        }
+                        },
+                        "videos": {
+                            "type": "array",
+                            "description": _VIDEOS,
+                            "items": {"type": "string", "format": "binary"},
+                        },
                     },
                 }
             },

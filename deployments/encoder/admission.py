@@ -36,22 +36,60 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from vitserve.encoder.images import ImageLimits, image_header
+from vitserve.encoder.video import (
+    DEFAULT_VIDEO_LIMITS,
+    VideoLimits,
+    VideoSampling,
+    probe,
+    sample_indices,
+)
 from vitserve.encoder.work import Capacity, ImageWork, ResizeRule
 from vitserve.errors import BackpressureError, ImageError, LimitExceededError
+from vitserve.media import Media, media_of
 
 
 def image_work(
-    rule: ResizeRule, data: bytes, index: int, limits: ImageLimits, strict: bool = False
+    rule: ResizeRule,
+    data: bytes,
+    index: int,
+    limits: ImageLimits,
+    strict: bool = False,
+    *,
+    video: VideoSampling | None = None,
+    video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
 ) -> ImageWork:
-    """What encoding image ``data`` costs, from its header: ImageTooLargeError (413) if it
-    passes a per-image limit; an image whose header does not read costs its bytes only (it
-    fails alone when it is prepared, naming why), or with ``strict`` raises its error."""
+    """What encoding item ``data`` costs, from its header: an image's by ``rule``, a video's
+    (:func:`vitserve.media.media_of`) its sampled frames' by ``rule`` for frames sampled by
+    ``video`` (the model's sampling; None: it takes no video, and the item fails alone).
+    ImageTooLargeError (413) if it passes a per-item limit; an item whose header does not
+    read costs its bytes only (it fails alone when it is prepared, naming why), or with
+    ``strict`` raises its error."""
     try:
+        if media_of(data) is Media.VIDEO:
+            return _video_work(rule, data, index, video, video_limits)
         return rule.work(*image_header(data, index=index, limits=limits))
     except ImageError as exc:
         if exc.http_status == 413 or strict:
             raise
         return ImageWork(0, 0, len(data))
+
+
+def _video_work(
+    rule: ResizeRule,
+    data: bytes,
+    index: int,
+    video: VideoSampling | None,
+    limits: VideoLimits,
+) -> ImageWork:
+    """A video's work from its container header (no frame decoded): its sampled frames."""
+    info = probe(data, index=index, limits=limits)
+    if video is None:
+        return ImageWork(0, 0, len(data))
+    frames = len(sample_indices(info, video, index=index))
+    frame_rule = rule.for_frames(
+        min_pixels=video.min_pixels, max_pixels=video.max_pixels, soft_tokens=video.max_soft_tokens
+    )
+    return frame_rule.video_work(info.width, info.height, frames)
 
 
 def request_cost(works: Iterable[ImageWork], *, decoding: bool) -> tuple[int, int]:

@@ -99,7 +99,7 @@ from vitserve.errors import (
     ServiceUnavailableError,
     VitserveError,
 )
-from vitserve.keys import content_key
+from vitserve.keys import item_key
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
 
@@ -269,8 +269,8 @@ class Ingress:
         return items, self._check_request(items, terms, wait)
 
     async def _form_items(self, request: Request, body: bytes | bytearray) -> list[bytes | str]:
-        """The image files of a multipart ``body`` (already read), at most the image limit
-        parsed."""
+        """The image files of a multipart ``body`` (already read), then its video files (field
+        ``videos``), at most the item limit parsed."""
         limits = self.cfg.limits
         ctype = request.headers.get("content-type", "")
 
@@ -282,13 +282,14 @@ class Ingress:
             async with Request(request.scope, replay).form(
                 max_files=limits.max_images_per_request,
                 max_fields=16,
-                max_part_size=limits.max_image_bytes + 1,
+                max_part_size=max(limits.max_image_bytes, limits.max_video_bytes) + 1,
             ) as form:
-                for upload in form.getlist("images"):
-                    if isinstance(upload, str):
-                        raise MalformedRequestError("multipart field 'images' must be a file")
-                    items.append(await upload.read())
-                unknown = set(form.keys()) - {"images"}
+                for field in parse.ENCODE_FIELDS:
+                    for i, upload in enumerate(form.getlist(field)):
+                        if isinstance(upload, str):
+                            raise MalformedRequestError(f"multipart field {field!r} must be a file")
+                        items.append(parse.check_media(await upload.read(), field, i))
+                unknown = set(form.keys()) - set(parse.ENCODE_FIELDS)
         except (HTTPException, MultiPartException) as exc:
             reason = str(getattr(exc, "detail", None) or getattr(exc, "message", exc))
             if reason.startswith("Too many files"):  # refused at the limit's next file
@@ -318,9 +319,11 @@ class Ingress:
         replica could ever admit is a 413 here, before any store or encoder call. ``strict``
         (an answer at the claims, whose images' errors would come after it): an image whose
         header does not read refuses the whole request here (422, naming its index)."""
-        limits = self.cfg.limits.image_limits()
+        limits, videos = self.cfg.limits.image_limits(), self.cfg.limits.video_limits()
         works = {
-            i: image_work(terms.rule, item, i, limits, strict=strict)
+            i: image_work(
+                terms.rule, item, i, limits, strict, video=terms.video, video_limits=videos
+            )
             for i, item in enumerate(items)
             if isinstance(item, bytes)
         }
@@ -337,8 +340,9 @@ class Ingress:
         model = await self._describe()
 
         def keys() -> list[str]:  # hashing up to max_request_bytes: off the loop
+            fingerprint, video = model["fingerprint"], model.get("video")
             return [
-                i if isinstance(i, str) else content_key(i, model["fingerprint"], tenant.namespace)
+                i if isinstance(i, str) else item_key(i, fingerprint, tenant.namespace, video)
                 for i in items
             ]
 
@@ -468,6 +472,7 @@ class Ingress:
             "claims_at": self._unchecked.connection.claim_scope,
             "limits": {
                 "max_images_per_request": limits.max_images_per_request,
+                "max_videos_per_request": limits.max_videos_per_request,
                 "max_request_bytes": limits.max_request_bytes,
                 "max_keys_per_probe": limits.max_keys_per_probe,
                 "max_rows_bytes": limits.max_rows_bytes,

@@ -22,6 +22,7 @@ from vitserve.deployments.common import metrics
 from vitserve.deployments.common.config import VitserveConfig
 from vitserve.deployments.encoder.wire import EncodeBatch, error_item
 from vitserve.encoder.images import ImageLimits
+from vitserve.encoder.video import VideoLimits
 from vitserve.errors import ImageError
 
 if TYPE_CHECKING:  # heavy (the families' image processors): imported where preprocessing runs
@@ -34,6 +35,9 @@ class ImagePreparer(Protocol):
 
     @property
     def limits(self) -> ImageLimits: ...
+
+    @property
+    def video_limits(self) -> VideoLimits: ...
 
     def prepare(self, data: bytes, key: str, index: int) -> PreparedImage: ...
 
@@ -58,10 +62,12 @@ def make_preprocessor(cfg: VitserveConfig, adapter: FamilyAdapter | None = None)
     # heavy (transformers' image processors): only where preprocessing runs
     from vitserve.encoder.preprocess import Preprocessor
 
-    limits = cfg.limits.image_limits()
+    limits, videos = cfg.limits.image_limits(), cfg.limits.video_limits()
     if adapter is not None:
-        return Preprocessor(adapter, limits)
-    return Preprocessor.from_pretrained(cfg.model, revision=cfg.revision, limits=limits)
+        return Preprocessor(adapter, limits, videos)
+    return Preprocessor.from_pretrained(
+        cfg.model, revision=cfg.revision, limits=limits, video_limits=videos
+    )
 
 
 @serve.deployment

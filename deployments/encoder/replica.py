@@ -162,6 +162,8 @@ class EncoderDeployment:
             max_batch_patches=cfg.batching.max_batch_patches,
             revision=cfg.revision,
             namespace=cfg.namespace,
+            limits=cfg.limits.image_limits(),
+            video_limits=cfg.limits.video_limits(),
         )
         self.preprocessor = make_preprocessor(cfg, self.engine.adapter)  # no load: the engine's
         # One connection for every namespace, one store over it per namespace (the config's,
@@ -218,6 +220,8 @@ class EncoderDeployment:
             "dtype": dtype_name(e.dtype),
             "device": str(e.device),
             "namespace": e.namespace,
+            # how the model samples a video (part of a video's key); None: it takes none
+            "video": e.video_settings,
             "max_batch_patches": e.max_batch_patches,
             "budget_bytes": e.budget_bytes,
             "preprocess_at": self.cfg.preprocess_at,
@@ -330,8 +334,17 @@ class EncoderDeployment:
                 for i in indices
             }
         images, limits = batch.images or [], self.preprocessor.limits
+        terms, videos = self.terms, self.preprocessor.video_limits
         return {
-            i: image_work(self.terms.rule, images[i], batch.indices[i], limits) for i in indices
+            i: image_work(
+                terms.rule,
+                images[i],
+                batch.indices[i],
+                limits,
+                video=terms.video,
+                video_limits=videos,
+            )
+            for i in indices
         }
 
     def _store_for(self, namespace: str | None) -> EmbeddingStore:

@@ -78,6 +78,7 @@ class EncodedItem(TypedDict):
     dtype: str
     shape: list[int]
     extras: list[str]
+    times: NotRequired[list[float]]  # a video's sampled frames' times (seconds)
     cached: NotRequired[bool]
     published: NotRequired[bool]
 
@@ -106,7 +107,7 @@ def pending_item(key: str) -> PendingItem:
 
 def describe_header(header: Header) -> EncodedItem:
     """The API's description of a stored embedding, from its record header."""
-    return {
+    item: EncodedItem = {
         "key": header.key,
         "num_tokens": header.num_tokens,
         "grid": list(header.grid) if header.grid else None,
@@ -114,6 +115,9 @@ def describe_header(header: Header) -> EncodedItem:
         "shape": [header.num_tokens, header.tensors[0].width],
         "extras": [t.name for t in header.tensors[1:]],
     }
+    if header.times is not None:
+        item["times"] = list(header.times)
+    return item
 
 
 def unpublished(item: EncodedItem) -> EncodedItem:
