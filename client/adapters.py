@@ -447,6 +447,7 @@ def prompt_layout(config: Any, input_ids: Any, images: Sequence[Any]) -> PromptL
     ids = _ids_1d(input_ids)
     image_token = int(config.image_token_id)
     counts = [int(i.num_tokens) for i in images]
+    original, ids = ids, _videos_as_images(spec, config, ids, image_token)
     spans = [ImageSpan(a, b - a) for a, b in _placeholder_runs(ids, counts, image_token)]
     positions: np.ndarray | None = None
     deepstack: tuple[str, ...] = ()
@@ -462,12 +463,28 @@ def prompt_layout(config: Any, input_ids: Any, images: Sequence[Any]) -> PromptL
         deepstack = tuple(_deepstack_names(images))  # extras: names (a handle) or a mapping
     return PromptLayout(
         spec.model_type,
-        ids,
+        original,
         tuple(spans),
         tuple(str(i.dtype) for i in images),
         positions,
         deepstack,
     )
+
+
+def _videos_as_images(
+    spec: FamilySpec, config: Any, ids: np.ndarray, image_token: int
+) -> np.ndarray:
+    """``ids`` with each video token (``spec.placeholders.video``) read as the image token:
+    a video's rows are one run of placeholders, laid out and positioned as an image's with
+    ``t > 1`` (Qwen2-VL). ConfigError for video tokens of a family whose videos are laid out
+    otherwise (time-scaled or time-stamped): placed as images, they would be misplaced."""
+    name = spec.placeholders.video
+    video_id = getattr(config, name or "video_token_id", None)
+    if video_id is None or not (ids == int(video_id)).any():
+        return ids
+    if name is None:
+        raise ConfigError(f"{spec.name} videos are not laid out by vitserve's prompt layout")
+    return np.where(ids == int(video_id), image_token, ids)
 
 
 def chunk_inputs(model: Any, layout: PromptLayout, chunk: Any) -> dict[str, Any]:

@@ -110,6 +110,20 @@ def pixel_option_problem(media_io_kwargs: Any) -> str | None:
     return None
 
 
+def video_option_problem(body: Mapping[str, Any]) -> str | None:
+    """What in a chat request with videos changes the frames vLLM samples or how its processor
+    makes them (any ``media_io_kwargs.video`` option: frame count, rate, backend; any
+    ``mm_processor_kwargs``), or None: vitserve samples a video as vLLM does by default, and
+    these options would also make vLLM key the item by a hash of them, not by its ``uuid``."""
+    media = body.get("media_io_kwargs")
+    video = media.get("video") if isinstance(media, Mapping) else None
+    if video:
+        return f"media_io_kwargs.video={video!r} changes the frames vLLM samples from a video"
+    if body.get("mm_processor_kwargs"):
+        return "mm_processor_kwargs changes how vLLM's processor makes a video's frames"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class ItemLoad:
     """One item the worker loads from the store: request ``req_id``'s multimodal input
@@ -545,4 +559,5 @@ __all__ = [
     "parse_identifier",
     "pixel_option_problem",
     "split_columns",
+    "video_option_problem",
 ]

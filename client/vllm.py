@@ -244,12 +244,15 @@ def chunk_tokens(scheduler_config: Any) -> int | None:
 
 
 def item_grid(feature: Any) -> tuple[int, ...] | None:
-    """The patch grid vLLM's processor made for a multimodal item (Qwen's ``image_grid_thw``),
-    None where the item has none or vLLM did not keep its data here."""
+    """The patch grid vLLM's processor made for a multimodal item (Qwen's ``image_grid_thw``,
+    a video's ``video_grid_thw``), None where the item has none or vLLM did not keep its data
+    here."""
     data = getattr(feature, "data", None)
     if data is None or not hasattr(data, "get"):
         return None
     field = data.get("image_grid_thw")
+    if field is None:
+        field = data.get("video_grid_thw")
     if field is None:
         return None
     value = getattr(field, "data", field)

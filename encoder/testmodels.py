@@ -187,22 +187,28 @@ _CORPUS = (
 
 def _chat_template(spec: FamilySpec) -> str:
     """The Jinja chat template of a family (its ``Recipe.chat_template``, after its published
-    one, without default system messages, tools or videos), after the ``render`` macro it
-    calls. ``content`` is a string or a list of ``{"type": "text", "text": ...}`` and
-    ``{"type": "image"}`` / ``{"type": "image_url", ...}`` parts; each image part renders to
-    the family's ``image_part``."""
+    one, without default system messages or tools), after the ``render`` macro it calls.
+    ``content`` is a string or a list of ``{"type": "text", "text": ...}``, ``{"type":
+    "image"}`` / ``{"type": "image_url", ...}`` and ``{"type": "video"}`` / ``{"type":
+    "video_url", ...}`` parts; each image part renders to the family's ``image_part``, each
+    video part to its ``video_part`` (a family without one refuses it)."""
     trim = " | trim" if spec.recipe.trim_text else ""
     render = (
         "{% macro render(content) %}"
         "{% if content is string %}{{ content@TRIM@ }}"
         "{% else %}{% for part in content %}"
         "{% if part['type'] in ('image', 'image_url') %}@IMAGE@"
+        "{% elif part['type'] in ('video', 'video_url') and @HAS_VIDEO@ %}@VIDEO@"
         "{% elif part['type'] == 'text' %}{{ part['text']@TRIM@ }}"
         "{% else %}{{ raise_exception('unsupported content part type: ' ~ part['type']) }}"
         "{% endif %}{% endfor %}{% endif %}"
         "{% endmacro %}"
     )
     render = render.replace("@IMAGE@", spec.recipe.image_part).replace("@TRIM@", trim)
+    video = spec.recipe.video_part
+    render = render.replace("@HAS_VIDEO@", "true" if video else "false").replace(
+        "@VIDEO@", video or ""
+    )
     return render + spec.recipe.chat_template
 
 
@@ -381,13 +387,15 @@ _VIDEO_NAMES = {
 def _save_video_config(out: Path, spec: FamilySpec) -> None:
     """The family's ``video_preprocessor_config.json``: the image processor's settings (a test
     model's frames are sized as its images), the family's sampling defaults and its video
-    processor class, which samples (``do_sample_frames``): what transformers and vLLM load."""
+    processor class: what transformers and vLLM load."""
     doc = json.loads((out / "preprocessor_config.json").read_text())
     doc.pop("image_processor_type", None)
     for name, value in (spec.video or {}).items():
         if name in _VIDEO_NAMES:
             doc[_VIDEO_NAMES[name]] = value
-    doc |= {"video_processor_type": spec.recipe.video_processor_class, "do_sample_frames": True}
+    # do_sample_frames stays the class's default (Qwen2-VL's False: the caller, vLLM's loader,
+    # samples; Qwen3-VL's and Gemma 4's True); vLLM refuses a Qwen2-VL video otherwise
+    doc["video_processor_type"] = spec.recipe.video_processor_class
     (out / "video_preprocessor_config.json").write_text(json.dumps(doc, indent=2))
 
 

@@ -20,6 +20,10 @@ Invariants:
   (``\\n\\n<start_of_image>`` ... ``<end_of_image>\\n\\n``); ``Marker.WRAPPED_IMAGE`` (Gemma 4)
   replaces the template's image token (``<|image|>``) with ``open + image tokens + close``
   (``<|image>`` ... ``<image|>``).
+* A video (a ``video_url`` part, ``data:`` or ``vitserve://``) is an item like an image, in
+  the same numbering; its bytes must be a video container (and an image's must not be one).
+  The family's template writes its video token once per video (``Placeholders.video``), which
+  is repeated to the video's rows; a family without one refuses videos at the door.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from vitserve.deployments.common.requests import DATA_URL
 from vitserve.errors import MalformedRequestError
 from vitserve.families import family_spec
 from vitserve.families.spec import Marker
+from vitserve.media import Media, media_of
 
 KEY_URL = re.compile(r"^vitserve://([0-9a-f]{64})$")
 
@@ -51,9 +56,10 @@ class ImageUrl(_Strict):
 
 
 class ContentPart(_Strict):
-    type: Literal["text", "image_url"]
+    type: Literal["text", "image_url", "video_url"]
     text: str | None = None
     image_url: ImageUrl | None = None
+    video_url: ImageUrl | None = None  # {"url": ...}: a data: URL or vitserve://<key>
 
 
 class Message(_Strict):
@@ -120,14 +126,16 @@ class ChatRequest(_Strict):
         for i, message in enumerate(request.messages):
             for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
                 where = f"messages[{i}].content[{j}]"
-                if (part.type == "text") != (part.text is not None) or (
-                    (part.type == "image_url") != (part.image_url is not None)
+                if (
+                    (part.type == "text") != (part.text is not None)
+                    or (part.type == "image_url") != (part.image_url is not None)
+                    or (part.type == "video_url") != (part.video_url is not None)
                 ):
                     raise MalformedRequestError(
                         f"{where}: a {part.type!r} part takes {part.type!r} alone"
                     )
-                if part.image_url is not None and message.role != "user":
-                    raise MalformedRequestError(f"{where}: images go in user messages")
+                if part.type != "text" and message.role != "user":
+                    raise MalformedRequestError(f"{where}: images and videos go in user messages")
         return request
 
     @property
@@ -137,27 +145,31 @@ class ChatRequest(_Strict):
 
 @dataclass(frozen=True, slots=True)
 class ImageRef:
-    """One image of a request: its bytes (a data URL), or the key of an image the caller
-    already encoded (``vitserve://<key>``)."""
+    """One image or video of a request: its bytes (a data URL), or the key of one the caller
+    already encoded (``vitserve://<key>``); ``video``: it came in a ``video_url`` part."""
 
     data: bytes | None = None
     key: str | None = None
+    video: bool = False
 
 
 def image_refs(request: ChatRequest) -> list[ImageRef]:
-    """The request's images in prompt order (MalformedRequestError for a URL vitserve does not
-    take, or undecodable base64)."""
+    """The request's images and videos in prompt order (MalformedRequestError for a URL
+    vitserve does not take, undecodable base64, or bytes of the other kind: a video in an
+    ``image_url`` part or the reverse)."""
     refs: list[ImageRef] = []
     for message in request.messages:
         for part in message.content if isinstance(message.content, list) else ():
             if part.image_url is not None:
                 refs.append(_image_ref(part.image_url.url, len(refs)))
+            elif part.video_url is not None:
+                refs.append(_image_ref(part.video_url.url, len(refs), video=True))
     return refs
 
 
-def _image_ref(url: str, index: int) -> ImageRef:
+def _image_ref(url: str, index: int, video: bool = False) -> ImageRef:
     if m := KEY_URL.match(url):
-        return ImageRef(key=m[1])
+        return ImageRef(key=m[1], video=video)
     m = DATA_URL.match(url)
     if m is None:
         raise MalformedRequestError(
@@ -170,17 +182,22 @@ def _image_ref(url: str, index: int) -> ImageRef:
         data = base64.b64decode(m["data"], validate=True)
     except (binascii.Error, ValueError):
         raise MalformedRequestError(f"image {index}: the data: URL is not valid base64") from None
-    return ImageRef(data=data)
+    if (media_of(data) is Media.VIDEO) != video:
+        part = "a video_url part holds an image" if video else "an image_url part holds a video"
+        raise MalformedRequestError(f"item {index}: {part}")
+    return ImageRef(data=data, video=video)
 
 
 def template_messages(request: ChatRequest) -> list[dict[str, Any]]:
-    """The messages as a chat template reads them (image parts as ``{"type": "image"}``)."""
+    """The messages as a chat template reads them (image parts as ``{"type": "image"}``,
+    video parts as ``{"type": "video"}``)."""
     out = []
     for message in request.messages:
         content: Any = message.content
         if isinstance(content, list):
+            kinds = {"text": "text", "image_url": "image", "video_url": "video"}
             content = [
-                {"type": "text", "text": p.text} if p.type == "text" else {"type": "image"}
+                {"type": "text", "text": p.text} if p.type == "text" else {"type": kinds[p.type]}
                 for p in content
             ]
         out.append({"role": message.role, "content": content})
@@ -203,6 +220,10 @@ class PromptBuilder:
     image_token_id: int
     marker: str  # what the template writes once per image
     expansion: tuple[str, str, str]  # (before, one image token, after) per image
+    # the family's video token (written once per video, repeated per row) and its id; None:
+    # the family's videos are not taken (Placeholders.video)
+    video_marker: str | None = None
+    video_token_id: int | None = None
 
     @classmethod
     def for_model(cls, tokenizer: Any, config: Any) -> PromptBuilder:
@@ -217,12 +238,13 @@ class PromptBuilder:
         image_id = int(getattr(config, p.image))
         image = token(p.image)
         opener, closer = token(p.open), token(p.close)
+        video = (token(p.video), int(getattr(config, p.video))) if p.video else (None, None)
         if p.marker is Marker.OPEN:
             expansion = (f"{p.padding}{opener}", image, f"{closer}{p.padding}")
-            return cls(tokenizer, family, image_id, opener, expansion)
+            return cls(tokenizer, family, image_id, opener, expansion, *video)
         if p.marker is Marker.WRAPPED_IMAGE:
-            return cls(tokenizer, family, image_id, image, (opener, image, closer))
-        return cls(tokenizer, family, image_id, image, ("", image, ""))
+            return cls(tokenizer, family, image_id, image, (opener, image, closer), *video)
+        return cls(tokenizer, family, image_id, image, ("", image, ""), *video)
 
     def render(self, request: ChatRequest) -> str:
         """The chat template's text, with one marker per image and the generation prompt."""
@@ -252,23 +274,35 @@ class PromptBuilder:
             pos = end
         return max(count - CUT_SLACK * cuts, 0)
 
-    def token_ids(self, text: str, num_tokens: Sequence[int]) -> list[int]:
-        """``text`` tokenized with image ``k``'s marker expanded to ``num_tokens[k]`` image
-        tokens; MalformedRequestError if the text holds another marker or image token."""
-        parts = text.split(self.marker)
-        if len(parts) - 1 != len(num_tokens):
+    def token_ids(
+        self, text: str, num_tokens: Sequence[int], videos: Sequence[bool] = ()
+    ) -> list[int]:
+        """``text`` tokenized with item ``k``'s marker expanded to ``num_tokens[k]`` tokens
+        (an image's, or where ``videos[k]`` a video's); MalformedRequestError if the text
+        holds another marker or image or video token."""
+        kinds = list(videos) or [False] * len(num_tokens)
+        markers = [self.marker, *([self.video_marker] if self.video_marker else [])]
+        pattern = "|".join(re.escape(m) for m in markers)
+        found = re.findall(pattern, text)
+        parts = re.split(pattern, text)
+        if [m != self.marker for m in found] != kinds:
             raise MalformedRequestError(
-                f"the prompt holds {len(parts) - 1} image markers ({self.marker!r}) for "
-                f"{len(num_tokens)} images: text may not spell the image marker"
+                f"the prompt holds {len(found)} image and video markers ({' '.join(markers)}) "
+                f"for {len(num_tokens)} items: text may not spell a marker"
             )
         before, token, after = self.expansion
         pieces = [parts[0]]
-        for n, part in zip(num_tokens, parts[1:], strict=True):
-            pieces += [before, token * n, after, part]
+        for n, video, part in zip(num_tokens, kinds, parts[1:], strict=True):
+            pieces += [str(self.video_marker) * n if video else before + token * n + after, part]
         ids = self.tokenizer("".join(pieces), add_special_tokens=False)["input_ids"]
-        if sum(1 for i in ids if i == self.image_token_id) != sum(num_tokens):
+        want = sum(n for n, v in zip(num_tokens, kinds, strict=True) if not v)
+        if (
+            sum(1 for i in ids if i == self.image_token_id) != want
+            or sum(1 for i in ids if i == self.video_token_id) != sum(num_tokens) - want
+        ):
             raise MalformedRequestError(
-                f"the prompt's text spells the image token {token!r}; it is reserved for images"
+                "the prompt's text spells the image or video token; they are reserved for "
+                "images and videos"
             )
         return list(ids)
 

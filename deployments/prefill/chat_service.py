@@ -52,6 +52,7 @@ from vitserve.errors import (
     MalformedRequestError,
     PromptTooLongError,
 )
+from vitserve.families import family_spec
 
 
 @dataclass
@@ -119,6 +120,16 @@ class ChatService:
         allowed = self.cfg.limits.max_images_per_request
         if len(refs) > allowed:  # refused before any image is encoded
             raise LimitExceededError("max_images_per_request", len(refs), allowed)
+        videos = [r.video for r in refs]
+        if any(videos):
+            if self.prompts.video_marker is None:
+                raise MalformedRequestError(
+                    f"this application serves {family_spec(self.prompts.family).name}, whose "
+                    "videos its prefill does not take (it takes Qwen2-VL's)"
+                )
+            allowed = self.cfg.limits.max_videos_per_request
+            if sum(videos) > allowed:
+                raise LimitExceededError("max_videos_per_request", sum(videos), allowed)
         text = self.prompts.render(request)
         if len(text) > self.context:  # could hold more tokens than the context: counted in
             # pieces, only as far as the context, before the text is tokenized whole
@@ -128,9 +139,10 @@ class ChatService:
         limit = request.completion_limit
         # Before any image is encoded: the prompt with each new image's tokens as its header
         # and the resize rule tell them (a key's, known after its probe, counted as none).
-        self._check_length(self.prompts.token_ids(text, self._tokens_before(refs)), request)
+        before = self._tokens_before(refs)
+        self._check_length(self.prompts.token_ids(text, before, videos), request)
         handles, usage = self._images(refs, client)
-        ids = self.prompts.token_ids(text, [h.num_tokens for h in handles])
+        ids = self.prompts.token_ids(text, [h.num_tokens for h in handles], videos)
         room = self._check_length(ids, request)
         layout = prompt_layout(self.config, ids, handles)
         prefilled = self.generator.prefill(client, layout, handles, keep_logits=keep_logits)
@@ -168,12 +180,12 @@ class ChatService:
 
     def _tokens_before(self, refs: list[Any]) -> list[int]:
         """Each image's LLM tokens as known before encoding: from its header by the family's
-        resize rule (0 for a key, or for bytes whose header does not read: the encoder says
-        what is wrong with them)."""
+        resize rule (0 for a key, a video, or bytes whose header does not read: the encoder
+        says what is wrong with them)."""
         out = []
         for i, ref in enumerate(refs):
             tokens = 0
-            if ref.data is not None:
+            if ref.data is not None and not ref.video:
                 with contextlib.suppress(ImageError):
                     width, height, _ = image_header(ref.data, index=i, limits=self.limits)
                     tokens = self.rule.tokens(width, height)

@@ -26,9 +26,14 @@ Invariants:
   without images (its bytes as they came). Any other content part naming a ``uuid`` is refused
   (422): vLLM would take it as the image's identity, so a caller could name another tenant's
   entry.
+* A video is a ``video_url`` content part with a ``data:`` URL of a video container
+  (:mod:`vitserve.media`); it is an item like an image (counted with them, encoded in the same
+  call, keyed under the model's video sampling, given its ``uuid``). Bytes of the other kind
+  (a video in an image part or the reverse) are refused (422).
 * A request with images that sets its own ``media_io_kwargs`` changing the decoded pixels
-  (``image.rgba_background_color`` other than white, another ``image_mode``) is refused (422):
-  vitserve decoded them as vLLM does by default, so its rows would not be the request's.
+  (``image.rgba_background_color`` other than white, another ``image_mode``; for a video any
+  ``video`` option: frame count, rate, backend) is refused (422): vitserve decoded them as vLLM
+  does by default, so its rows would not be the request's.
 * With overlap, an image the service accepted (its header within the limits) that fails
   later (it does not decode, the encoder fails) is a miss for vLLM's connector: vLLM decodes
   and encodes it from the data URL itself, and answers as vLLM alone would (its own error for
@@ -87,7 +92,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.concurrency import run_in_threadpool
 
-from vitserve.client.ec_plan import item_identifier, pixel_option_problem
+from vitserve.client.ec_plan import item_identifier, pixel_option_problem, video_option_problem
 from vitserve.deployments.common import metrics
 from vitserve.deployments.common import requests as parse
 from vitserve.deployments.common.auth import Gate, Tenant, bearer_token
@@ -110,6 +115,7 @@ from vitserve.errors import (
     ServiceUnavailableError,
     VitserveError,
 )
+from vitserve.media import Media, media_of
 
 log = logging.getLogger("ray.serve")
 
@@ -144,11 +150,21 @@ class Image:
 
 #: content part types whose ``image_url`` the front keys (vLLM reads both)
 IMAGE_PART_TYPES = ("image_url", "input_image")
+#: content part types whose ``video_url`` the front keys
+VIDEO_PART_TYPES = ("video_url",)
+
+
+def _is_video_part(part: Any) -> bool:
+    return isinstance(part, dict) and (
+        part.get("type") in VIDEO_PART_TYPES or ("type" not in part and "video_url" in part)
+    )
 
 
 def _is_image_part(part: Any) -> bool:
-    return isinstance(part, dict) and (
-        part.get("type") in IMAGE_PART_TYPES or ("type" not in part and "image_url" in part)
+    """An image or video part (the items the front keys)."""
+    return _is_video_part(part) or (
+        isinstance(part, dict)
+        and (part.get("type") in IMAGE_PART_TYPES or ("type" not in part and "image_url" in part))
     )
 
 
@@ -174,7 +190,8 @@ def _no_caller_uuids(messages: Any) -> None:
 
 
 def _url(part: dict[str, Any]) -> Any:
-    value = part.get("image_url")  # {"url": ...}, or vLLM's short form: the URL itself
+    # {"url": ...}, or vLLM's short form: the URL itself
+    value = part.get("video_url" if _is_video_part(part) else "image_url")
     return value.get("url") if isinstance(value, dict) else value
 
 
@@ -209,7 +226,14 @@ def request_images(body: Any, max_images: int) -> tuple[int, list[Image]]:
     for index, part in enumerate(parts):
         url = _url(part)
         if _is_data_url(url):
-            images.append(Image(part, index, data_url_bytes(url, index)))
+            data = data_url_bytes(url, index)
+            if (media_of(data) is Media.VIDEO) != _is_video_part(part):
+                kind = "a video part holds an image" if _is_video_part(part) else "a video"
+                raise MalformedRequestError(
+                    f"image {index}: {kind}"
+                    + ("" if _is_video_part(part) else "; send it in a video_url part")
+                )
+            images.append(Image(part, index, data))
     return len(parts), images
 
 
@@ -376,6 +400,13 @@ class VllmFront:
         # a request's own media options that would make vLLM decode other pixels than
         # vitserve did: refused, its images' rows could not be vouched for
         problem = pixel_option_problem(body.get("media_io_kwargs")) if images else None
+        videos = sum(media_of(image.data) is Media.VIDEO for image in images)
+        if videos and problem is None:
+            problem = video_option_problem(body)
+        if videos > limits.max_videos_per_request:
+            raise LimitExceededError(
+                "max_videos_per_request", videos, limits.max_videos_per_request
+            )
         if problem is not None:
             raise MalformedRequestError(f"{problem}; send the images without it")
         if not images:

@@ -501,3 +501,122 @@ def test_a_long_prompt_is_counted_in_pieces_never_above_its_tokens(tiny_models, 
     text = "hello " * 2_000_000  # 12 MB
     assert counting.tokens_at_least(text, 4096) >= 4096
     assert sum(seen) <= 4096 * 6 + 2 * PIECE_CHARS  # about the limit's worth, not 12 MB
+
+
+# -- a video --------------------------------------------------------------------------------------
+def _video_clip() -> bytes:
+    """40 random frames of 84x56 at 10 fps (lossless H.264): 8 frames sampled at 2 fps, 4
+    temporal patches of 3x2 merged Qwen2-VL units: frames the tiny model's pixel bounds do
+    not resize (the reference patchifies them as they are)."""
+    import av
+
+    rng = np.random.default_rng(7)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 84, 56, "yuv444p"
+        stream.options = {"qp": "0"}
+        for _ in range(40):
+            frame = rng.integers(0, 256, (56, 84, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def _video_messages(image: bytes, video: bytes) -> list[dict[str, Any]]:
+    clip = "data:video/mp4;base64," + base64.b64encode(video).decode()
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Look at"},
+                {"type": "image_url", "image_url": {"url": data_url(image)}},
+                {"type": "text", "text": "and then at the clip"},
+                {"type": "video_url", "video_url": {"url": clip}},
+                {"type": "text", "text": "and say what moves."},
+            ],
+        }
+    ]
+
+
+def test_a_video_through_the_chunked_prefill_equals_the_monolithic_model(
+    pairs, full_models, tiny_models
+) -> None:
+    """Qwen2-VL, an image then a video in one message: every prompt position's logits against
+    the full model on the image's pixels and the video's (its frames sampled as its video
+    processor samples them, patchified independently: tests/encoder/test_video_families.py),
+    placeholders expanded as Qwen2VLProcessor does and token types 1 (image) and 2 (video)."""
+    import json
+
+    import torch
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from tests.encoder.test_video_families import reference_pixels
+    from vitserve.client import EncoderClient
+    from vitserve.deployments.prefill.chat import ChatRequest, template_messages
+    from vitserve.deployments.prefill.chat_service import ChatService
+    from vitserve.encoder.video import VideoSampling
+    from vitserve.families import family_spec
+
+    family, path = "qwen2_vl", tiny_models["qwen2_vl"]
+    image, video = _images()[0], _video_clip()
+    body = {"messages": _video_messages(image, video), "temperature": 0, "max_tokens": 4}
+    app = pairs[family]
+    with EncoderClient(app.encoder.url) as client:
+        prepared = ChatService(app.config, client).prepare(body, keep_logits=True)
+
+    model = full_models[family]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    processor = AutoImageProcessor.from_pretrained(path)
+    config = json.loads((path / "video_preprocessor_config.json").read_text())
+    sampling = VideoSampling.from_config(family_spec(family).video or {}, config)
+    pixels = dict(
+        processor(images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")
+    )
+    video_pixels, video_grid = reference_pixels(processor, video, sampling)
+    merge = model.config.vision_config.spatial_merge_size
+    messages = template_messages(ChatRequest.parse({"messages": body["messages"]}))
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    image_rows = int(pixels["image_grid_thw"][0].prod()) // merge**2
+    video_rows = int(np.prod(video_grid)) // merge**2
+    text = text.replace("<|image_pad|>", "<|image_pad|>" * image_rows)
+    text = text.replace("<|video_pad|>", "<|video_pad|>" * video_rows)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    types = (ids == IMAGE_TOKEN_ID).long() + 2 * (ids == model.config.video_token_id).long()
+    with torch.no_grad():
+        want = model(
+            input_ids=ids,
+            attention_mask=ids.new_ones(ids.shape),
+            mm_token_type_ids=types,
+            pixel_values=pixels["pixel_values"],
+            image_grid_thw=pixels["image_grid_thw"],
+            pixel_values_videos=video_pixels,
+            video_grid_thw=torch.tensor([video_grid]),
+        ).logits[0]
+
+    layout = prepared.prefilled.layout
+    assert layout.input_ids.tolist() == ids[0].tolist()
+    assert [s.num_tokens for s in layout.spans] == [image_rows, video_rows]
+    assert video_grid[0] == 4 and video_rows > CHUNK  # the chunks split the video
+    diff = (prepared.prefilled.all_logits - want).abs().max().item()
+    print(f"image + video: {layout.length} tokens, max |logit diff| {diff:.3g}")
+    assert diff <= LOGIT_ATOL
+    assert prepared.usage["images_sent"] == 2
+
+
+def test_a_video_part_of_a_family_whose_videos_the_prefill_does_not_take_is_refused(
+    pairs,
+) -> None:
+    clip = "data:video/mp4;base64," + base64.b64encode(_video_clip()).decode()
+    part = {"type": "video_url", "video_url": {"url": clip}}
+    for family, want in (("qwen2_5_vl", "videos its prefill does not take"), ("llava", "")):
+        body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 2}
+        answer = pairs[family].chat(body)
+        assert answer.status_code == 422 and want in answer.text, (family, answer.text)
+    image_as_video = {"type": "video_url", "video_url": {"url": data_url(_images()[0])}}
+    body = {"messages": [{"role": "user", "content": [image_as_video]}], "max_tokens": 2}
+    answer = pairs["qwen2_vl"].chat(body)
+    assert answer.status_code == 422 and "a video_url part holds an image" in answer.text

@@ -36,9 +36,12 @@ def _clips(unit: int) -> list[bytes]:
     return [clip(23, 2 * unit, 3 * unit, rate=10), clip(40, unit, 2 * unit, rate=10)]
 
 
-def _reference_pixels(processor, data: bytes) -> tuple[torch.Tensor, list[int]]:
-    """transformers' video patchify of the clip's sampled frames (see the module docstring)."""
-    indices = sample_indices(probe(data), SAMPLING)
+def reference_pixels(
+    processor, data: bytes, sampling: VideoSampling = SAMPLING
+) -> tuple[torch.Tensor, list[int]]:
+    """transformers' video patchify of the clip's frames sampled by ``sampling`` (see the
+    module docstring)."""
+    indices = sample_indices(probe(data), sampling)
     frames = torch.stack([torch.from_numpy(f) for f in decode_frames(data, indices)])
     video = frames.permute(0, 3, 1, 2).float() / 255  # [F, C, H, W]
     mean = torch.tensor(processor.image_mean).view(1, 3, 1, 1)
@@ -72,7 +75,7 @@ def test_videos_batched_with_images_equal_get_video_features(
     assert engine.counters.forward_calls - before == 1  # frames batched like images
     alone = [engine.run([p])[0] for p in prepared]
 
-    refs = [_reference_pixels(processor, v) for v in videos]
+    refs = [reference_pixels(processor, v) for v in videos]
     for p, (pixels, grid) in zip((prepared[1], prepared[3]), refs, strict=True):
         assert list(p.grid) == grid
         assert torch.allclose(torch.from_numpy(p.pixels), pixels, atol=1e-5)

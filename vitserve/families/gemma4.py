@@ -164,6 +164,7 @@ SPEC = FamilySpec(
         end_of_turn="end_of_turn",
         chat_template=TEMPLATE,
         image_part="<|image|>",
+        video_part="<|video|>",
         # transformers' default vision config (16 layers of 768, 12 heads, gated MLP of 3072).
         large_vit=frozen({"width": 768, "depth": 16, "heads": 12, "mlp": 3072}),
     ),

@@ -38,6 +38,8 @@ SPEC = dataclasses.replace(
     _BASE,
     model_type="qwen2_5_vl",
     name="Qwen2.5-VL",
+    # its videos' positions differ from Qwen2-VL's: vitserve's prefill does not take them
+    placeholders=dataclasses.replace(_BASE.placeholders, video=None),
     vision=dataclasses.replace(
         _BASE.vision,
         tower_class=(

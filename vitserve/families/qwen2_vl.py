@@ -94,6 +94,7 @@ SPEC = FamilySpec(
         marker=Marker.IMAGE,
         open="vision_start_token_id",
         close="vision_end_token_id",
+        video="video_token_id",
     ),
     positions=Positions.MROPE,
     image_attention=ImageAttention.CAUSAL,
@@ -167,6 +168,7 @@ SPEC = FamilySpec(
         end_of_turn="eos",
         chat_template=CHATML,
         image_part="<|vision_start|><|image_pad|><|vision_end|>",
+        video_part="<|vision_start|><|video_pad|><|vision_end|>",
         large_vit=frozen({"width": 1280, "depth": 32, "heads": 16, "mlp": 5120}),
     ),
 )

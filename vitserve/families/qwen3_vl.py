@@ -46,6 +46,8 @@ SPEC = dataclasses.replace(
     _BASE,
     model_type="qwen3_vl",
     name="Qwen3-VL",
+    # its videos' positions differ from Qwen2-VL's: vitserve's prefill does not take them
+    placeholders=dataclasses.replace(_BASE.placeholders, video=None),
     vision=dataclasses.replace(
         _BASE.vision,
         tower_class=("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionModel"),

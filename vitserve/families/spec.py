@@ -133,6 +133,11 @@ class Placeholders:
     # The number of image tokens of every image, for families whose images all have the same
     # count (None: per image, from its grid).
     count: str | None = None
+    # The token that stands for one row of a video, for the families whose videos a prompt
+    # holds as one contiguous run with the image's positions (Qwen2-VL: its template writes it
+    # once per video); None: vitserve's prefill takes no video of the family (Qwen2.5-VL's
+    # time-scaled positions, Qwen3-VL's and Gemma 4's per-frame time stamps are not built).
+    video: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +217,7 @@ class Recipe:
     # macro that writes text parts and ``image_part`` once per image part.
     chat_template: str
     image_part: str
+    video_part: str | None = None  # what the template writes per video part (None: refused)
     trim_text: bool = False  # ``render`` trims text (Gemma 3's template does)
     # The published tower's size (width, depth, heads, mlp): the ``large`` preset.
     large_vit: Mapping[str, int] = field(default_factory=dict)
