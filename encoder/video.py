@@ -12,10 +12,12 @@ Invariants:
   frame count, frame rate and duration from the header, before any frame is decoded. A stream
   whose header gives neither a frame count nor a duration with a rate is refused: its decode
   could not be bounded.
-* Sampling (:func:`sample_indices`) is the Qwen video processors' ``sample_frames`` with
-  ``fps``: the clip's frames at ``fps`` a second, at least ``min_frames`` and at most
-  ``max_frames`` (and the clip's own count), a multiple of the temporal patch, spread evenly
-  over the frames, indices truncated from float32 steps as transformers computes them.
+* Sampling (:func:`sample_indices`) is the model's video processor's ``sample_frames`` with
+  ``fps``, by its :class:`FrameRule`: Qwen2-VL's (the clip's frames at ``fps`` a second, at
+  least ``min_frames`` and at most ``max_frames`` and the clip's own count, a multiple of the
+  temporal patch, spread evenly, indices truncated from float32 steps as transformers computes
+  them) or Qwen3-VL's (as many, not rounded to the temporal patch, at ``round(linspace)``),
+  or with ``num_frames`` set, that many spread evenly (Gemma 4's).
 * Decoding keeps only the sampled frames, one at a time to the caller, and stops after the
   last; it never decodes past the header's frame count. A stream that ends before its last
   sampled frame is refused as truncated, never padded.
@@ -26,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import enum
 import io
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -41,6 +44,7 @@ __all__ = [
     "ALLOWED_CODECS",
     "ALLOWED_FORMATS",
     "DEFAULT_VIDEO_LIMITS",
+    "FrameRule",
     "VideoInfo",
     "VideoLimits",
     "VideoSampling",
@@ -68,6 +72,14 @@ class VideoLimits:
 DEFAULT_VIDEO_LIMITS = VideoLimits()
 
 
+class FrameRule(enum.Enum):
+    """Whose ``sample_frames`` (and, for Qwen3-VL, whose frame sizing) a model's video
+    processor runs."""
+
+    QWEN2 = "qwen2"  # Qwen2VLVideoProcessor: per-frame pixel bounds
+    QWEN3 = "qwen3"  # Qwen3VLVideoProcessor: pixel bounds over the whole clip
+
+
 @dataclass(frozen=True, slots=True)
 class VideoSampling:
     """How a model's video processor picks and sizes frames: ``fps`` a second, within
@@ -86,10 +98,16 @@ class VideoSampling:
     # soft tokens (its video processor's 32 frames of 70 tokens)
     num_frames: int = 0
     max_soft_tokens: int = 0
+    rule: FrameRule = FrameRule.QWEN2
 
-    def settings(self) -> dict[str, float | int]:
-        """Every field, by name: part of a video's key."""
-        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rule", FrameRule(self.rule))  # its value reads back as it
+
+    def settings(self) -> dict[str, float | int | str]:
+        """Every field, by name (the rule by its value): part of a video's key."""
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        out["rule"] = self.rule.value
+        return out
 
     @classmethod
     def from_config(
@@ -215,6 +233,10 @@ def sample_indices(info: VideoInfo, sampling: VideoSampling, *, index: int = 0) 
     if sampling.num_frames:
         count = min(sampling.num_frames, total)
         return [i * total // count for i in range(count)]
+    if sampling.rule is FrameRule.QWEN3:
+        count = int(total / info.fps * sampling.fps)
+        count = min(max(count, sampling.min_frames), sampling.max_frames, total)
+        return [int(i) for i in np.linspace(0, total - 1, count).round().astype(int)]
     most = math.floor(min(sampling.max_frames, total) / tps) * tps
     wanted = total / info.fps * sampling.fps
     count = math.floor(min(max(wanted, sampling.min_frames), most, total) / tps) * tps

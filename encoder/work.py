@@ -87,6 +87,9 @@ class ResizeRule:
     fixed_tokens: int = 0
     #: the patches every image is resized within and padded to (0: not a budget processor)
     budget_patches: int = 0
+    #: a video's frames sized together, the pixel bounds over the whole clip (Qwen3-VL's video
+    #: processor; :meth:`resized_frames`)
+    clip_pixels: bool = False
 
     def resized(self, width: int, height: int) -> tuple[int, int] | None:
         """``(height, width)`` after the processor's resize; None if it refuses the image."""
@@ -130,14 +133,44 @@ class ResizeRule:
             return None
         return h, w
 
-    def for_frames(self, *, min_pixels: int, max_pixels: int, soft_tokens: int) -> ResizeRule:
+    def for_frames(
+        self, *, min_pixels: int, max_pixels: int, soft_tokens: int, clip: bool = False
+    ) -> ResizeRule:
         """The rule a video's frames are sized by: a packed processor's within the video's
-        pixel bounds, a budget processor's within the video's soft tokens per frame."""
+        pixel bounds (each frame's, or with ``clip`` the whole clip's), a budget processor's
+        within the video's soft tokens per frame."""
         if self.budget_patches:
             return replace(self, budget_patches=soft_tokens * self.merge_size**2)
         if self.fixed is not None:
             return self
-        return replace(self, min_pixels=min_pixels, max_pixels=max_pixels)
+        return replace(self, min_pixels=min_pixels, max_pixels=max_pixels, clip_pixels=clip)
+
+    def resized_frames(self, width: int, height: int, frames: int) -> tuple[int, int] | None:
+        """``(height, width)`` of each of ``frames`` sampled frames: :meth:`resized`, or with
+        ``clip_pixels`` Qwen3-VL's video rule (the bounds over ``t * h * w`` with ``t`` the
+        frames rounded to the temporal patch); None where the processor refuses the clip."""
+        if not self.clip_pixels:
+            return self.resized(width, height)
+        factor, tps = self.patch_size * self.merge_size, self.temporal_patch_size
+        if frames < tps or width <= 0 or height <= 0:
+            return None
+        if height < factor or width < factor:
+            scale = max(factor / height, factor / width)
+            height, width = int(height * scale), int(width * scale)
+        if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+            return None
+        h_bar = round(height / factor) * factor
+        w_bar = round(width / factor) * factor
+        t_bar = round(frames / tps) * tps
+        if t_bar * h_bar * w_bar > self.max_pixels:
+            beta = math.sqrt((frames * height * width) / self.max_pixels)
+            h_bar = max(factor, math.floor(height / beta / factor) * factor)
+            w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        elif t_bar * h_bar * w_bar < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (frames * height * width))
+            h_bar = math.ceil(height * beta / factor) * factor
+            w_bar = math.ceil(width * beta / factor) * factor
+        return h_bar, w_bar
 
     def video_work(self, width: int, height: int, frames: int) -> ImageWork:
         """The cost of ``frames`` sampled frames of ``width`` x ``height`` under this frame rule
@@ -145,7 +178,7 @@ class ResizeRule:
         (the last group filled); budget, every frame its own padded budget. Decoding holds one
         frame at a time (:data:`VIDEO_DECODE_BYTES_PER_PIXEL`)."""
         decode = VIDEO_DECODE_BYTES_PER_PIXEL * width * height
-        size = self.resized(width, height)
+        size = self.resized_frames(width, height, frames)
         if size is None or frames <= 0:
             return ImageWork(0, 0, decode)
         p = self.patch_size

@@ -52,6 +52,7 @@ class VllmServer:
         extra_args: list[str] | None = None,
         max_images: int = _MAX_IMAGES,
         kv_cache_bytes: int | None = None,
+        max_videos: int = 0,
     ) -> None:
         self.python = python
         self.model_dir = model_dir
@@ -63,6 +64,7 @@ class VllmServer:
         self.extra_env = dict(extra_env or {})
         self.extra_args = list(extra_args or [])
         self.max_images = max_images
+        self.max_videos = max_videos  # videos per prompt (vLLM profiles its encoder for one)
         # its KV cache (None: 1 GiB, VLLM_CPU_KVCACHE_SPACE=1; the variable overrides vLLM's
         # --kv-cache-memory-bytes, so a size in bytes leaves it unset). vLLM's CPU build keeps
         # the cache resident: a tiny model's server held 2430 MiB RSS at 1 GiB, 1469 at 64 MiB
@@ -92,7 +94,7 @@ class VllmServer:
             "4",
             "--enforce-eager",
             "--limit-mm-per-prompt",
-            json.dumps({"image": self.max_images, "video": 0}),
+            json.dumps({"image": self.max_images, "video": self.max_videos}),
             "--host",
             "127.0.0.1",
             "--port",

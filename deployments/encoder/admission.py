@@ -38,6 +38,7 @@ from collections.abc import Iterable, Mapping
 from vitserve.encoder.images import ImageLimits, image_header
 from vitserve.encoder.video import (
     DEFAULT_VIDEO_LIMITS,
+    FrameRule,
     VideoLimits,
     VideoSampling,
     probe,
@@ -87,7 +88,10 @@ def _video_work(
         return ImageWork(0, 0, len(data))
     frames = len(sample_indices(info, video, index=index))
     frame_rule = rule.for_frames(
-        min_pixels=video.min_pixels, max_pixels=video.max_pixels, soft_tokens=video.max_soft_tokens
+        min_pixels=video.min_pixels,
+        max_pixels=video.max_pixels,
+        soft_tokens=video.max_soft_tokens,
+        clip=video.rule is FrameRule.QWEN3,
     )
     return frame_rule.video_work(info.width, info.height, frames)
 

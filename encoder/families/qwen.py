@@ -125,22 +125,43 @@ class QwenAdapter(FamilyAdapter):
         self, frames: Iterable[Any], count: int, key: str, sampling: VideoSampling
     ) -> PreparedImage:
         """The video processor's pixels: each of the ``count`` frames resized within the
-        video's pixel bounds, rescaled and normalized as an image is (the image processor), then
+        video's pixel bounds (per frame; Qwen3-VL's over the whole clip: ``FrameRule``),
+        rescaled and normalized as an image is (the image processor), then
         every ``temporal_patch_size`` frames (the last repeated to fill the last group) woven
         into one temporal patch, groups in time order: ``[t*h*w, C*T*P*P]``, grid ``(t, h, w)``.
         Frame by frame: each is written into the video's array as it comes, so the decoded
         frames are never all held."""
         from PIL import Image
 
+        from vitserve.encoder.video import FrameRule
+
         p = self.processor
         tps, size = int(p.temporal_patch_size), int(p.patch_size)
         bounds = {"shortest_edge": sampling.min_pixels, "longest_edge": sampling.max_pixels}
+        # Qwen3-VL sizes the clip's frames together (its bounds over t*h*w): each frame is
+        # resized to that size here, then taken as it is
+        clip_rule = self.resize_rule().for_frames(
+            min_pixels=sampling.min_pixels,
+            max_pixels=sampling.max_pixels,
+            soft_tokens=0,
+            clip=True,
+        )
+        together = sampling.rule is FrameRule.QWEN3
         t = -(-count // tps)
         woven: np.ndarray | None = None  # [t, h*w, C, tps, P, P], once the first frame is sized
         grid = (0, 0, 0)
         seen = 0
         for i, frame in enumerate(frames):
-            out = p(images=[Image.fromarray(frame)], size=bounds, return_tensors="np")
+            image = Image.fromarray(frame)
+            if together:
+                target = clip_rule.resized_frames(image.width, image.height, count)
+                if target is None:
+                    raise ValueError(f"a clip of {count} frames of {image.size} is refused")
+                if (image.height, image.width) != target:
+                    image = image.resize((target[1], target[0]), Image.Resampling.BICUBIC)
+                out = p(images=[image], do_resize=False, return_tensors="np")
+            else:
+                out = p(images=[image], size=bounds, return_tensors="np")
             _, fh, fw = (int(x) for x in out["image_grid_thw"][0])
             this = (1, fh, fw)
             if woven is None:

@@ -274,6 +274,7 @@ def stack(
             extra_env={"VLLM_CPU_OMP_THREADS_BIND": core},
             extra_args=["--ec-transfer-config", configs[name]],
             max_images=MAX_IMAGES,
+            max_videos=1,  # test_connector.py's video
         )
         for name, folder, core in (("a", model_dir, "0"), ("b", noise_model_dir, "1"))
     }

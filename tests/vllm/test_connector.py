@@ -26,10 +26,12 @@ from .chat import (
     image_part,
     keys_of,
     logprob_gap,
+    mp4,
     png,
     post,
     tokens,
     user,
+    video_part,
 )
 from .conftest import SERVED_NAME, Replica, Vitserve
 
@@ -81,6 +83,39 @@ def test_vllms_tower_never_runs_on_a_hit(vitserve: Vitserve, replicas: dict[str,
     assert tokens(hit) == tokens(alone)
     assert hit_gap < LOGPROB_TOL, hit_gap
     assert tokens(control) != tokens(alone)
+    assert control_gap > 100 * LOGPROB_TOL, control_gap
+
+
+def test_a_video_through_the_front_gives_vllm_alones_answer(
+    vitserve: Vitserve, replicas: dict[str, Replica]
+) -> None:
+    """A ``video_url`` part (40 frames of 112x84 at 10 fps: vLLM's Qwen2-VL loader samples 8,
+    as vitserve does; frames its processor does not resize): vLLM alone (A, its own tower) and
+    the front (once to each replica) give the same greedy tokens and prompt logprobs, each
+    replica loading the video's rows from vitserve; B's noise tower without the key (the
+    control) answers far from them."""
+    rng = np.random.default_rng(11)
+    clip = mp4(rng, 40, 112, 84)
+    messages = [{"role": "user", "content": [video_part(clip), {"type": "text", "text": "And?"}]}]
+    a, b = replicas["a"], replicas["b"]
+    alone = answer(post(a.url, body(messages)))
+    before = {name: r.counts() for name, r in replicas.items()}
+    first = post(vitserve.front, body(messages))
+    second = post(vitserve.front, body(messages))
+    assert first.headers["x-vitserve-uploaded"] == "1"
+    assert second.headers["x-vitserve-cached"] == "1"
+    assert {first.headers["x-vitserve-vllm"], second.headers["x-vitserve-vllm"]} == {"0", "1"}
+    for doc in (answer(first), answer(second)):
+        gap = logprob_gap(doc, alone)
+        print(f"video through the front: max |prompt logprob difference| {gap:.2g}")
+        assert tokens(doc) == tokens(alone)
+        assert gap < LOGPROB_TOL, gap
+    for name, replica in (("a", a), ("b", b)):
+        moved = delta(before[name], replica.counts())
+        assert moved["loads"] == 1 and moved["load_fallbacks"] == 0, (name, moved)
+    control = answer(post(b.url, body(messages)))
+    control_gap = logprob_gap(control, alone)
+    print(f"B's own (noise) tower on the video: {control_gap:.2g}")
     assert control_gap > 100 * LOGPROB_TOL, control_gap
 
 

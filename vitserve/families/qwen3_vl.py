@@ -58,8 +58,16 @@ SPEC = dataclasses.replace(
         deepstack=True,
     ),
     checkpoint=dataclasses.replace(_BASE.checkpoint, model_class="Qwen3VLForConditionalGeneration"),
-    # Qwen3VLVideoProcessor's: Qwen2-VL's sampling, frames within 128 to 768 patches of 32 px
-    video=frozen({**(_BASE.video or {}), "min_pixels": 128 * 32 * 32, "max_pixels": 768 * 32 * 32}),
+    # Qwen3VLVideoProcessor's: 2 frames a second at round(linspace), the whole clip within 128
+    # to 768 patches of 32 px (its frames sized together)
+    video=frozen(
+        {
+            **(_BASE.video or {}),
+            "min_pixels": 128 * 32 * 32,
+            "max_pixels": 768 * 32 * 32,
+            "rule": "qwen3",
+        }
+    ),
     recipe=dataclasses.replace(
         _BASE.recipe,
         config_class="Qwen3VLConfig",
