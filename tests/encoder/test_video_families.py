@@ -216,6 +216,41 @@ def test_the_video_work_rule_is_what_preparing_makes(engines, family: str) -> No
 
 
 @pytest.mark.parametrize("family", [*QWEN, "gemma4"])
+def test_admission_reads_of_a_video_what_preparing_it_with_the_models_sampling_makes(
+    engines, family: str
+) -> None:
+    """With the model's own sampling (Qwen3-VL and Qwen3.5: frames sampled at round(linspace)
+    and sized together over the clip), the work admission takes from a video's header is what
+    preparing it makes; sizes that the clip's bound shrinks included."""
+    from vitserve.deployments.encoder.admission import image_work
+    from vitserve.encoder.images import DEFAULT_LIMITS
+
+    engine = engines[family]
+    sampling = engine.adapter.video_sampling
+    rule = engine.adapter.resize_rule()
+    for frames, width, height in ((23, 64, 48), (40, 160, 128), (9, 100, 30), (60, 300, 226)):
+        data = clip(frames, width, height, rate=10)
+        prepared = engine.prepare_video(data)
+        work = image_work(rule, data, 0, DEFAULT_LIMITS, video=sampling)
+        assert (work.patches, work.prepared_bytes) == (prepared.patches, prepared.pixels.nbytes), (
+            family,
+            frames,
+            width,
+            height,
+        )
+        if family in ("qwen3_vl", "qwen3_5"):  # the clip's frames sized together
+            sampled = len(sample_indices(probe(data), sampling))
+            frame = rule.for_frames(
+                min_pixels=sampling.min_pixels,
+                max_pixels=sampling.max_pixels,
+                soft_tokens=0,
+                clip=True,
+            ).resized_frames(width, height, sampled)
+            p = rule.patch_size
+            assert prepared.grid == (-(-sampled // 2), frame[0] // p, frame[1] // p)
+
+
+@pytest.mark.parametrize("family", [*QWEN, "gemma4"])
 def test_the_model_samples_as_its_checkpoints_video_config_says(engines, tiny_models, family):
     """make-model writes the family's video_preprocessor_config.json; the loader reads it over
     the family's defaults (transformers' class attributes)."""

@@ -1,7 +1,8 @@
-"""transformers' own Qwen video frame sampling, run where its video processors import (vLLM's
-venv has torchvision; the project's does not): prints ``{"frames,fps": indices or error}`` as
-JSON for a grid of clips, for ``test_video_sampling.py`` to compare with vitserve's
-``sample_indices``.
+"""transformers' own Qwen video frame sampling (Qwen2-VL's and Qwen3-VL's processors) and
+Qwen3-VL's clip sizing, run where its video processors import (vLLM's venv has torchvision;
+the project's does not): prints ``{"qwen2:frames,fps": indices or error, ...,
+"resize3:frames,width,height": [h, w] or error}`` as JSON, for ``test_video_sampling.py`` to
+compare with vitserve's ``sample_indices`` and ``ResizeRule.resized_frames``.
 
     .venv-vllm/bin/python tests/vllm/check_video_sampling.py
 """
@@ -14,19 +15,52 @@ FRAMES = (1, 2, 3, 5, 7, 23, 24, 59, 100, 301, 997, 5000, 23977)
 RATES = (1.0, 7.5, 10.0, 23.976, 29.97, 30.0, 60.0)
 
 
+# (frames, width, height) clips that Qwen3-VL's video processor sizes together
+CLIPS = (
+    (4, 640, 480),
+    (8, 1280, 720),
+    (32, 1280, 720),
+    (2, 64, 48),
+    (5, 300, 20),
+    (768, 1920, 1080),
+)
+
+
 def main() -> None:
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+        Qwen3VLVideoProcessor,
+        smart_resize,
+    )
     from transformers.video_utils import VideoMetadata
 
-    processor = Qwen2VLVideoProcessor()
     out: dict[str, object] = {}
-    for frames in FRAMES:
-        for rate in RATES:
-            metadata = VideoMetadata(total_num_frames=frames, fps=rate)
-            try:
-                out[f"{frames},{rate}"] = processor.sample_frames(metadata, fps=2.0).tolist()
-            except Exception as exc:  # transformers' own failure, reported as such
-                out[f"{frames},{rate}"] = type(exc).__name__
+    for name, processor in (("qwen2", Qwen2VLVideoProcessor()), ("qwen3", Qwen3VLVideoProcessor())):
+        for frames in FRAMES:
+            for rate in RATES:
+                metadata = VideoMetadata(total_num_frames=frames, fps=rate)
+                try:
+                    got = processor.sample_frames(metadata, fps=2.0).tolist()
+                except Exception as exc:  # transformers' own failure, reported as such
+                    got = type(exc).__name__
+                out[f"{name}:{frames},{rate}"] = got
+    q3 = Qwen3VLVideoProcessor()
+    for frames, width, height in CLIPS:
+        try:
+            size = list(
+                smart_resize(
+                    frames,
+                    height,
+                    width,
+                    temporal_factor=q3.temporal_patch_size,
+                    factor=q3.patch_size * q3.merge_size,
+                    min_pixels=q3.size["shortest_edge"],
+                    max_pixels=q3.size["longest_edge"],
+                )
+            )
+        except Exception as exc:
+            size = type(exc).__name__
+        out[f"resize3:{frames},{width},{height}"] = size
     print(json.dumps(out))
 
 
