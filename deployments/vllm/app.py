@@ -28,8 +28,10 @@ Invariants:
   entry.
 * A video is a ``video_url`` content part with a ``data:`` URL of a video container
   (:mod:`vitserve.media`); it is an item like an image (counted with them, encoded in the same
-  call, keyed under the model's video sampling, given its ``uuid``). Bytes of the other kind
-  (a video in an image part or the reverse) are refused (422).
+  call, keyed under the model's video sampling, given its ``uuid``) for the families whose
+  videos vLLM samples and sizes as vitserve does (``FamilySpec.vllm_video``: Qwen2-VL,
+  Qwen2.5-VL); another family's videos go to vLLM unkeyed, for it to encode. Bytes of the
+  other kind (a video in an image part or the reverse) are refused (422).
 * A request with images that sets its own ``media_io_kwargs`` changing the decoded pixels
   (``image.rgba_background_color`` other than white, another ``image_mode``; for a video any
   ``video`` option: frame count, rate, backend) is refused (422): vitserve decoded them as vLLM
@@ -115,6 +117,7 @@ from vitserve.errors import (
     ServiceUnavailableError,
     VitserveError,
 )
+from vitserve.families import family_spec
 from vitserve.media import Media, media_of
 
 log = logging.getLogger("ray.serve")
@@ -412,6 +415,11 @@ class VllmFront:
         if not images:
             return Prepared(bytes(raw), count)
         client = self.clients.get(tenant, token)
+        if videos and not family_spec(str(client.describe()["family"])).vllm_video:
+            # vLLM samples this family's videos otherwise: they go to it unkeyed
+            images = [i for i in images if media_of(i.data) is Media.IMAGE]
+            if not images:
+                return Prepared(bytes(raw), count)
         datas = [image.data for image in images]
         try:
             if self.overlap:  # answered once claimed: the encode runs beside vLLM

@@ -684,3 +684,33 @@ def test_vllm_urls_are_checked() -> None:
             VitserveConfig.load({"vllm.urls": [bad]}, environ={})
     with pytest.raises(ConfigError, match=r"vllm\.urls"):
         build_vllm_application(VitserveConfig.load(environ={}))
+
+
+def test_video_parts_are_items_and_the_wrong_kind_is_refused() -> None:
+    from tests.encoder.test_video import clip
+    from vitserve.client.ec_plan import video_option_problem
+    from vitserve.deployments.vllm.app import request_images
+    from vitserve.errors import MalformedRequestError
+
+    video, image = clip(8), make_image(32, 32)
+
+    def url(data: bytes, kind: str) -> str:
+        return f"data:{kind};base64," + base64.b64encode(data).decode()
+
+    def chat(*parts: dict) -> dict:
+        return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "?"}]}]}
+
+    parts = (
+        {"type": "image_url", "image_url": {"url": url(image, "image/png")}},
+        {"type": "video_url", "video_url": {"url": url(video, "video/mp4")}},
+        {"video_url": url(video, "video/mp4")},  # the short form
+    )
+    count, items = request_images(chat(*parts), 8)
+    assert count == 3 and [i.data for i in items] == [image, video, video]
+    with pytest.raises(MalformedRequestError, match="a video part holds an image"):
+        request_images(chat({"type": "video_url", "video_url": {"url": url(image, "x/y")}}), 8)
+    with pytest.raises(MalformedRequestError, match="send it in a video_url part"):
+        request_images(chat({"type": "image_url", "image_url": {"url": url(video, "x/y")}}), 8)
+    assert video_option_problem({"media_io_kwargs": {"video": {"num_frames": 8}}})
+    assert video_option_problem({"mm_processor_kwargs": {"fps": 1}})
+    assert video_option_problem({"media_io_kwargs": {"image": {}}}) is None

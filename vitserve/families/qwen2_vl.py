@@ -140,6 +140,9 @@ SPEC = FamilySpec(
             "max_pixels": 768 * 28 * 28,
         }
     ),
+    # vLLM's qwen2_vl loader samples at 2 fps as Qwen2VLVideoProcessor does; its frames decode
+    # and size as vitserve's (tests/vllm/test_connector.py). Qwen2.5-VL shares both.
+    vllm_video=True,
     recipe=Recipe(
         config_class="Qwen2VLConfig",
         config=_config,

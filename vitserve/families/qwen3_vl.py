@@ -48,6 +48,8 @@ SPEC = dataclasses.replace(
     name="Qwen3-VL",
     # its videos' positions differ from Qwen2-VL's: vitserve's prefill does not take them
     placeholders=dataclasses.replace(_BASE.placeholders, video=None),
+    # its video rows sit between time stamps in vLLM's prompt: not checked through the front
+    vllm_video=False,
     vision=dataclasses.replace(
         _BASE.vision,
         tower_class=("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionModel"),

@@ -249,6 +249,10 @@ class FamilySpec:
     # ``vitserve.encoder.video.VideoSampling`` field; a checkpoint's
     # ``video_preprocessor_config.json`` overrides them. ``None``: the family takes no video.
     video: Mapping[str, Any] | None = None
+    # Whether vLLM's CPU build samples and sizes this family's videos as vitserve does (its
+    # loader and processor checked, tests/vllm): the vLLM front keys its videos; another
+    # family's video parts go to vLLM without a key (vLLM encodes them itself).
+    vllm_video: bool = False
 
 
 __all__ = [
