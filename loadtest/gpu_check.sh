@@ -23,7 +23,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-$PWD/build/gpu-check}
 SITE=${SITE:-/tmp/vitserve-site}
 WORK=${WORK:-/tmp/vitserve-gpu-work}
-FAMILIES=${FAMILIES:-"qwen2_vl qwen2_5_vl qwen3_vl gemma3 llava vipllava"}
+FAMILIES=${FAMILIES:-"qwen2_vl qwen2_5_vl qwen3_vl qwen3_5 gemma3 gemma4 llava vipllava"}
 ROUNDS=${ROUNDS:-5}
 ROOT=$PWD
 mkdir -p "$OUT"
@@ -54,5 +54,10 @@ for family in $FAMILIES; do
   "$PY" loadtest/bench_gpu.py --family "$family" --rounds "$ROUNDS" 2>&1 | tee -a "$OUT/bench-gpu.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 done
+# Gemma 4's tower on images and video frames, one at a time vs batched (issue 41's page)
+echo "== bench-gemma4" | tee "$OUT/bench-gemma4.log"
+"$PY" loadtest/bench_gemma4.py --preset large --device cuda --dtype bf16 --images 64 --clips 8 \
+  2>&1 | tee -a "$OUT/bench-gemma4.log"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
 tar -C loadtest/results -czf "$OUT/gpu-pages.tgz" $(cd loadtest/results && ls gpu-*.md 2>/dev/null)
 exit "$status"
