@@ -211,7 +211,7 @@ class EncoderEngine:
         return item_key(data, self.fingerprint, self.namespace, self.video_settings)
 
     @property
-    def video_settings(self) -> dict[str, float | int] | None:
+    def video_settings(self) -> dict[str, float | int | str] | None:
         """How the model samples a video (part of a video's key); None: it takes none."""
         sampling = self.adapter.video_sampling
         return sampling.settings() if sampling is not None else None

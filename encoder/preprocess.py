@@ -45,9 +45,14 @@ class Preprocessor:
 
     @classmethod
     def from_pretrained(
-        cls, model: str, *, revision: str | None = None, limits: ImageLimits = DEFAULT_LIMITS
+        cls,
+        model: str,
+        *,
+        revision: str | None = None,
+        limits: ImageLimits = DEFAULT_LIMITS,
+        video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
     ) -> Preprocessor:
-        return cls(load_preprocessor(model, revision=revision), limits)
+        return cls(load_preprocessor(model, revision=revision), limits, video_limits)
 
     def prepare(
         self, data: bytes | bytearray | memoryview, key: str, index: int = 0

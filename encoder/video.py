@@ -118,7 +118,8 @@ class VideoSampling:
         (``config``) sets, read under transformers' names (``size.shortest_edge`` /
         ``longest_edge`` or ``min_pixels`` / ``max_pixels``, ``temporal_patch_size``)."""
         doc = dict(config or {})
-        size = doc.get("size") if isinstance(doc.get("size"), Mapping) else {}
+        given_size = doc.get("size")
+        size: Mapping[str, Any] = given_size if isinstance(given_size, Mapping) else {}
         given = {
             "fps": doc.get("fps"),
             "min_frames": doc.get("min_frames"),

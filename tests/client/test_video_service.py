@@ -114,3 +114,22 @@ def test_the_sdk_encodes_a_video_hash_first_and_a_half_chunk_reads_half_its_rows
     video_bytes = vh.num_tokens * vh.row_bytes
     print(f"half a video of {vh.num_tokens} rows: {moved} of {video_bytes} bytes read")
     assert 0.4 * video_bytes <= moved <= 0.6 * video_bytes
+
+
+def test_a_preprocess_deployments_preparer_takes_videos_under_the_configs_limits(
+    tiny_models,
+) -> None:
+    """``preprocess_at: deployment``: the CPU replicas' preparer (loaded from the model, no
+    weights) prepares a video as the encoder's does, under the config's video limits."""
+    from vitserve.deployments.common.config import VitserveConfig
+    from vitserve.deployments.encoder.preprocessing import make_preprocessor
+    from vitserve.errors import ImageTooLargeError
+
+    cfg = VitserveConfig.load(
+        {"model": str(tiny_models["qwen2_vl"]), "limits": {"max_video_frames": 30}}
+    )
+    preparer = make_preprocessor(cfg)
+    prepared = preparer.prepare(fresh_clip(23), "k" * 64, 0)
+    assert prepared.grid is not None and prepared.grid[0] == 2 and len(prepared.times) == 4
+    with pytest.raises(ImageTooLargeError, match="max_video_frames"):
+        preparer.prepare(fresh_clip(31), "k" * 64, 3)
