@@ -7,7 +7,9 @@ Layout of a value::
     header   msgpack   key, model fingerprint, dtype, num_tokens, grid, and per tensor: name,
                        shape, offset in the payload, rows per checksum block, block checksums;
                        plus the checksum of the whole payload; a video's record adds
-                       ``times``, the time in seconds of each frame its rows were made from
+                       ``times``, the time in seconds of each frame its rows were made from,
+                       and ``rate``, its sampled frames per second of video (transformers'
+                       ``sampled_fps``: Qwen2.5-VL's positions read it)
     header checksum    16 bytes: the checksum of the prefix and header (format version 2)
     padding            zeros up to ``payload offset`` (a multiple of 64)
     payload            the tensors back to back, each starting 64-byte aligned: "embedding"
@@ -167,6 +169,7 @@ class EmbeddingRecord:
     tensors: Mapping[str, np.ndarray]
     row_start: int = 0
     times: tuple[float, ...] | None = None  # a video's sampled frames' times (seconds)
+    frame_rate: float | None = None  # a video's sampled frames per second of video
 
     @property
     def embedding(self) -> np.ndarray:
@@ -211,6 +214,7 @@ class Header:
     payload_sum: bytes
     tensors: tuple[TensorInfo, ...] = field(default_factory=tuple)
     times: tuple[float, ...] | None = None  # a video's sampled frames' times (seconds)
+    frame_rate: float | None = None  # a video's sampled frames per second of video
 
     @property
     def itemsize(self) -> int:
@@ -319,7 +323,10 @@ def encode_record(record: EmbeddingRecord) -> memoryview:
         "sum": bytes(SUM_BYTES),  # placeholder of the final size, so the header size is known
     }
     if times is not None:
-        doc["times"] = list(times)
+        rate = record.frame_rate
+        if rate is None or not math.isfinite(rate) or rate <= 0:
+            raise ValueError(f"a video's record needs its frame rate, got {rate!r}")
+        doc["times"], doc["rate"] = list(times), float(rate)
     payload_offset = _align(PREFIX.size + len(msgpack.packb(doc)) + SUM_BYTES)
     out = bytearray(payload_offset + offset)
     body = np.frombuffer(out, dtype=np.uint8)
@@ -439,6 +446,11 @@ def _parse_header(doc: Any, version: int, payload_offset: int) -> Header:
     if len(payload_sum) != SUM_BYTES or payload_offset % ALIGN:
         raise RecordFormatError("record payload checksum or offset is malformed")
     times = _check_times(doc.get("times"), num_tokens, grid)
+    rate = doc.get("rate")
+    if (times is None) != (rate is None) or not (
+        rate is None or (isinstance(rate, float) and math.isfinite(rate) and rate > 0)
+    ):
+        raise RecordFormatError("record frame rate does not match its frame times")
     return Header(
         version=version,
         key=_field(doc, "key", str),
@@ -451,6 +463,7 @@ def _parse_header(doc: Any, version: int, payload_offset: int) -> Header:
         payload_sum=payload_sum,
         tensors=tuple(tensors),
         times=times,
+        frame_rate=rate,
     )
 
 
@@ -477,6 +490,7 @@ def _record(header: Header, tensors: dict[str, np.ndarray], row_start: int = 0) 
         tensors=tensors,
         row_start=row_start,
         times=header.times,
+        frame_rate=header.frame_rate,
     )
 
 

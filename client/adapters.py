@@ -63,7 +63,13 @@ import numpy as np
 from vitserve.client.chunks import ImageSpan, chunk_bounds
 from vitserve.errors import ConfigError
 from vitserve.families import MODEL_TYPES, find_spec
-from vitserve.families.spec import FamilySpec, ImageAttention, Positions, VllmEmbeds
+from vitserve.families.spec import (
+    FamilySpec,
+    ImageAttention,
+    Positions,
+    VllmEmbeds,
+    config_value,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -96,6 +102,7 @@ def mrope_positions(
     *,
     image_token_id: int,
     spatial_merge_size: int,
+    intervals: Sequence[float] | None = None,
 ) -> tuple[np.ndarray, int]:
     """Qwen's multimodal rotary positions of one whole prompt: ``(positions [3, L], rope_delta)``.
 
@@ -103,7 +110,9 @@ def mrope_positions(
     than the previous text token's, or ``p + max(h, w) / merge`` right after an image that
     starts at ``p``. Image ``k`` (the next ``t * h * w / merge**2`` ``image_token_id``
     placeholders, which must be contiguous, in row-major (t, h, w) order) gets
-    ``(p + ti, p + hi, p + wi)`` over its merged grid. ``rope_delta = positions.max() + 1 - L``:
+    ``(p + ti, p + hi, p + wi)`` over its merged grid; with ``intervals[k]`` (Qwen2.5-VL's
+    videos: ``tokens_per_second * second_per_grid``) ``ti`` is ``int(ti * interval)``, in
+    float32 as transformers computes it. ``rope_delta = positions.max() + 1 - L``:
     the token at index ``i >= L`` (decoding) has position ``i + rope_delta`` in all three rows.
     Raises ConfigError if the placeholders do not match the grids.
     """
@@ -112,10 +121,14 @@ def mrope_positions(
     spans = _image_spans(ids, merged, image_token_id)
     positions = np.empty((3, ids.size), dtype=np.int64)
     pos = cursor = 0
-    for (start, end), (t, h, w) in spans:
+    steps = list(intervals) if intervals is not None else [1.0] * len(spans)
+    for ((start, end), (t, h, w)), step in zip(spans, steps, strict=True):
         positions[:, cursor:start] = pos + np.arange(start - cursor)
         pos += start - cursor
-        ti, hi, wi = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        times = np.arange(t)
+        if step != 1:
+            times = (np.arange(t, dtype=np.float32) * np.float32(step)).astype(np.int64)
+        ti, hi, wi = np.meshgrid(times, np.arange(h), np.arange(w), indexing="ij")
         positions[:, start:end] = pos + np.stack([ti.ravel(), hi.ravel(), wi.ravel()])
         pos += max(h, w)
         cursor = end
@@ -458,6 +471,7 @@ def prompt_layout(config: Any, input_ids: Any, images: Sequence[Any]) -> PromptL
             _grids(images, counts, merge),
             image_token_id=image_token,
             spatial_merge_size=merge,
+            intervals=[_time_interval(spec, config, i) for i in images],
         )
     if spec.vision.deepstack:
         deepstack = tuple(_deepstack_names(images))  # extras: names (a handle) or a mapping
@@ -469,6 +483,20 @@ def prompt_layout(config: Any, input_ids: Any, images: Sequence[Any]) -> PromptL
         positions,
         deepstack,
     )
+
+
+def _time_interval(spec: FamilySpec, config: Any, item: Any) -> float:
+    """An item's M-RoPE temporal step: 1, or for a video of a family whose positions are
+    time-scaled (``Placeholders.video_time``: Qwen2.5-VL) its ``tokens_per_second *
+    temporal_patch / frame_rate`` (transformers' ``second_per_grid_ts``), in float32."""
+    name = spec.placeholders.video_time
+    rate = getattr(item, "frame_rate", None)
+    if name is None or getattr(item, "times", None) is None:
+        return 1.0
+    if not rate:
+        raise ConfigError("a video's handle has no frame rate: its positions cannot be made")
+    per_grid = np.float32(int(config.vision_config.temporal_patch_size) / float(rate))
+    return float(np.float32(config_value(config, name)) * per_grid)
 
 
 def _videos_as_images(

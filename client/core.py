@@ -177,6 +177,7 @@ def handle_of_header(header: Header, cached: bool, source: bytes | None = None) 
         extras=tuple(t.name for t in header.tensors[1:]),
         source=source,
         times=header.times,
+        frame_rate=header.frame_rate,
     )
 
 

@@ -37,6 +37,7 @@ class ImageHandle:
     # a video's sampled frames' times in seconds (its record's; ``frame_groups`` maps them to
     # rows); None for an image
     times: tuple[float, ...] | None = None
+    frame_rate: float | None = None  # a video's sampled frames per second of video
 
     @classmethod
     def from_item(
@@ -56,6 +57,7 @@ class ImageHandle:
             uploaded=uploaded,
             published=bool(item.get("published", True)),
             times=tuple(float(t) for t in item["times"]) if item.get("times") else None,
+            frame_rate=float(item["frame_rate"]) if item.get("frame_rate") else None,
         )
 
     def frame_groups(self) -> list[FrameGroup]:

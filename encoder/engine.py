@@ -91,6 +91,7 @@ class Embedding:
     grid: tuple[int, int, int] | None
     extras: Mapping[str, Any] = field(default_factory=dict)
     times: tuple[float, ...] | None = None  # a video's frames' times (PreparedImage.times)
+    frame_rate: float | None = None  # and its sampled frame rate
 
 
 @dataclass
@@ -325,6 +326,7 @@ class EncoderEngine:
                         grid=p.grid,
                         extras=f.extras,
                         times=p.times,
+                        frame_rate=p.frame_rate,
                     )
                     for p, f in zip(members, features, strict=True)
                 ]

@@ -90,4 +90,8 @@ class Preprocessor:
             raise ImagePreprocessError(index, exc.reason) from None
         except Exception as exc:
             raise ImagePreprocessError(index, f"{type(exc).__name__}: {exc}") from exc
-        return dataclasses.replace(prepared, times=tuple(i / info.fps for i in indices))
+        return dataclasses.replace(
+            prepared,
+            times=tuple(i / info.fps for i in indices),
+            frame_rate=len(indices) / info.frames * info.fps,  # transformers' sampled_fps
+        )

@@ -45,6 +45,7 @@ def embedding_record(embedding: Any, fingerprint: str) -> EmbeddingRecord:
         grid=embedding.grid,
         tensors=tensors,
         times=getattr(embedding, "times", None),
+        frame_rate=getattr(embedding, "frame_rate", None),
     )
 
 

@@ -79,6 +79,7 @@ class EncodedItem(TypedDict):
     shape: list[int]
     extras: list[str]
     times: NotRequired[list[float]]  # a video's sampled frames' times (seconds)
+    frame_rate: NotRequired[float]  # and its sampled frames per second of video
     cached: NotRequired[bool]
     published: NotRequired[bool]
 
@@ -117,6 +118,7 @@ def describe_header(header: Header) -> EncodedItem:
     }
     if header.times is not None:
         item["times"] = list(header.times)
+        item["frame_rate"] = float(header.frame_rate or 0.0)
     return item
 
 

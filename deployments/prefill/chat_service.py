@@ -125,7 +125,7 @@ class ChatService:
             if self.prompts.video_marker is None:
                 raise MalformedRequestError(
                     f"this application serves {family_spec(self.prompts.family).name}, whose "
-                    "videos its prefill does not take (it takes Qwen2-VL's)"
+                    "videos its prefill does not take (it takes Qwen2-VL's and Qwen2.5-VL's)"
                 )
             allowed = self.cfg.limits.max_videos_per_request
             if sum(videos) > allowed:

@@ -63,6 +63,7 @@ class PreparedImage:
     bucket: Hashable
     # a video's sampled frames' times in seconds (its record's ``times``); None for an image
     times: tuple[float, ...] | None = None
+    frame_rate: float | None = None  # its sampled frames per second of video (its record's)
 
 
 @dataclass(frozen=True, slots=True)

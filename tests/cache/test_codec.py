@@ -174,10 +174,13 @@ def test_record_bundles_round_trip_as_views_and_refuse_garbage() -> None:
 def test_a_videos_frame_times_round_trip_and_name_each_groups_rows() -> None:
     base = make_record(rows=12, width=8, seed=3)
     times = (0.0, 0.5, 1.0, 1.5, 2.0)  # 5 frames in 3 groups of 2 (the last frame repeated)
-    video = EmbeddingRecord(**{**_fields(base), "grid": (3, 2, 8), "times": times})
+    video = EmbeddingRecord(
+        **{**_fields(base), "grid": (3, 2, 8), "times": times, "frame_rate": 2.0}
+    )
     buf = encode_record(video)
     header = read_header(buf)
     assert header.times == times and decode_record(buf).times == times
+    assert header.frame_rate == decode_record(buf).frame_rate == 2.0
     assert [(g.start, g.end, g.times) for g in header.frame_groups()] == [
         (0, 4, (0.0, 0.5)),
         (4, 8, (1.0, 1.5)),
@@ -188,6 +191,8 @@ def test_a_videos_frame_times_round_trip_and_name_each_groups_rows() -> None:
     for bad in ((), (1.0, 0.5, 2.0), (0.0, 0.5), (0.0, float("nan"), 1.0, 2.0, 3.0)):
         with pytest.raises(ValueError, match="frame times"):
             encode_record(EmbeddingRecord(**{**_fields(video), "times": bad}))
+    with pytest.raises(ValueError, match="frame rate"):
+        encode_record(EmbeddingRecord(**{**_fields(video), "frame_rate": None}))
 
 
 def _fields(record: EmbeddingRecord) -> dict:

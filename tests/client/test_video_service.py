@@ -55,6 +55,7 @@ def test_images_and_a_video_encode_once_and_a_repeat_is_all_cached(redis_app) ->
     v = items[2]
     assert v["grid"][0] == 2 and v["num_tokens"] % 2 == 0
     assert v["times"] == [i / 10 for i in (0, 5, 11, 17)]  # 4 frames spread over 23, 10 fps
+    assert v["frame_rate"] == pytest.approx(4 / 23 * 10)  # transformers' sampled_fps
     assert "times" not in items[0]
     # the same video again (JSON this time), beside one of the images: nothing encoded
     body = {"images": [_b64(images[1])], "videos": [_b64(video)]}

@@ -541,13 +541,16 @@ def _video_messages(image: bytes, video: bytes) -> list[dict[str, Any]]:
     ]
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 def test_a_video_through_the_chunked_prefill_equals_the_monolithic_model(
-    pairs, full_models, tiny_models
+    pairs, full_models, tiny_models, family
 ) -> None:
-    """Qwen2-VL, an image then a video in one message: every prompt position's logits against
-    the full model on the image's pixels and the video's (its frames sampled as its video
-    processor samples them, patchified independently: tests/encoder/test_video_families.py),
-    placeholders expanded as Qwen2VLProcessor does and token types 1 (image) and 2 (video)."""
+    """An image then a video in one message: every prompt position's logits against the full
+    model on the image's pixels and the video's (its frames sampled as its video processor
+    samples them, patchified independently: tests/encoder/test_video_families.py),
+    placeholders expanded as Qwen2VLProcessor does and token types 1 (image) and 2 (video);
+    Qwen2.5-VL's time-scaled positions from its ``second_per_grid_ts`` (temporal patch over
+    the sampled frame rate, as its processor computes it)."""
     import json
 
     import torch
@@ -561,7 +564,7 @@ def test_a_video_through_the_chunked_prefill_equals_the_monolithic_model(
     from vitserve.encoder.video import VideoSampling
     from vitserve.families import family_spec
 
-    family, path = "qwen2_vl", tiny_models["qwen2_vl"]
+    path = tiny_models[family]
     image, video = _images()[0], _video_clip()
     body = {"messages": _video_messages(image, video), "temperature": 0, "max_tokens": 4}
     app = pairs[family]
@@ -586,8 +589,13 @@ def test_a_video_through_the_chunked_prefill_equals_the_monolithic_model(
     text = text.replace("<|video_pad|>", "<|video_pad|>" * video_rows)
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     types = (ids == IMAGE_TOKEN_ID).long() + 2 * (ids == model.config.video_token_id).long()
+    # 8 frames sampled of 40 at 10 fps: transformers' sampled_fps, then second_per_grid_ts
+    extra = {}
+    if family == "qwen2_5_vl":
+        extra["second_per_grid_ts"] = torch.tensor([2 / (8 / 40 * 10)])
     with torch.no_grad():
         want = model(
+            **extra,
             input_ids=ids,
             attention_mask=ids.new_ones(ids.shape),
             mm_token_type_ids=types,
@@ -602,7 +610,7 @@ def test_a_video_through_the_chunked_prefill_equals_the_monolithic_model(
     assert [s.num_tokens for s in layout.spans] == [image_rows, video_rows]
     assert video_grid[0] == 4 and video_rows > CHUNK  # the chunks split the video
     diff = (prepared.prefilled.all_logits - want).abs().max().item()
-    print(f"image + video: {layout.length} tokens, max |logit diff| {diff:.3g}")
+    print(f"{family} image + video: {layout.length} tokens, max |logit diff| {diff:.3g}")
     assert diff <= LOGIT_ATOL
     assert prepared.usage["images_sent"] == 2
 
@@ -612,7 +620,7 @@ def test_a_video_part_of_a_family_whose_videos_the_prefill_does_not_take_is_refu
 ) -> None:
     clip = "data:video/mp4;base64," + base64.b64encode(_video_clip()).decode()
     part = {"type": "video_url", "video_url": {"url": clip}}
-    for family, want in (("qwen2_5_vl", "videos its prefill does not take"), ("llava", "")):
+    for family, want in (("qwen3_vl", "videos its prefill does not take"), ("llava", "")):
         body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 2}
         answer = pairs[family].chat(body)
         assert answer.status_code == 422 and want in answer.text, (family, answer.text)

@@ -38,8 +38,10 @@ SPEC = dataclasses.replace(
     _BASE,
     model_type="qwen2_5_vl",
     name="Qwen2.5-VL",
-    # its videos' positions differ from Qwen2-VL's: vitserve's prefill does not take them
-    placeholders=dataclasses.replace(_BASE.placeholders, video=None),
+    # its videos' temporal positions step by tokens_per_second * second_per_grid
+    placeholders=dataclasses.replace(
+        _BASE.placeholders, video_time="vision_config.tokens_per_second"
+    ),
     vision=dataclasses.replace(
         _BASE.vision,
         tower_class=(

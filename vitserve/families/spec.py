@@ -138,6 +138,9 @@ class Placeholders:
     # once per video); None: vitserve's prefill takes no video of the family (Qwen2.5-VL's
     # time-scaled positions, Qwen3-VL's and Gemma 4's per-frame time stamps are not built).
     video: str | None = None
+    # Qwen2.5-VL: the config attribute of a video's temporal position step per second (its
+    # ``tokens_per_second``; the step is that times ``second_per_grid``); None: a step of 1
+    video_time: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
