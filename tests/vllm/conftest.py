@@ -35,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -160,6 +161,47 @@ def side_by_side(*servers: contextlib.AbstractContextManager[Any]) -> Iterator[l
                 stopped.result()
 
 
+RAY_UP_TIMEOUT = 240.0  # s for a new Ray node and its Serve proxy, beside nothing else
+
+
+class RayUp:
+    """Set once a service's Ray node is up (its Serve proxy answers), or once it failed.
+
+    Ray gives a new node's raylet a fixed 30 s to register with its GCS (``ray.init`` raises
+    "The current node timed out during startup" after it, ``ray/_private/node.py``); started
+    beside seven vLLMs, each a chain of processes importing vLLM, on 2 vCPUs, it did not (a CI
+    run on a 2-vCPU EPYC). So the vLLMs of a fixture start :func:`after` it, the rest of the
+    service's start (its applications) still beside them.
+
+    Invariants:
+    - it is set exactly when the service's start is past ``ray.init`` or has failed: a server
+      waiting :func:`after` it never waits on a service that is gone.
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def wait_for(self, proc: subprocess.Popen, url: str, log: Path | None = None) -> None:
+        """Wait until ``url``'s Serve proxy answers (``/-/routes``, before any application),
+        then set; set on failure too, and re-raise."""
+        try:
+            wait_healthy(proc, url, timeout=RAY_UP_TIMEOUT, path="/-/routes", log=log)
+        finally:
+            self._event.set()
+
+    def wait(self) -> None:
+        if not self._event.wait(RAY_UP_TIMEOUT + 60):
+            raise AssertionError("the service's Ray node was neither up nor failed")
+
+
+@contextlib.contextmanager
+def after(up: RayUp, server: contextlib.AbstractContextManager[Any]) -> Iterator[Any]:
+    """``server`` entered once ``up`` is set (for :func:`side_by_side`)."""
+    up.wait()
+    with server as started:
+        yield started
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     from vitserve.encoder.testmodels import cached_model
@@ -188,10 +230,16 @@ def ports() -> dict[str, int]:
 
 @contextlib.contextmanager
 def vitserve_serve(
-    model: Path, store: str, port: int, log: Path, extra: tuple[str, ...] = ()
+    model: Path,
+    store: str,
+    port: int,
+    log: Path,
+    extra: tuple[str, ...] = (),
+    up: RayUp | None = None,
 ) -> Iterator[Vitserve]:
     """``vitserve serve`` of ``model`` in fp32 on the CPU with ``store``, as a user runs it,
-    logging to ``log``; stopped (its process group) on exit."""
+    logging to ``log``; stopped (its process group) on exit. ``up`` is set once its Ray node
+    is up."""
     url = f"http://127.0.0.1:{port}"
     cmd = [
         VITSERVE,
@@ -215,7 +263,8 @@ def vitserve_serve(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
-        wait_healthy(proc, url, timeout=240)
+        (up or RayUp()).wait_for(proc, url, log)
+        wait_healthy(proc, url, timeout=240, log=log)
         if "--vllm-url" in extra:  # the front deploys after the encoder answers
             wait_healthy(proc, url, timeout=120, path="/vllm/healthz")
         yield Vitserve(url, proc)
@@ -254,7 +303,8 @@ def stack(
         f"prefill.served_model_name={SERVED_NAME}",
     )
     log = tmp_path_factory.mktemp("vitserve") / "serve.log"
-    service = vitserve_serve(model_dir, store.url, ports["vitserve"], log, extra)
+    up = RayUp()
+    service = vitserve_serve(model_dir, store.url, ports["vitserve"], log, extra, up)
     logs = tmp_path_factory.mktemp("vllm")
     url = f"http://127.0.0.1:{ports['vitserve']}"
     # B's tower is deliberately not vitserve's: its connector compares all but the weights
@@ -278,7 +328,8 @@ def stack(
         )
         for name, folder, core in (("a", model_dir, "0"), ("b", noise_model_dir, "1"))
     }
-    with side_by_side(service, *servers.values()) as started:  # one that cannot start fails
+    vllms = [after(up, server) for server in servers.values()]
+    with side_by_side(service, *vllms) as started:  # one that cannot start fails
         yield started[0], {name: Replica(name, srv) for name, srv in servers.items()}
 
 

@@ -59,7 +59,9 @@ from .conftest import (
     ONE_PROCESS_ARGS,
     ONE_PROCESS_ENV,
     SERVED_NAME,
+    RayUp,
     Replica,
+    after,
     ec_config,
     noise_vision_copy,
     side_by_side,
@@ -133,9 +135,10 @@ def serve_config(
 
 
 @contextlib.contextmanager
-def serve_run(config: dict, work: Path, urls: list[str]) -> Iterator[subprocess.Popen]:
+def serve_run(config: dict, work: Path, urls: list[str], up: RayUp) -> Iterator[subprocess.Popen]:
     """``serve run`` of ``config`` on a new local Ray cluster, until every one of ``urls``
-    answers its health route; stopped as Ctrl-C stops it (its own signal, then its group)."""
+    answers its health route (``up`` set once its Ray node is); stopped as Ctrl-C stops it
+    (its own signal, then its group)."""
     path = work / "serve.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     log = work / "serve.log"
@@ -148,6 +151,8 @@ def serve_run(config: dict, work: Path, urls: list[str]) -> Iterator[subprocess.
             start_new_session=True,
         )
     try:
+        port = config["http_options"]["port"]
+        up.wait_for(proc, f"http://127.0.0.1:{port}", log)
         for url in urls:
             wait_healthy(proc, url, timeout=600, log=log)
         yield proc
@@ -233,9 +238,10 @@ def families(
     }
     fronts = {family: f"{base}{front_prefix(family)}" for family in NOISE_FAMILIES}
     config = serve_config(models, store.url, port, {f: s.url for f, s in noise.items()})
-    service = serve_run(config, work, [*urls.values(), *fronts.values()])
-    # one that cannot start fails the module
-    with side_by_side(service, *servers.values(), *noise.values()):
+    up = RayUp()
+    service = serve_run(config, work, [*urls.values(), *fronts.values()], up)
+    vllms = [after(up, server) for server in [*servers.values(), *noise.values()]]
+    with side_by_side(service, *vllms):  # one that cannot start fails the module
         yield {
             family: Family(
                 urls[family],
