@@ -8,7 +8,7 @@ from typing import Any
 
 from vitserve.cache.base import EmbeddingStore
 from vitserve.cache.codec import EmbeddingRecord
-from vitserve.client.chunks import chunk_bounds, spans_of
+from vitserve.client.chunks import chunk_bounds, item_spans
 from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, falls_back, retry_delay
 from vitserve.client.device import to_device
 from vitserve.client.handles import FetchedChunk, ImageHandle, Submitted
@@ -63,7 +63,7 @@ class AsyncEncoderClient:
     async def fetch_chunk(
         self,
         handles: Sequence[ImageHandle],
-        offsets: Sequence[int],
+        offsets: Sequence[int | Sequence[int]],
         start: int,
         end: int,
         device: Any = None,
@@ -74,7 +74,7 @@ class AsyncEncoderClient:
     async def iter_chunks(
         self,
         handles: Sequence[ImageHandle],
-        offsets: Sequence[int],
+        offsets: Sequence[int | Sequence[int]],
         length: int,
         chunk_size: int,
         device: Any = None,
@@ -83,7 +83,7 @@ class AsyncEncoderClient:
     ) -> AsyncIterator[FetchedChunk]:
         """As ``EncoderClient.iter_chunks``; the next chunk's read is a task running while the
         caller works on the current one."""
-        spans = spans_of([h.num_tokens for h in handles], offsets)
+        spans = item_spans(handles, offsets)
         bounds = chunk_bounds(length, chunk_size, spans if keep_whole else ())
         ahead: asyncio.Task | None = None
         try:

@@ -1,10 +1,13 @@
 """The chunk planner: which embedding rows a prefill chunk needs. Pure: no I/O, no store.
 
 A prompt holds each image as a run of placeholder tokens, one per embedding row: image ``i``
-occupies prompt positions ``[offset_i, offset_i + num_tokens_i)``. A prefill chunk covers
-positions ``[start, end)``. :func:`plan_chunk` answers with the pieces that chunk needs, each
-``(image, row_start, row_end, dest)``: rows ``[row_start, row_end)`` of image ``image`` land at
-chunk-relative positions ``[dest, dest + rows)``.
+occupies prompt positions ``[offset_i, offset_i + num_tokens_i)``. A video whose frame groups
+the prompt places apart (Qwen3-VL: a time stamp before each group) is one run per group: its
+group ``g`` at ``[offset_ig, offset_ig + rows_ig)``, its rows in group order. A span is one
+run: of item ``item``, from its row ``row``. A prefill chunk covers positions ``[start,
+end)``. :func:`plan_chunk` answers with the pieces that chunk needs, each ``(image, row_start,
+row_end, dest)``: rows ``[row_start, row_end)`` of item ``image`` land at chunk-relative
+positions ``[dest, dest + rows)``.
 
 Invariants (property-tested in ``tests/client/test_chunks.py``):
 
@@ -12,8 +15,10 @@ Invariants (property-tested in ``tests/client/test_chunks.py``):
   chunk (``0 <= dest`` and ``dest + rows <= end - start``) and inside its image
   (``0 <= row_start < row_end <= num_tokens``).
 * Exactly the image positions inside the chunk are covered: a position ``p`` in ``[start,
-  end)`` is covered iff it is a placeholder of some image, and then by row ``p - offset`` of it.
-* Chunks that partition ``[0, L)`` read every row of every image exactly once between them.
+  end)`` is covered iff it is a placeholder of some span, and then by row ``row + p - offset``
+  of its item.
+* Chunks that partition ``[0, L)`` read every row of every item exactly once between them
+  (an item's spans cover its rows in order, each once: :func:`spans_of` checks it).
 * An image wholly outside the chunk yields no piece; one spanning the chunk's edges yields the
   rows inside only.
 """
@@ -23,16 +28,20 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from vitserve.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
 class ImageSpan:
-    """Where one image's placeholder tokens sit in the prompt."""
+    """Where one run of an item's placeholder tokens sits in the prompt: an image's whole
+    run, or one frame group of a video the prompt places apart."""
 
-    offset: int  # prompt position of the image's first placeholder token
+    offset: int  # prompt position of the run's first placeholder token
     num_tokens: int  # its embedding rows (= placeholder tokens)
+    item: int | None = None  # the item whose rows these are (None: the span's own index)
+    row: int = 0  # the item's row at ``offset``
 
     @property
     def end(self) -> int:
@@ -81,7 +90,9 @@ def plan_chunk(spans: Sequence[ImageSpan], start: int, end: int) -> list[ChunkPi
         if span.offset >= end:
             break
         lo, hi = max(start, span.offset), min(end, span.end)
-        pieces.append(ChunkPiece(i, lo - span.offset, hi - span.offset, lo - start))
+        first = span.row + lo - span.offset
+        item = i if span.item is None else span.item
+        pieces.append(ChunkPiece(item, first, first + hi - lo, lo - start))
     return pieces
 
 
@@ -114,11 +125,47 @@ def chunk_bounds(
     return bounds
 
 
-def spans_of(num_tokens: Sequence[int], offsets: Sequence[int]) -> list[ImageSpan]:
-    """The spans of images with ``num_tokens[i]`` placeholders from ``offsets[i]`` on."""
+def spans_of(
+    num_tokens: Sequence[int],
+    offsets: Sequence[int | Sequence[int]],
+    groups: Sequence[Sequence[int]] | None = None,
+) -> list[ImageSpan]:
+    """The spans of items with ``num_tokens[k]`` rows: ``offsets[k]`` the position of item
+    ``k``'s first placeholder, or, for a video whose frame groups the prompt places apart, one
+    position per group, ``groups[k]`` the groups' rows (a handle's ``frame_groups()``).
+    ConfigError unless such an item's groups are as many as its offsets and hold its rows."""
     if len(num_tokens) != len(offsets):
         raise ConfigError(f"{len(num_tokens)} images but {len(offsets)} offsets")
-    return [ImageSpan(o, n) for n, o in zip(num_tokens, offsets, strict=True)]
+    spans = []
+    for k, (n, at) in enumerate(zip(num_tokens, offsets, strict=True)):
+        if isinstance(at, int):
+            spans.append(ImageSpan(at, n, k))
+            continue
+        rows = list(groups[k]) if groups is not None and k < len(groups) else []
+        if len(rows) != len(at) or sum(rows) != n:
+            raise ConfigError(
+                f"item {k}: {len(at)} offsets for frame groups of {rows} rows ({n} in all)"
+            )
+        first = 0
+        for offset, r in zip(at, rows, strict=True):
+            spans.append(ImageSpan(int(offset), r, k, first))
+            first += r
+    return spans
 
 
-__all__ = ["ChunkPiece", "ImageSpan", "check_spans", "chunk_bounds", "plan_chunk", "spans_of"]
+def item_spans(items: Sequence[Any], offsets: Sequence[int | Sequence[int]]) -> list[ImageSpan]:
+    """:func:`spans_of` items with ``num_tokens`` and ``frame_groups()`` (the client's
+    ``ImageHandle`` s): a video's groups' rows from its handle."""
+    groups = [[g.end - g.start for g in item.frame_groups()] for item in items]
+    return spans_of([item.num_tokens for item in items], offsets, groups)
+
+
+__all__ = [
+    "ChunkPiece",
+    "ImageSpan",
+    "check_spans",
+    "chunk_bounds",
+    "item_spans",
+    "plan_chunk",
+    "spans_of",
+]

@@ -39,7 +39,7 @@ import vitserve.errors as errors
 from vitserve.cache.base import EmbeddingStore
 from vitserve.cache.codec import EmbeddingRecord, Header, decode_record
 from vitserve.cache.urls import open_store
-from vitserve.client.chunks import plan_chunk, spans_of
+from vitserve.client.chunks import item_spans, plan_chunk
 from vitserve.client.handles import EncodeWait, FetchedChunk, ImageHandle, Submitted
 from vitserve.client.inputs import ImageInput, image_bytes
 from vitserve.client.metrics import ClientMetrics
@@ -386,11 +386,15 @@ class ClientCore:
 
     # -- fetch ---------------------------------------------------------------------------------
     def fetch_chunk(
-        self, handles: Sequence[ImageHandle], offsets: Sequence[int], start: int, end: int
+        self,
+        handles: Sequence[ImageHandle],
+        offsets: Sequence[int | Sequence[int]],
+        start: int,
+        end: int,
     ) -> Flow:
         """The rows prefill chunk ``[start, end)`` needs (see :mod:`vitserve.client.chunks`),
         in one batched store read (two when a header is not cached yet)."""
-        pieces = plan_chunk(spans_of([h.num_tokens for h in handles], offsets), start, end)
+        pieces = plan_chunk(item_spans(handles, offsets), start, end)
         reads = [(handles[p.image].key, p.row_start, p.row_end) for p in pieces]
         records = yield from self.read_rows(reads, [handles[p.image] for p in pieces])
         return FetchedChunk(

@@ -9,7 +9,7 @@ from typing import Any
 
 from vitserve.cache.base import EmbeddingStore
 from vitserve.cache.codec import EmbeddingRecord
-from vitserve.client.chunks import chunk_bounds, spans_of
+from vitserve.client.chunks import chunk_bounds, item_spans
 from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, falls_back, retry_delay
 from vitserve.client.device import to_device
 from vitserve.client.handles import FetchedChunk, ImageHandle, Submitted
@@ -77,21 +77,22 @@ class EncoderClient:
     def fetch_chunk(
         self,
         handles: Sequence[ImageHandle],
-        offsets: Sequence[int],
+        offsets: Sequence[int | Sequence[int]],
         start: int,
         end: int,
         device: Any = None,
     ) -> FetchedChunk:
         """The rows prefill chunk ``[start, end)`` needs; image ``i``'s placeholders start at
-        prompt position ``offsets[i]``. Numpy views of the fetched bytes, or torch tensors
-        moved (non-blocking) to ``device`` when one is given."""
+        prompt position ``offsets[i]`` (a video whose frame groups the prompt places apart:
+        one position per group, ``handles[i].frame_groups()``'s). Numpy views of the fetched
+        bytes, or torch tensors moved (non-blocking) to ``device`` when one is given."""
         chunk = self._run(self.core.fetch_chunk(handles, offsets, start, end))
         return to_device(chunk, handles, device) if device is not None else chunk
 
     def iter_chunks(
         self,
         handles: Sequence[ImageHandle],
-        offsets: Sequence[int],
+        offsets: Sequence[int | Sequence[int]],
         length: int,
         chunk_size: int,
         device: Any = None,
@@ -102,7 +103,7 @@ class EncoderClient:
         ``prefetch``, the next chunk's rows are read (in a worker thread) while the caller
         computes the current one. ``keep_whole``: no chunk edge inside an image (for a
         family whose image tokens attend both ways, Gemma 3; see ``chunk_bounds``)."""
-        spans = spans_of([h.num_tokens for h in handles], offsets)
+        spans = item_spans(handles, offsets)
         bounds = chunk_bounds(length, chunk_size, spans if keep_whole else ())
         if not prefetch:
             for start, end in bounds:

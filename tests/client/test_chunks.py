@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vitserve.client.chunks import ChunkPiece, ImageSpan, chunk_bounds, plan_chunk
+from vitserve.client.chunks import ChunkPiece, ImageSpan, chunk_bounds, plan_chunk, spans_of
 from vitserve.errors import ConfigError
 
 # text 0-4, image 0 at 5-14, text 15-19, image 1 at 20-22, image 2 at 23-30
@@ -83,6 +83,53 @@ def test_chunks_partitioning_the_prompt_read_every_row_once(prompt, chunk_size: 
         assert covered == placeholders
         assert [p.dest for p in pieces] == sorted(p.dest for p in pieces)
     assert seen == {(i, r): 1 for i, s in enumerate(spans) for r in range(s.num_tokens)}
+
+
+@st.composite
+def grouped_prompts(draw) -> tuple[list[int], list[int | list[int]], list[list[int]], int]:
+    """Items in prompt order, each one run (an image) or several frame groups with text
+    between them (a video laid out by group): (rows, offsets, groups' rows, length)."""
+    rows, offsets, groups, pos = [], [], [], draw(st.integers(0, 5))
+    for _ in range(draw(st.integers(0, 5))):
+        if draw(st.booleans()):
+            n = draw(st.integers(1, 30))
+            rows.append(n), offsets.append(pos), groups.append([])
+            pos += n + draw(st.integers(0, 5))
+            continue
+        sizes = draw(st.lists(st.integers(1, 12), min_size=1, max_size=5))
+        at = []
+        for size in sizes:
+            at.append(pos)
+            pos += size + draw(st.integers(0, 4))  # a time stamp's tokens, or none
+        rows.append(sum(sizes)), offsets.append(at), groups.append(sizes)
+    return rows, offsets, groups, max(pos, 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt=grouped_prompts(), chunk_size=st.integers(1, 40))
+def test_items_in_several_runs_are_read_row_by_row_once(prompt, chunk_size: int) -> None:
+    """Each item's row ``r`` lands on the position its runs give it, once over the chunks."""
+    rows, offsets, groups, length = prompt
+    spans = spans_of(rows, offsets, groups)
+    where = {}  # (item, row) -> its placeholder's position
+    for k, at in enumerate(offsets):
+        runs = [(at, rows[k])] if isinstance(at, int) else list(zip(at, groups[k], strict=True))
+        positions = [o + i for o, n in runs for i in range(n)]
+        where |= {(k, r): p for r, p in enumerate(positions)}
+    seen: dict[tuple[int, int], int] = {}
+    for start, end in chunk_bounds(length, chunk_size):
+        for piece in plan_chunk(spans, start, end):
+            for r in range(piece.row_start, piece.row_end):
+                assert start + piece.dest + r - piece.row_start == where[piece.image, r]
+                seen[piece.image, r] = seen.get((piece.image, r), 0) + 1
+    assert seen == dict.fromkeys(where, 1)
+
+
+def test_frame_groups_must_hold_the_items_rows() -> None:
+    assert spans_of([6], [[0, 5]], [[4, 2]]) == [ImageSpan(0, 4, 0, 0), ImageSpan(5, 2, 0, 4)]
+    for groups in ([[4, 1]], [[6]], []):
+        with pytest.raises(ConfigError):
+            spans_of([6], [[0, 5]], groups)
 
 
 def test_chunk_edges_move_out_of_spans_kept_whole() -> None:
