@@ -402,7 +402,10 @@ class PromptLayout:
     """One prompt as a chunked prefill sees it, known before any embedding row is fetched
     (from the token ids and each image's ``num_tokens``, ``grid``, ``dtype`` and extras alone).
 
-    ``spans[k]`` is image ``k``'s run of placeholders (one per embedding row); ``positions``
+    ``spans`` are the runs of placeholders (one per embedding row) in prompt order: an
+    image's one run, or a video's one per frame group where the family's prompt puts a time
+    stamp before each (``VideoMarks.TIMED_GROUPS``: each span names its item and first row,
+    and each group is positioned as an image of one temporal patch); ``positions``
     Qwen's M-RoPE positions of the whole prompt (``[3, L]``, else None), sliced per chunk;
     ``deepstack`` Qwen3-VL's extras in level order. ``keep_images_whole``: Gemma 3, whose image
     tokens attend to each other both ways, so no chunk edge may fall inside an image.
@@ -424,8 +427,13 @@ class PromptLayout:
         return int(self.input_ids.size)
 
     @property
-    def offsets(self) -> list[int]:
-        return [s.offset for s in self.spans]
+    def offsets(self) -> list[int | tuple[int, ...]]:
+        """Each item's first placeholder position (the client's ``offsets``), or a video laid
+        out as several runs (:class:`~vitserve.families.spec.VideoMarks`): one per group."""
+        runs: dict[int, list[int]] = {}
+        for k, span in enumerate(self.spans):
+            runs.setdefault(k if span.item is None else span.item, []).append(span.offset)
+        return [at[0] if len(at) == 1 else tuple(at) for _, at in sorted(runs.items())]
 
     @property
     def keep_images_whole(self) -> bool:
@@ -461,17 +469,29 @@ def prompt_layout(config: Any, input_ids: Any, images: Sequence[Any]) -> PromptL
     image_token = int(config.image_token_id)
     counts = [int(i.num_tokens) for i in images]
     original, ids = ids, _videos_as_images(spec, config, ids, image_token)
-    spans = [ImageSpan(a, b - a) for a, b in _placeholder_runs(ids, counts, image_token)]
+    runs = [_runs(spec, k, item) for k, item in enumerate(images)]  # (item, first row, rows)
+    where = _placeholder_runs(ids, [n for run in runs for _, _, n in run], image_token)
+    spans = [
+        ImageSpan(a, b - a, k, row)
+        for (a, b), (k, row, _) in zip(where, [r for run in runs for r in run], strict=True)
+    ]
     positions: np.ndarray | None = None
     deepstack: tuple[str, ...] = ()
     if spec.positions is Positions.MROPE:
         merge = int(config.vision_config.spatial_merge_size)
+        # a video laid out by group: each group positioned as an image of one temporal patch
+        grids = [
+            grid if len(run) == 1 else (1, grid[1], grid[2])
+            for grid, run in zip(_grids(images, counts, merge), runs, strict=True)
+            for _ in run
+        ]
+        intervals = [
+            _time_interval(spec, config, item)
+            for item, run in zip(images, runs, strict=True)
+            for _ in run
+        ]
         positions, _ = mrope_positions(
-            ids,
-            _grids(images, counts, merge),
-            image_token_id=image_token,
-            spatial_merge_size=merge,
-            intervals=[_time_interval(spec, config, i) for i in images],
+            ids, grids, image_token_id=image_token, spatial_merge_size=merge, intervals=intervals
         )
     if spec.vision.deepstack:
         deepstack = tuple(_deepstack_names(images))  # extras: names (a handle) or a mapping
@@ -483,6 +503,17 @@ def prompt_layout(config: Any, input_ids: Any, images: Sequence[Any]) -> PromptL
         positions,
         deepstack,
     )
+
+
+def _runs(spec: FamilySpec, k: int, item: Any) -> list[tuple[int, int, int]]:
+    """Item ``k``'s runs of placeholders, each ``(k, its first row, its rows)``: one, or one
+    per frame group for a video the family's prompt lays out by group
+    (``VideoMarks.by_group``: Qwen3-VL's time stamps between the groups, Gemma 4's between
+    the frames)."""
+    groups = item.frame_groups() if hasattr(item, "frame_groups") else []
+    if not spec.placeholders.video_marks.by_group or len(groups) < 2:
+        return [(k, 0, int(item.num_tokens))]
+    return [(k, g.start, g.end - g.start) for g in groups]
 
 
 def _time_interval(spec: FamilySpec, config: Any, item: Any) -> float:

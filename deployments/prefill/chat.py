@@ -37,10 +37,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from vitserve.cache.codec import FrameGroup
 from vitserve.deployments.common.requests import DATA_URL
 from vitserve.errors import MalformedRequestError
 from vitserve.families import family_spec
-from vitserve.families.spec import Marker
+from vitserve.families.spec import Marker, VideoMarks
 from vitserve.media import Media, media_of
 
 KEY_URL = re.compile(r"^vitserve://([0-9a-f]{64})$")
@@ -224,6 +225,9 @@ class PromptBuilder:
     # the family's videos are not taken (Placeholders.video)
     video_marker: str | None = None
     video_token_id: int | None = None
+    # how a video's rows are laid out, and the tokens around each frame group's (by group)
+    video_marks: VideoMarks = VideoMarks.RUN
+    group_marks: tuple[str, str] = ("", "")
 
     @classmethod
     def for_model(cls, tokenizer: Any, config: Any) -> PromptBuilder:
@@ -238,13 +242,16 @@ class PromptBuilder:
         image_id = int(getattr(config, p.image))
         image = token(p.image)
         opener, closer = token(p.open), token(p.close)
-        video = (token(p.video), int(getattr(config, p.video))) if p.video else (None, None)
+        video: dict[str, Any] = {"video_marks": p.video_marks, "group_marks": (opener, closer)}
+        if p.video:
+            video_id = int(getattr(config, p.video))
+            video |= {"video_marker": token(p.video), "video_token_id": video_id}
         if p.marker is Marker.OPEN:
             expansion = (f"{p.padding}{opener}", image, f"{closer}{p.padding}")
-            return cls(tokenizer, family, image_id, opener, expansion, *video)
+            return cls(tokenizer, family, image_id, opener, expansion, **video)
         if p.marker is Marker.WRAPPED_IMAGE:
-            return cls(tokenizer, family, image_id, image, (opener, image, closer), *video)
-        return cls(tokenizer, family, image_id, image, ("", image, ""), *video)
+            return cls(tokenizer, family, image_id, image, (opener, image, closer), **video)
+        return cls(tokenizer, family, image_id, image, ("", image, ""), **video)
 
     def render(self, request: ChatRequest) -> str:
         """The chat template's text, with one marker per image and the generation prompt."""
@@ -275,11 +282,17 @@ class PromptBuilder:
         return max(count - CUT_SLACK * cuts, 0)
 
     def token_ids(
-        self, text: str, num_tokens: Sequence[int], videos: Sequence[bool] = ()
+        self,
+        text: str,
+        num_tokens: Sequence[int],
+        videos: Sequence[bool] = (),
+        groups: Sequence[Sequence[FrameGroup]] = (),
     ) -> list[int]:
         """``text`` tokenized with item ``k``'s marker expanded to ``num_tokens[k]`` tokens
-        (an image's, or where ``videos[k]`` a video's); MalformedRequestError if the text
-        holds another marker or image or video token."""
+        (an image's, or where ``videos[k]`` a video's, laid out by ``video_marks``: by group,
+        by its frame groups ``groups[k]``, a video without them counted as none, as before
+        encoding); MalformedRequestError if the text holds another marker or image
+        or video token."""
         kinds = list(videos) or [False] * len(num_tokens)
         markers = [self.marker, *([self.video_marker] if self.video_marker else [])]
         pattern = "|".join(re.escape(m) for m in markers)
@@ -291,20 +304,47 @@ class PromptBuilder:
                 f"for {len(num_tokens)} items: text may not spell a marker"
             )
         before, token, after = self.expansion
+        groups = list(groups) or [()] * len(num_tokens)
         pieces = [parts[0]]
-        for n, video, part in zip(num_tokens, kinds, parts[1:], strict=True):
-            pieces += [str(self.video_marker) * n if video else before + token * n + after, part]
+        for n, video, frames, part in zip(num_tokens, kinds, groups, parts[1:], strict=True):
+            pieces += [self._video(n, frames) if video else before + token * n + after, part]
         ids = self.tokenizer("".join(pieces), add_special_tokens=False)["input_ids"]
         want = sum(n for n, v in zip(num_tokens, kinds, strict=True) if not v)
+        video_rows = sum(
+            self._video_rows(n, f) for n, v, f in zip(num_tokens, kinds, groups, strict=True) if v
+        )
         if (
             sum(1 for i in ids if i == self.image_token_id) != want
-            or sum(1 for i in ids if i == self.video_token_id) != sum(num_tokens) - want
+            or sum(1 for i in ids if i == self.video_token_id) != video_rows
         ):
             raise MalformedRequestError(
                 "the prompt's text spells the image or video token; they are reserved for "
                 "images and videos"
             )
         return list(ids)
+
+    def _video_rows(self, num_tokens: int, groups: Sequence[FrameGroup]) -> int:
+        """The video tokens :meth:`_video` writes for a video of ``num_tokens`` rows."""
+        return num_tokens if groups or not self.video_marks.by_group else 0
+
+    def _video(self, num_tokens: int, groups: Sequence[FrameGroup]) -> str:
+        """One video's expansion of its marker (see :class:`VideoMarks`)."""
+        mark = str(self.video_marker)
+        if self.video_marks is VideoMarks.RUN:
+            return mark * num_tokens
+        if sum(g.end - g.start for g in groups) != (num_tokens if groups else 0):
+            raise MalformedRequestError(
+                f"a video_url part's record ({num_tokens} rows) has no frame groups: "
+                "it is not a video's"
+            )
+        opener, closer = self.group_marks
+        runs = [f"{opener}{mark * (g.end - g.start)}{closer}" for g in groups]
+        if self.video_marks is VideoMarks.TIMED_GROUPS:
+            stamps = [f"<{(g.times[0] + g.times[-1]) / 2:.1f} seconds>" for g in groups]
+            return "".join(stamp + run for stamp, run in zip(stamps, runs, strict=True))
+        seconds = [g.times[0] for g in groups]  # STAMPED_FRAMES: a group is one frame
+        stamps = [f"{int(t // 60):02d}:{int(t % 60):02d}" for t in seconds]
+        return " ".join(f"{stamp} {run}" for stamp, run in zip(stamps, runs, strict=True))
 
 
 __all__ = [

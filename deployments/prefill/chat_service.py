@@ -125,7 +125,7 @@ class ChatService:
             if self.prompts.video_marker is None:
                 raise MalformedRequestError(
                     f"this application serves {family_spec(self.prompts.family).name}, whose "
-                    "videos its prefill does not take (it takes Qwen2-VL's and Qwen2.5-VL's)"
+                    "videos its prefill does not take (it takes Qwen's and Gemma 4's)"
                 )
             allowed = self.cfg.limits.max_videos_per_request
             if sum(videos) > allowed:
@@ -142,7 +142,8 @@ class ChatService:
         before = self._tokens_before(refs)
         self._check_length(self.prompts.token_ids(text, before, videos), request)
         handles, usage = self._images(refs, client)
-        ids = self.prompts.token_ids(text, [h.num_tokens for h in handles], videos)
+        groups = [h.frame_groups() for h in handles]
+        ids = self.prompts.token_ids(text, [h.num_tokens for h in handles], videos, groups)
         room = self._check_length(ids, request)
         layout = prompt_layout(self.config, ids, handles)
         prefilled = self.generator.prefill(client, layout, handles, keep_logits=keep_logits)

@@ -37,6 +37,7 @@ from vitserve.cache.testing import make_record
 from vitserve.client.adapters import (
     FAMILIES,
     mrope_positions,
+    prompt_layout,
     transformers_forward,
     transformers_inputs,
     vllm_inputs,
@@ -220,6 +221,50 @@ def test_mrope_positions_equal_the_models_get_rope_index(family, tiny_models) ->
         )
         np.testing.assert_array_equal(positions, want[:, 0].numpy(), err_msg=name)
         assert delta == int(want_delta), name
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_a_video_laid_out_by_frame_group_is_positioned_as_get_rope_index_does(
+    family, tiny_models
+) -> None:
+    """Qwen3-VL's and Qwen3.5's video: a time stamp's text before each frame group, each
+    group one run of video tokens positioned as a one-patch image (the model's
+    get_rope_index, video grid (t, h, w)); the layout's spans name the item and its row, and
+    its offsets give the video one position per group."""
+    import torch
+
+    from vitserve.cache.codec import frame_groups
+
+    model = _model(tiny_models[family], family)
+    video_id = int(model.config.video_token_id)
+    image = SimpleNamespace(num_tokens=6, grid=(1, 4, 6), dtype="fp32", extras={})
+    grid, times = (3, 4, 2), (0.0, 0.5, 1.0, 1.5, 2.0)  # three groups of 2 rows
+    video = SimpleNamespace(
+        num_tokens=6, grid=grid, dtype="fp32", extras={}, times=times, frame_rate=2.0
+    )
+    video.frame_groups = lambda: frame_groups(6, grid, times)
+    stamp = [11, 12, 13]  # "<0.2 seconds>"'s tokens, say
+    group = [*stamp, VISION_START_ID, video_id, video_id, VISION_END_ID]
+    ids = [1, 5, VISION_START_ID, *[IMAGE_TOKEN_ID] * 6, VISION_END_ID, 7]
+    ids += [VISION_START_ID, *group * 3, VISION_END_ID, 9]
+    layout = prompt_layout(model.config, ids, [image, video])
+    assert [(s.item, s.row, s.num_tokens) for s in layout.spans] == [
+        (0, 0, 6),
+        (1, 0, 2),
+        (1, 2, 2),
+        (1, 4, 2),
+    ]
+    firsts = [i for i, t in enumerate(ids) if t == video_id][::2]
+    assert layout.offsets == [3, tuple(firsts)]
+    input_ids = torch.tensor([ids])
+    types = (input_ids == IMAGE_TOKEN_ID).long() + 2 * (input_ids == video_id).long()
+    want, _ = model.model.get_rope_index(
+        input_ids,
+        mm_token_type_ids=types,
+        image_grid_thw=torch.tensor([image.grid]),
+        video_grid_thw=torch.tensor([grid]),
+    )
+    np.testing.assert_array_equal(layout.positions, want[:, 0].numpy())
 
 
 def _record(

@@ -504,20 +504,21 @@ def test_a_long_prompt_is_counted_in_pieces_never_above_its_tokens(tiny_models, 
 
 
 # -- a video --------------------------------------------------------------------------------------
-def _video_clip() -> bytes:
-    """40 random frames of 84x56 at 10 fps (lossless H.264): 8 frames sampled at 2 fps, 4
-    temporal patches of 3x2 merged Qwen2-VL units: frames the tiny model's pixel bounds do
-    not resize (the reference patchifies them as they are)."""
+def _video_clip(width: int = 84, height: int = 56, frames: int = 40, rate: int = 10) -> bytes:
+    """``frames`` random frames of ``width`` x ``height`` at ``rate`` fps (lossless H.264). By
+    default 40 of 84x56 (3x2 of Qwen2-VL's merged 28 px; 96x64 for Qwen3's 32) at 10 fps: 8
+    frames sampled at 2 fps, 4 temporal patches: frames the tiny models' pixel bounds do not
+    resize (the reference patchifies them as they are)."""
     import av
 
     rng = np.random.default_rng(7)
     buf = io.BytesIO()
     with av.open(buf, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=10)
-        stream.width, stream.height, stream.pix_fmt = 84, 56, "yuv444p"
+        stream = container.add_stream("libx264", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv444p"
         stream.options = {"qp": "0"}
-        for _ in range(40):
-            frame = rng.integers(0, 256, (56, 84, 3), dtype=np.uint8)
+        for _ in range(frames):
+            frame = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
@@ -541,14 +542,49 @@ def _video_messages(image: bytes, video: bytes) -> list[dict[str, Any]]:
     ]
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def _video_expansion(family: str, processor: Any, grid: list[int], indices: list[int]) -> str:
+    """What the family's transformers processor writes for the video's ``<|video_pad|>``:
+    Qwen2-VL's run of ``grid / merge**2`` tokens, or (``VideoMarks.TIMED_GROUPS``)
+    ``Qwen3VLProcessor.replace_video_token`` itself (a time stamp before each temporal patch
+    group), called on the clip's metadata: the processor object needs a video processor,
+    which needs torchvision, so it is given its attributes alone."""
+    import functools
+    from types import SimpleNamespace
+
+    import torch
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from vitserve.families import family_spec
+    from vitserve.families.spec import VideoMarks
+
+    merge, pad = processor.merge_size, "<|video_pad|>"
+    if family_spec(family).placeholders.video_marks is VideoMarks.RUN:
+        return pad * (int(np.prod(grid)) // merge**2)
+    attributes = SimpleNamespace(
+        video_processor=SimpleNamespace(
+            merge_size=merge, temporal_patch_size=processor.temporal_patch_size
+        ),
+        vision_start_token="<|vision_start|>",
+        vision_end_token="<|vision_end|>",
+        video_token=pad,
+        _calculate_timestamps=functools.partial(Qwen3VLProcessor._calculate_timestamps, None),
+    )
+    metadata = VideoMetadata(total_num_frames=40, fps=10.0, frames_indices=indices)
+    inputs = {"video_grid_thw": torch.tensor([grid]), "video_metadata": [metadata]}
+    return Qwen3VLProcessor.replace_video_token(attributes, inputs, 0)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_a_video_through_the_chunked_prefill_equals_the_monolithic_model(
     pairs, full_models, tiny_models, family
 ) -> None:
     """An image then a video in one message: every prompt position's logits against the full
     model on the image's pixels and the video's (its frames sampled as its video processor
     samples them, patchified independently: tests/encoder/test_video_families.py),
-    placeholders expanded as Qwen2VLProcessor does and token types 1 (image) and 2 (video);
+    placeholders expanded as the family's processor does (Qwen3-VL's and Qwen3.5's by
+    transformers' own ``replace_video_token``: each group of two frames after its time
+    stamp, laid out as a run of its own) and token types 1 (image) and 2 (video);
     Qwen2.5-VL's time-scaled positions from its ``second_per_grid_ts`` (temporal patch over
     the sampled frame rate, as its processor computes it)."""
     import json
@@ -561,11 +597,13 @@ def test_a_video_through_the_chunked_prefill_equals_the_monolithic_model(
     from vitserve.client import EncoderClient
     from vitserve.deployments.prefill.chat import ChatRequest, template_messages
     from vitserve.deployments.prefill.chat_service import ChatService
-    from vitserve.encoder.video import VideoSampling
+    from vitserve.encoder.video import VideoSampling, probe, sample_indices
     from vitserve.families import family_spec
 
     path = tiny_models[family]
-    image, video = _images()[0], _video_clip()
+    processor = AutoImageProcessor.from_pretrained(path)
+    unit = processor.patch_size * processor.merge_size
+    image, video = _images()[0], _video_clip(3 * unit, 2 * unit)
     body = {"messages": _video_messages(image, video), "temperature": 0, "max_tokens": 4}
     app = pairs[family]
     with EncoderClient(app.encoder.url) as client:
@@ -573,7 +611,6 @@ def test_a_video_through_the_chunked_prefill_equals_the_monolithic_model(
 
     model = full_models[family]
     tokenizer = AutoTokenizer.from_pretrained(path)
-    processor = AutoImageProcessor.from_pretrained(path)
     config = json.loads((path / "video_preprocessor_config.json").read_text())
     sampling = VideoSampling.from_config(family_spec(family).video or {}, config)
     pixels = dict(
@@ -585,8 +622,9 @@ def test_a_video_through_the_chunked_prefill_equals_the_monolithic_model(
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     image_rows = int(pixels["image_grid_thw"][0].prod()) // merge**2
     video_rows = int(np.prod(video_grid)) // merge**2
+    indices = sample_indices(probe(video), sampling)
     text = text.replace("<|image_pad|>", "<|image_pad|>" * image_rows)
-    text = text.replace("<|video_pad|>", "<|video_pad|>" * video_rows)
+    text = text.replace("<|video_pad|>", _video_expansion(family, processor, video_grid, indices))
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     types = (ids == IMAGE_TOKEN_ID).long() + 2 * (ids == model.config.video_token_id).long()
     # 8 frames sampled of 40 at 10 fps: transformers' sampled_fps, then second_per_grid_ts
@@ -607,12 +645,89 @@ def test_a_video_through_the_chunked_prefill_equals_the_monolithic_model(
 
     layout = prepared.prefilled.layout
     assert layout.input_ids.tolist() == ids[0].tolist()
-    assert [s.num_tokens for s in layout.spans] == [image_rows, video_rows]
-    assert video_grid[0] == 4 and video_rows > CHUNK  # the chunks split the video
+    runs = [s.num_tokens for s in layout.spans]
+    groups = video_grid[0]
+    assert groups == 4 and video_rows > CHUNK  # the chunks split the video
+    timed = runs[1:] == [video_rows // groups] * groups  # one run per group, time stamped
+    assert runs == [image_rows, video_rows] or timed, runs
+    assert timed == (family in ("qwen3_vl", "qwen3_5"))
     diff = (prepared.prefilled.all_logits - want).abs().max().item()
     print(f"{family} image + video: {layout.length} tokens, max |logit diff| {diff:.3g}")
     assert diff <= LOGIT_ATOL
     assert prepared.usage["images_sent"] == 2
+    assert prepared.usage["rows_pulled"] == image_rows + video_rows
+
+
+def test_a_gemma4_video_through_the_chunked_prefill_equals_the_monolithic_model(
+    pairs, full_models, tiny_models
+) -> None:
+    """Gemma 4: an image then a video of 6 frames of 480x288 at 2 fps (all sampled; the
+    largest size in 48 px within its 630 patches, so not resized: 60 soft tokens a frame).
+    Placeholders expanded by transformers' own ``Gemma4Processor.replace_video_token`` (each
+    frame ``mm:ss <|image>`` its tokens ``<image|>``, the frames joined by spaces), the
+    reference the full model on the image's pixels and the frames' patches
+    (tests/encoder/test_video_families.py); every prompt position's logits."""
+    from types import SimpleNamespace
+
+    import torch
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+    from transformers.video_utils import VideoMetadata
+
+    from tests.encoder.test_video_families import _gemma4_reference
+    from vitserve.client import EncoderClient
+    from vitserve.deployments.prefill.chat import ChatRequest, template_messages
+    from vitserve.deployments.prefill.chat_service import ChatService
+
+    path, model = tiny_models["gemma4"], full_models["gemma4"]
+    image, video = _images()[0], _video_clip(480, 288, frames=6, rate=2)
+    body = {"messages": _video_messages(image, video), "temperature": 0, "max_tokens": 4}
+    app = pairs["gemma4"]
+    with EncoderClient(app.encoder.url) as client:
+        prepared = ChatService(app.config, client).prepare(body, keep_logits=True)
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    processor = AutoImageProcessor.from_pretrained(path)
+    pixels = dict(
+        processor(images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")
+    )
+    image_rows = int(pixels.pop("num_soft_tokens_per_image")[0])
+    frame_pixels, frame_positions = _gemma4_reference(video, 16, 630)
+    per_frame = 60
+    video_token = tokenizer.convert_ids_to_tokens(int(model.config.video_token_id))
+    attributes = SimpleNamespace(
+        boi_token=tokenizer.boi_token, eoi_token=tokenizer.eoi_token, video_token=video_token
+    )
+    metadata = VideoMetadata(total_num_frames=6, fps=2.0, frames_indices=list(range(6)))
+    inputs = {"num_soft_tokens_per_video": [per_frame], "video_metadata": [metadata]}
+    expansion = Gemma4Processor.replace_video_token(attributes, inputs, 0)
+    messages = template_messages(ChatRequest.parse({"messages": body["messages"]}))
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    image_token = tokenizer.image_token
+    text = text.replace(
+        image_token, f"{tokenizer.boi_token}{image_token * image_rows}{tokenizer.eoi_token}"
+    )
+    text = text.replace(video_token, expansion, 1)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        want = model(
+            input_ids=ids,
+            attention_mask=ids.new_ones(ids.shape),
+            **pixels,
+            pixel_values_videos=frame_pixels,
+            video_position_ids=frame_positions,
+            num_frames_per_video=torch.tensor([6]),
+        ).logits[0]
+
+    layout = prepared.prefilled.layout
+    assert layout.input_ids.tolist() == ids[0].tolist()
+    assert [s.num_tokens for s in layout.spans] == [image_rows] + [per_frame] * 6
+    assert "00:02 " in expansion  # the frames' times are in the prompt
+    diff = (prepared.prefilled.all_logits - want).abs().max().item()
+    print(f"gemma4 image + video: {layout.length} tokens, max |logit diff| {diff:.3g}")
+    assert diff <= LOGIT_ATOL
+    assert prepared.usage["rows_pulled"] == image_rows + 6 * per_frame
 
 
 def test_a_video_part_of_a_family_whose_videos_the_prefill_does_not_take_is_refused(
@@ -620,7 +735,7 @@ def test_a_video_part_of_a_family_whose_videos_the_prefill_does_not_take_is_refu
 ) -> None:
     clip = "data:video/mp4;base64," + base64.b64encode(_video_clip()).decode()
     part = {"type": "video_url", "video_url": {"url": clip}}
-    for family, want in (("qwen3_vl", "videos its prefill does not take"), ("llava", "")):
+    for family, want in (("gemma3", "videos its prefill does not take"), ("llava", "")):
         body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 2}
         answer = pairs[family].chat(body)
         assert answer.status_code == 422 and want in answer.text, (family, answer.text)

@@ -27,6 +27,7 @@ from vitserve.families.spec import (
     Recipe,
     RecipeShape,
     Tower,
+    VideoMarks,
     Vision,
     VllmEmbeds,
     frozen,
@@ -101,7 +102,11 @@ SPEC = FamilySpec(
     model_type="gemma4",
     name="Gemma 4",
     placeholders=Placeholders(
-        marker=Marker.WRAPPED_IMAGE, open="boi_token_id", close="eoi_token_id"
+        marker=Marker.WRAPPED_IMAGE,
+        open="boi_token_id",
+        close="eoi_token_id",
+        video="video_token_id",
+        video_marks=VideoMarks.STAMPED_FRAMES,
     ),
     positions=Positions.ROPE,
     image_attention=ImageAttention.CAUSAL,

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from vitserve.families import qwen2_vl
-from vitserve.families.spec import RecipeShape, frozen
+from vitserve.families.spec import RecipeShape, VideoMarks, frozen
 
 
 def _config(shape: RecipeShape) -> dict[str, Any]:
@@ -46,8 +46,8 @@ SPEC = dataclasses.replace(
     _BASE,
     model_type="qwen3_vl",
     name="Qwen3-VL",
-    # its videos' positions differ from Qwen2-VL's: vitserve's prefill does not take them
-    placeholders=dataclasses.replace(_BASE.placeholders, video=None),
+    # a time stamp before each frame group, each group positioned as a one-patch image
+    placeholders=dataclasses.replace(_BASE.placeholders, video_marks=VideoMarks.TIMED_GROUPS),
     # its video rows sit between time stamps in vLLM's prompt: not checked through the front
     vllm_video=False,
     vision=dataclasses.replace(

@@ -113,6 +113,28 @@ class Marker(enum.Enum):
     WRAPPED_IMAGE = "wrapped_image"
 
 
+class VideoMarks(enum.Enum):
+    """How a prompt holds one video's rows (what the template's one video token becomes)."""
+
+    # One contiguous run of the video token, one per row, positioned as an image of ``t``
+    # temporal patches (Qwen2-VL, Qwen2.5-VL).
+    RUN = "run"
+    # Per frame group (temporal patch), in time order: ``<{t:.1f} seconds>``, the open token,
+    # the video token once per row of the group, the close token; ``t`` the mean of the
+    # group's first and last frame times. Each group is positioned as an image of one
+    # temporal patch (Qwen3-VL, Qwen3.5: transformers' Qwen3VLProcessor and get_rope_index).
+    TIMED_GROUPS = "timed_groups"
+    # Per frame, in time order, joined by a space: its time as ``mm:ss``, a space, the open
+    # token, the video token once per row of the frame, the close token (Gemma 4:
+    # transformers' Gemma4Processor).
+    STAMPED_FRAMES = "stamped_frames"
+
+    @property
+    def by_group(self) -> bool:
+        """Each frame group (a frame, for Gemma 4) is a run of its own."""
+        return self is not VideoMarks.RUN
+
+
 class VllmEmbeds(enum.Enum):
     """The form of vLLM's ``multi_modal_data`` for image embeddings of the family."""
 
@@ -133,11 +155,10 @@ class Placeholders:
     # The number of image tokens of every image, for families whose images all have the same
     # count (None: per image, from its grid).
     count: str | None = None
-    # The token that stands for one row of a video, for the families whose videos a prompt
-    # holds as one contiguous run with the image's positions (Qwen2-VL: its template writes it
-    # once per video); None: vitserve's prefill takes no video of the family (Qwen2.5-VL's
-    # time-scaled positions, Qwen3-VL's and Gemma 4's per-frame time stamps are not built).
+    # The token that stands for one row of a video (its template writes it once per video),
+    # laid out as ``video_marks`` says; None: vitserve's prefill takes no video of the family.
     video: str | None = None
+    video_marks: VideoMarks = VideoMarks.RUN
     # Qwen2.5-VL: the config attribute of a video's temporal position step per second (its
     # ``tokens_per_second``; the step is that times ``second_per_grid``); None: a step of 1
     video_time: str | None = None
@@ -268,6 +289,7 @@ __all__ = [
     "Recipe",
     "RecipeShape",
     "Tower",
+    "VideoMarks",
     "Vision",
     "VllmEmbeds",
     "config_value",
