@@ -29,8 +29,9 @@ Invariants:
 * A video is a ``video_url`` content part with a ``data:`` URL of a video container
   (:mod:`vitserve.media`); it is an item like an image (counted with them, encoded in the same
   call, keyed under the model's video sampling, given its ``uuid``) for the families whose
-  videos vLLM samples and sizes as vitserve does (``FamilySpec.vllm_video``: Qwen2-VL,
-  Qwen2.5-VL); another family's videos go to vLLM unkeyed, for it to encode. Bytes of the
+  videos vLLM samples and sizes as vitserve does (``FamilySpec.vllm_video``: the Qwen
+  families, with a checkpoint whose sampling is vLLM's loader's: ``video_sampling_problem``);
+  other videos go to vLLM unkeyed, for it to encode. Bytes of the
   other kind (a video in an image part or the reverse) are refused (422).
 * A request with images that sets its own ``media_io_kwargs`` changing the decoded pixels
   (``image.rgba_background_color`` other than white, another ``image_mode``; for a video any
@@ -94,7 +95,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.concurrency import run_in_threadpool
 
-from vitserve.client.ec_plan import item_identifier, pixel_option_problem, video_option_problem
+from vitserve.client.ec_plan import (
+    item_identifier,
+    pixel_option_problem,
+    video_option_problem,
+    video_sampling_problem,
+)
 from vitserve.deployments.common import metrics
 from vitserve.deployments.common import requests as parse
 from vitserve.deployments.common.auth import Gate, Tenant, bearer_token
@@ -415,8 +421,9 @@ class VllmFront:
         if not images:
             return Prepared(bytes(raw), count)
         client = self.clients.get(tenant, token)
-        if videos and not family_spec(str(client.describe()["family"])).vllm_video:
-            # vLLM samples this family's videos otherwise: they go to it unkeyed
+        model = client.describe()
+        if videos and video_sampling_problem(family_spec(str(model["family"])), model.get("video")):
+            # vLLM samples this model's videos otherwise: they go to it unkeyed
             images = [i for i in images if media_of(i.data) is Media.IMAGE]
             if not images:
                 return Prepared(bytes(raw), count)

@@ -714,3 +714,27 @@ def test_video_parts_are_items_and_the_wrong_kind_is_refused() -> None:
     assert video_option_problem({"media_io_kwargs": {"video": {"num_frames": 8}}})
     assert video_option_problem({"mm_processor_kwargs": {"fps": 1}})
     assert video_option_problem({"media_io_kwargs": {"image": {}}}) is None
+
+
+def test_videos_are_keyed_only_where_vllm_samples_as_the_checkpoint_says() -> None:
+    """The front keys a video only when vLLM's loader (its own settings, not the
+    checkpoint's) samples the model's videos as vitserve does: the Qwen families with the
+    loader's defaults; a checkpoint sampling at another rate or frame bound, Gemma 4 (vLLM
+    spreads its frames otherwise) and a model without video go unkeyed."""
+    from vitserve.client.ec_plan import video_sampling_problem
+    from vitserve.encoder.video import VideoSampling
+    from vitserve.families import family_spec
+
+    def settings(family: str, **config: Any) -> dict[str, Any]:
+        return VideoSampling.from_config(family_spec(family).video or {}, config).settings()
+
+    for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"):
+        assert video_sampling_problem(family_spec(family), settings(family)) is None, family
+    qwen3 = family_spec("qwen3_vl")
+    assert "this checkpoint with {'fps': 1.0}" in str(
+        video_sampling_problem(qwen3, settings("qwen3_vl", fps=1.0))
+    )
+    assert video_sampling_problem(qwen3, settings("qwen3_vl", min_frames=8))
+    assert video_sampling_problem(qwen3, settings("qwen2_vl"))  # Qwen2-VL's frame rule
+    assert video_sampling_problem(family_spec("gemma4"), settings("gemma4"))
+    assert video_sampling_problem(qwen3, None)

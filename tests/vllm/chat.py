@@ -58,9 +58,12 @@ def mp4(rng: np.random.Generator, frames: int, width: int, height: int, rate: in
     return buf.getvalue()
 
 
-def video_part(data: bytes) -> dict[str, Any]:
+def video_part(data: bytes, uuid: str | None = None) -> dict[str, Any]:
     url = "data:video/mp4;base64," + base64.b64encode(data).decode("ascii")
-    return {"type": "video_url", "video_url": {"url": url}}
+    part: dict[str, Any] = {"type": "video_url", "video_url": {"url": url}}
+    if uuid is not None:
+        part["uuid"] = uuid
+    return part
 
 
 def body(messages: list[dict[str, Any]], max_tokens: int = 12, **extra: Any) -> dict[str, Any]:

@@ -15,6 +15,10 @@ connector loaded every image. (Qwen2-VL runs in ``test_connector.py``, behind th
 Every family in fp32 but Qwen3.5, which vLLM's CPU build serves in bf16 only: there vitserve
 encodes in bf16 too, and the prompt logprobs agree to bf16's tolerance (:func:`near_tie_gap`).
 
+Qwen3-VL's and Qwen3.5's vLLMs (``VIDEO_FAMILIES``) also take a video a prompt: with the key
+vitserve gives it, vLLM alone's answer, its rows loaded by the connector though vLLM's prompt
+puts a time stamp between each frame group's.
+
 The families added since the front was tested on Qwen2-VL alone (``NOISE_FAMILIES``) also go
 through vitserve's vLLM front, an application of the same cluster, to a second vLLM whose vision
 weights are noise: the front's answer is vLLM alone's only if every image came from vitserve,
@@ -49,11 +53,13 @@ from .chat import (
     delta,
     keys_of,
     logprob_gap,
+    mp4,
     near_tie_gap,
     png,
     post,
     tokens,
     user,
+    video_part,
 )
 from .conftest import (
     ONE_PROCESS_ARGS,
@@ -81,6 +87,8 @@ FP32 = ("float32", "fp32")
 KV_CACHE_BYTES = 64 * 2**20
 # the families also served through the front to a vLLM whose vision weights are noise
 NOISE_FAMILIES = ("qwen3_5", "gemma4")
+# the families whose vLLM also takes a video a prompt (vLLM profiles its encoder for one)
+VIDEO_FAMILIES = ("qwen3_vl", "qwen3_5")
 # each application's share of the cluster's 2 CPUs: all five fit
 SHARES = {"encoder.num_cpus": 0.2, "ingress.num_cpus": 0.05, "torch_threads": 1}
 
@@ -181,10 +189,10 @@ class Family:
 
 
 def family_vllm(
-    family: str, folder: Path, url: str, store: str, log: Path, **extra: Any
+    family: str, folder: Path, url: str, store: str, log: Path, videos: int = 0, **extra: Any
 ) -> VllmServer:
-    """A vLLM over ``folder`` in the family's dtype whose connector encodes through ``url``
-    (``extra``: more of its connector's config)."""
+    """A vLLM over ``folder`` in the family's dtype whose connector encodes through ``url``,
+    taking ``videos`` a prompt (``extra``: more of its connector's config)."""
     from vitserve.deployments.runner.local import free_port
 
     return VllmServer(
@@ -198,6 +206,7 @@ def family_vllm(
         # six start now)
         ready_timeout=900,
         kv_cache_bytes=KV_CACHE_BYTES,
+        max_videos=videos,
         extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0-1", **ONE_PROCESS_ENV},
         # the connector reaches vitserve only when a request names a key
         extra_args=["--ec-transfer-config", ec_config(url, store, **extra), *ONE_PROCESS_ARGS],
@@ -220,7 +229,12 @@ def families(
     urls = {family: f"{base}/{family}" for family in FAMILIES}
     servers = {
         family: family_vllm(
-            family, models[family], urls[family], store.url, work / f"vllm-{family}.log"
+            family,
+            models[family],
+            urls[family],
+            store.url,
+            work / f"vllm-{family}.log",
+            videos=int(family in VIDEO_FAMILIES),
         )
         for family in FAMILIES
     }
@@ -300,3 +314,30 @@ def test_the_front_to_a_noise_tower_gives_vllm_alones_answer(
     assert gap < tol, gap
     assert moved["loads"] == len(images) and moved["load_fallbacks"] == 0, moved
     assert control_gap > 10 * tol, control_gap
+
+
+@pytest.mark.parametrize("family", VIDEO_FAMILIES)
+def test_a_video_with_its_key_equals_vllm_alone(family: str, families: dict[str, Family]) -> None:
+    """A ``video_url`` part (40 frames of 128x96 at 10 fps): vLLM's ``qwen3_vl`` loader samples
+    8 at 2 fps at round(linspace) and its processor sizes the clip as vitserve does (frames
+    within the bounds: not resized), its prompt a time stamp before each of the 4 frame
+    groups (rows that are not one run: the connector's placeholder holds text between them).
+    vLLM with the video's vitserve key gives vLLM alone's tokens and prompt logprobs, the
+    video loaded by its connector."""
+    url, replica = families[family].url, families[family].replica
+    clip = mp4(np.random.default_rng(13), 40, 128, 96)
+    (key,) = keys_of(url, [clip])
+
+    def messages(uuid: str | None) -> list[dict[str, Any]]:
+        parts = [video_part(clip, uuid), {"type": "text", "text": "What happens?"}]
+        return [{"role": "user", "content": parts}]
+
+    alone = answer(post(replica.url, body(messages(None))))
+    before = replica.counts()
+    hit = answer(post(replica.url, body(messages(key))))
+    moved = delta(before, replica.counts())
+    gap, tol = gap_and_tolerance(family, hit, alone)
+    print(f"{family} video: max |prompt logprob difference| from vLLM alone {gap:.2g}")
+    assert tokens(hit) == tokens(alone)
+    assert gap < tol, gap
+    assert moved["loads"] == 1 and moved["load_fallbacks"] == 0, moved

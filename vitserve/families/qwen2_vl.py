@@ -142,7 +142,9 @@ SPEC = FamilySpec(
     ),
     # vLLM's qwen2_vl loader samples at 2 fps as Qwen2VLVideoProcessor does; its frames decode
     # and size as vitserve's (tests/vllm/test_connector.py). Qwen2.5-VL shares both.
-    vllm_video=True,
+    vllm_video=frozen(
+        {"fps": 2.0, "min_frames": 4, "max_frames": 768, "temporal_patch": 2, "rule": "qwen2"}
+    ),
     recipe=Recipe(
         config_class="Qwen2VLConfig",
         config=_config,

@@ -48,8 +48,13 @@ SPEC = dataclasses.replace(
     name="Qwen3-VL",
     # a time stamp before each frame group, each group positioned as a one-patch image
     placeholders=dataclasses.replace(_BASE.placeholders, video_marks=VideoMarks.TIMED_GROUPS),
-    # its video rows sit between time stamps in vLLM's prompt: not checked through the front
-    vllm_video=False,
+    # vLLM 0.32's qwen3_vl loader samples at 2 fps at round(linspace) within 4..768 frames
+    # (its own defaults: the checkpoint's are not read), Qwen3VLVideoProcessor takes those
+    # frames as they are (do_sample_frames off) and sizes the clip as vitserve does; its
+    # timestamps are the pairs' mean source times (tests/vllm/test_families.py)
+    vllm_video=frozen(
+        {"fps": 2.0, "min_frames": 4, "max_frames": 768, "temporal_patch": 2, "rule": "qwen3"}
+    ),
     vision=dataclasses.replace(
         _BASE.vision,
         tower_class=("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionModel"),

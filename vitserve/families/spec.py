@@ -273,10 +273,12 @@ class FamilySpec:
     # ``vitserve.encoder.video.VideoSampling`` field; a checkpoint's
     # ``video_preprocessor_config.json`` overrides them. ``None``: the family takes no video.
     video: Mapping[str, Any] | None = None
-    # Whether vLLM's CPU build samples and sizes this family's videos as vitserve does (its
-    # loader and processor checked, tests/vllm): the vLLM front keys its videos; another
-    # family's video parts go to vLLM without a key (vLLM encodes them itself).
-    vllm_video: bool = False
+    # How vLLM's CPU build samples this family's videos (its loader's own settings, whatever
+    # the checkpoint says), by ``VideoSampling`` field, where it then sizes and decodes them
+    # as vitserve does (checked, tests/vllm): the vLLM front keys a video when the model's
+    # sampling has these values (``ec_plan.video_sampling_problem``). None, or other
+    # values: its video parts go to vLLM without a key (vLLM encodes them itself).
+    vllm_video: Mapping[str, Any] | None = None
 
 
 __all__ = [
