@@ -31,7 +31,8 @@ Invariants:
 * Image rows fill the placeholder tokens in prompt order: image 0's rows first. The number of
   placeholder tokens must equal the total rows of all images, else :class:`ConfigError` naming
   both counts. For the Qwen families each image's rows must also match its grid
-  (``t * h * w / merge**2``) and its placeholders must be contiguous.
+  (``t * h * w / merge**2``) and its placeholders must be contiguous (a video the family
+  lays out by frame group, ``VideoMarks.by_group``: each group's, in time order).
 * dtype: rows are cast to the model's dtype (``inputs_embeds`` takes the embedding table's
   dtype and device); bf16 words become ``torch.bfloat16`` by a view, never a copy, and each row
   is copied once, into ``inputs_embeds`` (deepstack rows once, into their level's tensor).
@@ -404,8 +405,8 @@ class PromptLayout:
 
     ``spans`` are the runs of placeholders (one per embedding row) in prompt order: an
     image's one run, or a video's one per frame group where the family's prompt puts a time
-    stamp before each (``VideoMarks.TIMED_GROUPS``: each span names its item and first row,
-    and each group is positioned as an image of one temporal patch); ``positions``
+    stamp before each (``VideoMarks.by_group``: each span names its item and first row; a
+    Qwen group is positioned as an image of one temporal patch); ``positions``
     Qwen's M-RoPE positions of the whole prompt (``[3, L]``, else None), sliced per chunk;
     ``deepstack`` Qwen3-VL's extras in level order. ``keep_images_whole``: Gemma 3, whose image
     tokens attend to each other both ways, so no chunk edge may fall inside an image.
