@@ -22,8 +22,13 @@ Invariants:
   (``<|image>`` ... ``<image|>``).
 * A video (a ``video_url`` part, ``data:`` or ``vitserve://``) is an item like an image, in
   the same numbering; its bytes must be a video container (and an image's must not be one).
-  The family's template writes its video token once per video (``Placeholders.video``), which
-  is repeated to the video's rows; a family without one refuses videos at the door.
+  The family's template writes its video token once per video (``Placeholders.video``),
+  expanded as its processor does (``Placeholders.video_marks``): repeated to the video's rows
+  (``RUN``: Qwen2-VL, Qwen2.5-VL); per frame group ``<t seconds>`` and the group's rows
+  between the open and close tokens, ``t`` the mean of its first and last frame times
+  (``TIMED_GROUPS``: Qwen3-VL, Qwen3.5); per frame ``mm:ss`` and its rows between the open
+  and close tokens, the frames joined by spaces (``STAMPED_FRAMES``: Gemma 4). The stamps come
+  from the record's frame times. A family without a video token refuses videos at the door.
 """
 
 from __future__ import annotations
