@@ -58,6 +58,7 @@ from vitserve.encoder.video import DEFAULT_VIDEO_LIMITS, VideoLimits, VideoSampl
 from vitserve.encoder.work import Capacity, Terms
 from vitserve.errors import ConfigError, ImageError
 from vitserve.keys import content_key, item_key, model_fingerprint, video_fingerprint
+from vitserve.media import VideoFor
 
 _EMPTY = np.empty(0, np.float32)
 # What batching may change an embedding by, per dtype, in ulps of its largest magnitude.
@@ -206,15 +207,21 @@ class EncoderEngine:
     def family(self) -> str:
         return str(self.adapter.config.model_type)
 
-    def key(self, data: bytes | bytearray | memoryview) -> str:
-        """The content key of an item's bytes (an image, or a video sampled as the model
-        samples it) under this engine's model and namespace."""
-        return item_key(data, self.fingerprint, self.namespace, self.video_settings)
+    def key(
+        self, data: bytes | bytearray | memoryview, video_for: VideoFor = VideoFor.MODEL
+    ) -> str:
+        """The content key of an item's bytes (an image, or a video sampled ``video_for``'s
+        way) under this engine's model and namespace."""
+        return item_key(data, self.fingerprint, self.namespace, self.video_settings_for(video_for))
 
     @property
     def video_settings(self) -> dict[str, float | int | str] | None:
         """How the model samples a video (part of a video's key); None: it takes none."""
-        sampling = self.adapter.video_sampling
+        return self.video_settings_for(VideoFor.MODEL)
+
+    def video_settings_for(self, which: VideoFor) -> dict[str, float | int | str] | None:
+        """How a video encoded ``which`` way is sampled (part of its key); None: refused."""
+        sampling = self.adapter.video_sampling_for(which)
         return sampling.settings() if sampling is not None else None
 
     # -- CPU half ----------------------------------------------------------------------------
@@ -304,7 +311,13 @@ class EncoderEngine:
             max_bytes=max_bytes,
         )
         row = sum(self.adapter.output_widths().values()) * self.dtype.itemsize
-        return Terms(rule=rule, capacity=capacity, row_bytes=row, video=self.adapter.video_sampling)
+        return Terms(
+            rule=rule,
+            capacity=capacity,
+            row_bytes=row,
+            video=self.adapter.video_sampling,
+            vllm_video=self.adapter.video_sampling_for(VideoFor.VLLM),
+        )
 
     def run(self, prepared: Sequence[PreparedImage], plan: Plan | None = None) -> list[Embedding]:
         """Encode prepared images: one forward per planned batch; results in input order."""

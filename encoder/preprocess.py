@@ -29,7 +29,7 @@ from vitserve.encoder.video import (
     sample_indices,
 )
 from vitserve.errors import ImageError, ImagePreprocessError
-from vitserve.media import Media, media_of
+from vitserve.media import Media, VideoFor, media_of
 
 
 class Preprocessor:
@@ -55,12 +55,23 @@ class Preprocessor:
         return cls(load_preprocessor(model, revision=revision), limits, video_limits)
 
     def prepare(
-        self, data: bytes | bytearray | memoryview, key: str, index: int = 0
+        self,
+        data: bytes | bytearray | memoryview,
+        key: str,
+        index: int = 0,
+        video_for: VideoFor = VideoFor.MODEL,
     ) -> PreparedImage:
-        """Decode (limits checked first) and preprocess one image or video; raises
-        ImageError."""
+        """Decode (limits checked first) and preprocess one image or video (sampled
+        ``video_for``'s way); raises ImageError."""
         if media_of(data) is Media.VIDEO:
-            return self.prepare_video(data, key, index)
+            sampling = self.adapter.video_sampling_for(video_for)
+            if sampling is None and self.adapter.video_sampling is not None:
+                raise ImagePreprocessError(
+                    index,
+                    f"video_for={video_for.value}: vitserve does not know how it samples "
+                    f"{self.adapter.spec.name} videos",
+                )
+            return self.prepare_video(data, key, index, sampling)
         image = decode_image(data, index=index, limits=self.limits)
         try:
             return self.adapter.preprocess(image, key)

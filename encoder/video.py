@@ -17,7 +17,8 @@ Invariants:
   least ``min_frames`` and at most ``max_frames`` and the clip's own count, a multiple of the
   temporal patch, spread evenly, indices truncated from float32 steps as transformers computes
   them) or Qwen3-VL's (as many, not rounded to the temporal patch, at ``round(linspace)``),
-  or with ``num_frames`` set, that many spread evenly (Gemma 4's).
+  or with ``num_frames`` set, that many spread evenly (Gemma 4's: transformers' steps, or
+  vLLM's loader's ``linspace`` by :attr:`FrameRule.LINSPACE`).
 * Decoding keeps only the sampled frames, one at a time to the caller, and stops after the
   last; it never decodes past the header's frame count. A stream that ends before its last
   sampled frame is refused as truncated, never padded.
@@ -28,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import io
 import math
@@ -78,6 +80,9 @@ class FrameRule(enum.Enum):
 
     QWEN2 = "qwen2"  # Qwen2VLVideoProcessor: per-frame pixel bounds
     QWEN3 = "qwen3"  # Qwen3VLVideoProcessor: pixel bounds over the whole clip
+    # vLLM's generic (OpenCV) loader, with ``num_frames`` set: that many frames at
+    # ``np.linspace(0, total - 1, n, dtype=int)``, every frame of a clip that has no more
+    LINSPACE = "linspace"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +113,16 @@ class VideoSampling:
         out = {f: getattr(self, f) for f in self.__dataclass_fields__}
         out["rule"] = self.rule.value
         return out
+
+    def replaced(self, settings: Mapping[str, Any]) -> VideoSampling:
+        """This sampling with ``settings`` (by field name, the rule by its value) in place of
+        its own: a consumer that samples otherwise (``FamilySpec.vllm_video``)."""
+        unknown = set(settings) - set(self.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"not video sampling fields: {sorted(unknown)}")
+        kinds = {f: type(getattr(self, f)) for f in self.__dataclass_fields__}
+        fields = {k: v if k == "rule" else kinds[k](v) for k, v in settings.items()}
+        return dataclasses.replace(self, **fields)
 
     @classmethod
     def from_config(
@@ -228,11 +243,15 @@ def probe(
 
 def sample_indices(info: VideoInfo, sampling: VideoSampling, *, index: int = 0) -> list[int]:
     """The frames the model's video processor samples (see the module's invariants); with
-    ``num_frames`` set, transformers' default sampling (``i * total // num_frames``), over all
-    the clip's frames where it has fewer."""
+    ``num_frames`` set, transformers' default sampling (``i * total // num_frames``), or vLLM's
+    loader's (:attr:`FrameRule.LINSPACE`), over all the clip's frames where it has fewer."""
     total, tps = info.frames, sampling.temporal_patch
     if sampling.num_frames:
         count = min(sampling.num_frames, total)
+        if sampling.rule is FrameRule.LINSPACE:
+            if count == total:
+                return list(range(total))
+            return [int(i) for i in np.linspace(0, total - 1, count, dtype=int)]
         return [i * total // count for i in range(count)]
     if sampling.rule is FrameRule.QWEN3:
         count = int(total / info.fps * sampling.fps)

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, replace
 
 from vitserve.encoder.video import VideoSampling
+from vitserve.media import VideoFor
 
 #: Peak bytes per decoded pixel that decoding (PIL stores RGB in 4 bytes a pixel), the RGB
 #: conversion and the image processor's arrays add, over-estimated by mode class: measured per
@@ -285,6 +286,11 @@ class Terms:
     capacity: Capacity
     row_bytes: int
     video: VideoSampling | None = None  # how the model samples a video (None: takes none)
+    vllm_video: VideoSampling | None = None  # and vLLM's loader (None: not known)
+
+    def sampling(self, which: VideoFor) -> VideoSampling | None:
+        """How a video encoded ``which`` way is sampled (None: refused)."""
+        return self.vllm_video if which is VideoFor.VLLM else self.video
 
 
 __all__ = [

@@ -17,12 +17,22 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Media", "media_of"]
+__all__ = ["Media", "VideoFor", "media_of"]
 
 
 class Media(enum.Enum):
     IMAGE = "image"
     VIDEO = "video"
+
+
+class VideoFor(enum.Enum):
+    """Whose frame sampling a video is encoded under (an encode's ``video_for``; part of the
+    video's key): the model's video processor's (its checkpoint's settings), or vLLM's
+    loader's for the model's family (``FamilySpec.vllm_video`` over the model's), so that
+    what vitserve encodes for vLLM is what vLLM would sample from the same bytes."""
+
+    MODEL = "model"
+    VLLM = "vllm"
 
 
 _EBML = b"\x1a\x45\xdf\xa3"

@@ -30,6 +30,7 @@ from vitserve.encoder.work import ResizeRule
 from vitserve.errors import ImagePreprocessError, ModelLoadError
 from vitserve.families import family_spec
 from vitserve.families.spec import FamilySpec
+from vitserve.media import VideoFor
 
 if TYPE_CHECKING:
     import torch
@@ -121,6 +122,16 @@ class FamilyAdapter(ABC):
         for module in self.modules.values():
             module.eval()
             module.requires_grad_(False)
+
+    def video_sampling_for(self, which: VideoFor) -> VideoSampling | None:
+        """How a video encoded ``which`` way is sampled: the model's, or vLLM's loader's for
+        the family (``FamilySpec.vllm_video`` over the model's); None: not known (the model
+        takes no video, or vitserve does not know how vLLM samples this family's)."""
+        if which is VideoFor.MODEL or self.video_sampling is None:
+            return self.video_sampling
+        if self.spec.vllm_video is None:
+            return None
+        return self.video_sampling.replaced(self.spec.vllm_video)
 
     # -- construction ------------------------------------------------------------------------
     @classmethod

@@ -282,3 +282,46 @@ def test_a_video_is_prepared_as_one_by_its_bytes_with_its_frames_times(engines) 
     assert prepared.times == tuple(i / 10 for i in indices)
     [embedding] = engine.run([prepared])
     assert embedding.times == prepared.times
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "gemma4"])
+def test_a_video_for_vllm_is_sampled_and_keyed_as_vllms_loader_samples_it(
+    engines, family, monkeypatch
+) -> None:
+    """``video_for=vllm`` (the vLLM front's): the family's vLLM loader settings over the
+    checkpoint's. A Qwen3-VL checkpoint that samples at 1 fps is sampled at vLLM's 2 fps;
+    Gemma 4's 40-frame clip at vLLM's ``linspace``, not transformers' steps; each under a key
+    of its own, which admission's work estimate and the terms agree with."""
+    import dataclasses
+
+    from vitserve.deployments.encoder.admission import image_work
+    from vitserve.encoder.video import FrameRule
+    from vitserve.media import VideoFor
+
+    engine = engines[family]
+    if family == "qwen3_vl":  # a checkpoint whose video_preprocessor_config.json says 1 fps
+        ckpt = dataclasses.replace(engine.adapter.video_sampling, fps=1.0)
+        monkeypatch.setattr(engine.adapter, "video_sampling", ckpt)
+        # vLLM's qwen3_vl loader: 2 fps over 4 s, round(linspace(0, 39, 8))
+        want, model_frames = [0, 6, 11, 17, 22, 28, 33, 39], [0, 13, 26, 39]
+    else:  # vLLM's OpenCV loader: linspace(0, 39, 32) truncated; transformers: i * 40 // 32
+        want = [int(i) for i in np.linspace(0, 39, 32, dtype=int)]
+        model_frames = [i * 40 // 32 for i in range(32)]
+    data = clip(40, 64, 64, rate=10)
+    mine, theirs = engine.key(data), engine.key(data, VideoFor.VLLM)
+    assert mine != theirs
+    assert theirs == engine.key(bytes(data), VideoFor.VLLM)
+    model_way = engine.preprocessor.prepare(data, mine, 0)
+    vllm_way = engine.preprocessor.prepare(data, theirs, 0, VideoFor.VLLM)
+    assert model_way.times == tuple(i / 10 for i in model_frames)
+    assert vllm_way.times == tuple(i / 10 for i in want)
+    assert vllm_way.key == theirs
+    terms = engine.terms(max_image_pixels=512 * 512)
+    sampling = terms.sampling(VideoFor.VLLM)
+    assert sampling == engine.adapter.video_sampling_for(VideoFor.VLLM)
+    assert terms.sampling(VideoFor.MODEL) == engine.adapter.video_sampling
+    assert engine.video_settings_for(VideoFor.VLLM) == sampling.settings()
+    if family == "gemma4":
+        assert sampling.rule is FrameRule.LINSPACE
+    work = image_work(terms.rule, data, 0, engine.preprocessor.limits, video=sampling)
+    assert work.patches == vllm_way.patches

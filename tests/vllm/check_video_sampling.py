@@ -1,8 +1,10 @@
-"""transformers' own Qwen video frame sampling (Qwen2-VL's and Qwen3-VL's processors) and
-Qwen3-VL's clip sizing, run where its video processors import (vLLM's venv has torchvision;
+"""transformers' own Qwen video frame sampling (Qwen2-VL's and Qwen3-VL's processors),
+Qwen3-VL's clip sizing and vLLM's generic (OpenCV) loader's frame choice at its defaults (32
+frames, the source's rate: Gemma 4's), run where they import (vLLM's venv has torchvision;
 the project's does not): prints ``{"qwen2:frames,fps": indices or error, ...,
-"resize3:frames,width,height": [h, w] or error}`` as JSON, for ``test_video_sampling.py`` to
-compare with vitserve's ``sample_indices`` and ``ResizeRule.resized_frames``.
+"linspace:frames,fps": indices, "resize3:frames,width,height": [h, w] or error}`` as JSON, for
+``test_video_sampling.py`` to compare with vitserve's ``sample_indices`` and
+``ResizeRule.resized_frames``.
 
     .venv-vllm/bin/python tests/vllm/check_video_sampling.py
 """
@@ -44,6 +46,15 @@ def main() -> None:
                 except Exception as exc:  # transformers' own failure, reported as such
                     got = type(exc).__name__
                 out[f"{name}:{frames},{rate}"] = got
+    from vllm.multimodal.video import VideoBackend
+    from vllm.multimodal.video_decoders.base import VideoSourceMetadata, VideoTargetMetadata
+
+    target = VideoTargetMetadata(num_frames=32, fps=-1, max_duration=300)  # VideoMediaIO's
+    for frames in FRAMES:
+        for rate in RATES:
+            source = VideoSourceMetadata(frames, rate, frames / rate)
+            got = VideoBackend.compute_frames_index_to_sample(source, target)
+            out[f"linspace:{frames},{rate}"] = [int(i) for i in got]
     q3 = Qwen3VLVideoProcessor()
     for frames, width, height in CLIPS:
         try:

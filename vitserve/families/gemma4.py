@@ -133,6 +133,10 @@ SPEC = FamilySpec(
     vllm=VllmEmbeds.NONE,
     # Gemma4VideoProcessor's: 32 frames spread over the clip, each within 70 soft tokens
     video=frozen({"num_frames": 32, "max_soft_tokens": 70}),
+    # vLLM 0.32 loads Gemma 4's videos with its generic OpenCV loader (32 frames at
+    # linspace(0, total - 1, 32) truncated, every frame of a shorter clip) and runs each frame
+    # through the image processor within 70 soft tokens, as vitserve does
+    vllm_video=frozen({"num_frames": 32, "max_soft_tokens": 70, "rule": "linspace"}),
     recipe=Recipe(
         config_class="Gemma4Config",
         config=_config,

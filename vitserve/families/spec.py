@@ -274,10 +274,11 @@ class FamilySpec:
     # ``video_preprocessor_config.json`` overrides them. ``None``: the family takes no video.
     video: Mapping[str, Any] | None = None
     # How vLLM's CPU build samples this family's videos (its loader's own settings, whatever
-    # the checkpoint says), by ``VideoSampling`` field, where it then sizes and decodes them
-    # as vitserve does (checked, tests/vllm): the vLLM front keys a video when the model's
-    # sampling has these values (``ec_plan.video_sampling_problem``). None, or other
-    # values: its video parts go to vLLM without a key (vLLM encodes them itself).
+    # the checkpoint says), by ``VideoSampling`` field; the fields not named are the
+    # checkpoint's (vLLM's processor reads them from it). An encode with
+    # ``video_for=vllm`` (``vitserve.media.VideoFor``: the vLLM front's) samples and keys a
+    # video so (checked against vLLM, tests/vllm). None: vitserve does not know vLLM's
+    # sampling; the front sends such video parts to vLLM without a key.
     vllm_video: Mapping[str, Any] | None = None
 
 
