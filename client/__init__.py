@@ -16,6 +16,7 @@ from vitserve.client.chunks import ChunkPiece, ImageSpan, chunk_bounds, plan_chu
 from vitserve.client.core import RetryPolicy
 from vitserve.client.handles import EncodeWait, FetchedChunk, ImageHandle, Submitted
 from vitserve.client.sync import EncoderClient
+from vitserve.media import VideoFor
 
 __all__ = [
     "AsyncEncoderClient",
@@ -27,6 +28,7 @@ __all__ = [
     "ImageSpan",
     "RetryPolicy",
     "Submitted",
+    "VideoFor",
     "chunk_bounds",
     "plan_chunk",
 ]

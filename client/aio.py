@@ -20,6 +20,7 @@ from vitserve.client.transports import (
     pick_transport,
 )
 from vitserve.errors import VitserveError
+from vitserve.media import VideoFor
 
 
 class AsyncEncoderClient:
@@ -46,13 +47,17 @@ class AsyncEncoderClient:
         )
         self.retry = retry or RetryPolicy()
 
-    async def encode(self, images: Sequence[ImageInput]) -> list[ImageHandle]:
-        return await self._run(self.core.encode(images))
+    async def encode(
+        self, images: Sequence[ImageInput], video_for: VideoFor = VideoFor.MODEL
+    ) -> list[ImageHandle]:
+        return await self._run(self.core.encode(images, video_for))
 
-    async def submit(self, images: Sequence[ImageInput]) -> list[Submitted]:
+    async def submit(
+        self, images: Sequence[ImageInput], video_for: VideoFor = VideoFor.MODEL
+    ) -> list[Submitted]:
         """As :meth:`encode`, answered once the new images are claimed, before their
         embeddings are published (a new one is pending: :class:`Submitted`)."""
-        return await self._run(self.core.submit(images))
+        return await self._run(self.core.submit(images, video_for))
 
     async def probe(self, keys: Sequence[str]) -> list[ImageHandle | None]:
         return await self._run(self.core.probe(keys))

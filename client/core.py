@@ -44,8 +44,8 @@ from vitserve.client.handles import EncodeWait, FetchedChunk, ImageHandle, Submi
 from vitserve.client.inputs import ImageInput, image_bytes
 from vitserve.client.metrics import ClientMetrics
 from vitserve.errors import CacheMissError, ConfigError, StoreUnavailableError, VitserveError
-from vitserve.keys import item_key
-from vitserve.media import Media, media_of
+from vitserve.keys import item_key, video_settings
+from vitserve.media import Media, VideoFor, media_of
 
 RETRY_STATUSES = frozenset({429, 503})
 HEADER_CACHE_SIZE = 4096  # record headers kept for row reads (a few KiB each at most)
@@ -249,23 +249,33 @@ class ClientCore:
                 policy = replace(given.policy, fingerprint=fingerprint)
                 self.store = EmbeddingStore(given.connection, policy, counters=given.counters)
 
-    def keys_of(self, datas: Sequence[bytes]) -> list[str]:
+    def keys_of(self, datas: Sequence[bytes], video_for: VideoFor = VideoFor.MODEL) -> list[str]:
         """The content keys of image or video bytes, as the service computes them (after
-        describe): a video's under the model's video sampling (:func:`vitserve.keys.item_key`)."""
+        describe): a video's under its sampling ``video_for``'s way
+        (:func:`vitserve.keys.item_key`). A video asked a way the service does not know for a
+        model that takes videos is a ConfigError (a model that takes none refuses it per item,
+        as it does any video)."""
         assert self.model is not None
         fp, ns = self.model["fingerprint"], self.model.get("namespace") or ""
-        video = self.model.get("video")
+        video = video_settings(self.model, video_for)
+        takes_video = video_settings(self.model, VideoFor.MODEL) is not None
+        if video is None and takes_video and any(media_of(d) is Media.VIDEO for d in datas):
+            raise ConfigError(
+                f"video_for={video_for.value}: the service does not know how it samples "
+                f"{self.model.get('family')} videos"
+            )
         return [item_key(d, fp, ns, video) for d in datas]
 
     # -- encode --------------------------------------------------------------------------------
-    def encode(self, images: Sequence[ImageInput]) -> Flow:
+    def encode(self, images: Sequence[ImageInput], video_for: VideoFor = VideoFor.MODEL) -> Flow:
         """One :class:`ImageHandle` per image, in order: keys computed here, one probe, then
-        uploads of only the images the store lacks (none when all are held)."""
+        uploads of only the images the store lacks (none when all are held). A video is
+        sampled ``video_for``'s way (the model's, or vLLM's: :class:`~vitserve.media.VideoFor`)."""
         if not images:
             raise ConfigError("encode needs at least one image")
         datas = [image_bytes(image, i) for i, image in enumerate(images)]
         yield from self.describe()
-        keys = self.keys_of(datas)
+        keys = self.keys_of(datas, video_for)
         data_of = dict(zip(keys, datas, strict=True))
         distinct = list(data_of)
         # an image whose publish is under way (its claim held: an encode answered, or another
@@ -279,17 +289,19 @@ class ClientCore:
         first_index: dict[str, int] = {}
         for i, k in enumerate(keys):
             first_index.setdefault(k, i)
-        uploaded = yield from self._upload(missing, data_of, first_index, EncodeWait.PUBLISHED)
+        uploaded = yield from self._upload(
+            missing, data_of, first_index, EncodeWait.PUBLISHED, video_for
+        )
         for key, handle in uploaded.items():
             if handle is None:  # a service that answered before its publish, unasked
                 raise errors.ApiError(502, "pending", f"image {key[:12]}... answered unpublished")
             handles[key] = handle
         return [
-            handles[k] if handles[k].source is not None else replace(handles[k], source=d)
+            replace(handles[k], source=handles[k].source or d, video_for=video_for)
             for k, d in zip(keys, datas, strict=True)
         ]
 
-    def submit(self, images: Sequence[ImageInput]) -> Flow:
+    def submit(self, images: Sequence[ImageInput], video_for: VideoFor = VideoFor.MODEL) -> Flow:
         """One :class:`Submitted` per image, in order: as :meth:`encode` (keys here, one probe,
         uploads of only what the store lacks), but the service answers once the new images are
         claimed (``EncodeWait.CLAIMED``): a new image is pending, its record published after
@@ -298,7 +310,7 @@ class ClientCore:
             raise ConfigError("submit needs at least one image")
         datas = [image_bytes(image, i) for i, image in enumerate(images)]
         yield from self.describe()
-        keys = self.keys_of(datas)
+        keys = self.keys_of(datas, video_for)
         data_of = dict(zip(keys, datas, strict=True))
         distinct = list(data_of)
         held = yield from self.probe(distinct)
@@ -310,7 +322,7 @@ class ClientCore:
         first_index: dict[str, int] = {}
         for i, k in enumerate(keys):
             first_index.setdefault(k, i)
-        sent = yield from self._upload(missing, data_of, first_index, EncodeWait.CLAIMED)
+        sent = yield from self._upload(missing, data_of, first_index, EncodeWait.CLAIMED, video_for)
         return [
             Submitted(k, found[k], False) if k in found else Submitted(k, sent[k], True)
             for k in keys
@@ -344,10 +356,12 @@ class ClientCore:
         data_of: dict[str, bytes],
         index_of: dict[str, int],
         wait: EncodeWait,
+        video_for: VideoFor = VideoFor.MODEL,
     ) -> Flow:
-        """Encode the images of ``keys`` in requests within the service's limits, answered as
-        ``wait`` says; their handles by key (None: pending, ``EncodeWait.CLAIMED``). A refused
-        image raises its error, with the caller's index."""
+        """Encode the images of ``keys`` (videos sampled ``video_for``'s way) in requests
+        within the service's limits, answered as ``wait`` says; their handles by key (None:
+        pending, ``EncodeWait.CLAIMED``). A refused image raises its error, with the caller's
+        index."""
         max_images = self._limit("max_images_per_request", 64)
         max_bytes = self._limit("max_request_bytes", 2**62)
         out: dict[str, ImageHandle | None] = {}
@@ -361,6 +375,8 @@ class ClientCore:
             }
             if wait is not EncodeWait.PUBLISHED:
                 payload["wait"] = wait.value
+            if video_for is not VideoFor.MODEL:
+                payload["video_for"] = video_for.value
             try:
                 body = check((yield ApiCall("encode", payload)))
             except errors.ImageError as exc:  # the request refused for one of its images
@@ -423,7 +439,16 @@ class ClientCore:
                 raise CacheMissError(lost)
             data_of = {k: h.source for k, h in gone.items()}
             index_of = dict.fromkeys(gone, -1)
-            redone = yield from self._upload(list(gone), data_of, index_of, EncodeWait.PUBLISHED)  # type: ignore[arg-type]
+            redone: dict[str, ImageHandle | None] = {}
+            for way in dict.fromkeys(h.video_for for h in gone.values()):  # as each was keyed
+                again_keys = [k for k, h in gone.items() if h.video_for is way]
+                redone |= yield from self._upload(
+                    again_keys,
+                    data_of,  # type: ignore[arg-type]
+                    index_of,
+                    EncodeWait.PUBLISHED,
+                    way,
+                )
             self.metrics.inc("reencoded", len(gone))
             again = [i for i, r in enumerate(records) if r is None]
             for i, record in zip(

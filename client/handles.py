@@ -9,6 +9,7 @@ from typing import Any
 
 from vitserve.cache.codec import DTYPES, FrameGroup, frame_groups
 from vitserve.client.chunks import ChunkPiece
+from vitserve.media import VideoFor
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,8 @@ class ImageHandle:
     # rows); None for an image
     times: tuple[float, ...] | None = None
     frame_rate: float | None = None  # a video's sampled frames per second of video
+    # whose sampling a video was keyed under (encoded again so after an eviction)
+    video_for: VideoFor = field(default=VideoFor.MODEL, compare=False)
 
     @classmethod
     def from_item(

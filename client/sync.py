@@ -21,6 +21,7 @@ from vitserve.client.transports import (
     pick_transport,
 )
 from vitserve.errors import VitserveError
+from vitserve.media import VideoFor
 
 
 class EncoderClient:
@@ -56,15 +57,20 @@ class EncoderClient:
         self.retry = retry or RetryPolicy()
 
     # -- the operations ------------------------------------------------------------------------
-    def encode(self, images: Sequence[ImageInput]) -> list[ImageHandle]:
+    def encode(
+        self, images: Sequence[ImageInput], video_for: VideoFor = VideoFor.MODEL
+    ) -> list[ImageHandle]:
         """One handle per image (bytes, paths or PIL images), in order; uploads only the images
-        the store lacks."""
-        return self._run(self.core.encode(images))
+        the store lacks. A video is sampled ``video_for``'s way (the model's, or vLLM's loader's:
+        :class:`~vitserve.media.VideoFor`) and keyed under it."""
+        return self._run(self.core.encode(images, video_for))
 
-    def submit(self, images: Sequence[ImageInput]) -> list[Submitted]:
+    def submit(
+        self, images: Sequence[ImageInput], video_for: VideoFor = VideoFor.MODEL
+    ) -> list[Submitted]:
         """As :meth:`encode`, answered once the new images are claimed, before their
         embeddings are published (a new one is pending: :class:`Submitted`)."""
-        return self._run(self.core.submit(images))
+        return self._run(self.core.submit(images, video_for))
 
     def probe(self, keys: Sequence[str]) -> list[ImageHandle | None]:
         """The handle of each key the store holds, else None."""

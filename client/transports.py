@@ -94,8 +94,8 @@ def _request(call: ApiCall) -> dict[str, Any]:
             for field in ("images", "videos")
             for i, data in enumerate(call.payload.get(field, ()))
         ]
-        wait = call.payload.get("wait")
-        params = {"wait": wait} if wait is not None else None
+        asked = {k: call.payload[k] for k in ("wait", "video_for") if k in call.payload}
+        params = asked or None
         return {"method": "POST", "url": "/v1/encode", "files": files, "params": params}
     raise ConfigError(f"unknown API route {call.route!r}")
 

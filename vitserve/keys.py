@@ -21,7 +21,7 @@ from typing import Any
 
 import blake3
 
-from vitserve.media import Media, media_of
+from vitserve.media import Media, VideoFor, media_of
 
 KEY_FORMAT_VERSION = 1
 KEY_HEX_CHARS = 64
@@ -99,6 +99,17 @@ def video_fingerprint(fingerprint: str, sampling: Mapping[str, Any]) -> str:
     fields = {"model": fingerprint, "video_sampling": _canonical(dict(sampling))}
     h.update(json.dumps(fields, sort_keys=True).encode())
     return h.hexdigest()
+
+
+def video_settings(model: Mapping[str, Any], which: VideoFor) -> Mapping[str, Any] | None:
+    """The sampling settings a described model (the service's ``/healthz`` ``model``) keys a
+    video encoded ``which`` way under; None: refused (a service that predates ``video_for``
+    describes only the model's)."""
+    ways = model.get("video_for")
+    if isinstance(ways, Mapping):
+        settings = ways.get(which.value)
+        return settings if isinstance(settings, Mapping) else None
+    return model.get("video") if which is VideoFor.MODEL else None
 
 
 def content_key(

@@ -84,6 +84,7 @@ from vitserve.errors import (
     VitserveError,
     actor_unavailable_errors,
 )
+from vitserve.media import VideoFor
 
 log = logging.getLogger("ray.serve")
 
@@ -177,17 +178,21 @@ class EncodeFlow:
         store: EmbeddingStore | None = None,
         patches: Sequence[int] | None = None,
         wait: EncodeWait = EncodeWait.PUBLISHED,
+        video_for: VideoFor = VideoFor.MODEL,
     ) -> list[AnswerItem]:
         """``items``: image bytes, or a key the caller believes held; ``keys`` their keys (in
         ``store``'s namespace; ``store`` None: this flow's store, the config's namespace);
         ``patches`` each item's work (the encoder router's hint; None: unknown, 0); ``wait``
-        when to answer (module). Runs as a task of its own: cancelling the caller leaves it to
+        when to answer (module); ``video_for`` whose sampling the videos are encoded by (their
+        ``keys`` are under it). Runs as a task of its own: cancelling the caller leaves it to
         finish (module)."""
         if wait is EncodeWait.PUBLISHED:
-            work = asyncio.create_task(self._encode(items, keys, store, patches))
+            work = asyncio.create_task(
+                self._encode(items, keys, store, patches, video_for=video_for)
+            )
             return list(await asyncio.shield(work))
         claimed: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        work = asyncio.create_task(self._encode(items, keys, store, patches, claimed))
+        work = asyncio.create_task(self._encode(items, keys, store, patches, claimed, video_for))
         self.background.add(work)
         work.add_done_callback(self._background_ended)
         waits: set[asyncio.Future[Any]] = {claimed, work}
@@ -237,6 +242,7 @@ class EncodeFlow:
         store: EmbeddingStore | None = None,
         patches: Sequence[int] | None = None,
         claimed: asyncio.Future[dict[str, Any]] | None = None,
+        video_for: VideoFor = VideoFor.MODEL,
     ) -> list[EncodedItem | ErrorItem]:
         store = self.store if store is None else store
         assert store is not None, "a flow without a store of its own is given each request's"
@@ -282,6 +288,7 @@ class EncodeFlow:
                 store,
                 results,
                 unneeded,
+                video_for,
             )
         else:
             self.flights.release_later(store, unneeded)
@@ -298,6 +305,7 @@ class EncodeFlow:
         store: EmbeddingStore,
         results: dict[str, EncodedItem | ErrorItem],
         releases: list[tuple[str, str]],
+        video_for: VideoFor = VideoFor.MODEL,
     ) -> None:
         """The request's new images: each one a request on this ingress is encoding already
         is joined here (single flight from the moment of the claim, before any preprocessing);
@@ -323,6 +331,7 @@ class EncodeFlow:
                     claims_at=store.connection.claim_scope,
                     patches=[patches_of[new[i]] for i in send],
                     caller=THIS_CALLER,
+                    video_for=video_for,
                 )
                 answers = await self._call_encoder(batch, store)
                 for i, answer in zip(send, answers, strict=True):
@@ -367,7 +376,12 @@ class EncodeFlow:
                 assert self.preprocessor is not None, "preprocess_at: ingress has a preprocessor"
                 assert batch.images is not None, "the flow sends the bytes it was given"
                 prepared = await asyncio.to_thread(
-                    prepare_all, self.preprocessor, batch.images, batch.keys, batch.indices
+                    prepare_all,
+                    self.preprocessor,
+                    batch.images,
+                    batch.keys,
+                    batch.indices,
+                    batch.video_for,
                 )
             return await self.encoder.encode.remote(
                 dataclasses.replace(batch, images=None), prepared

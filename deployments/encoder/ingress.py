@@ -99,7 +99,8 @@ from vitserve.errors import (
     ServiceUnavailableError,
     VitserveError,
 )
-from vitserve.keys import item_key
+from vitserve.keys import item_key, video_settings
+from vitserve.media import VideoFor
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
 
@@ -123,6 +124,19 @@ def encode_wait(value: str | None) -> EncodeWait:
         allowed = ", ".join(w.value for w in EncodeWait)
         shown = str(value)[:40]
         raise MalformedRequestError(f"wait={shown!r}: expected one of {allowed}") from None
+
+
+def encode_video_for(value: str | None) -> VideoFor:
+    """An encode's ``video_for`` (query parameter, or the handle payload's field): absent is
+    ``model``; anything but a :class:`~vitserve.media.VideoFor` value is a 422 naming them."""
+    if value is None:
+        return VideoFor.MODEL
+    try:
+        return VideoFor(value)
+    except ValueError:
+        allowed = ", ".join(w.value for w in VideoFor)
+        shown = str(value)[:40]
+        raise MalformedRequestError(f"video_for={shown!r}: expected one of {allowed}") from None
 
 
 def _rows_record(part: Any) -> Any:
@@ -230,15 +244,22 @@ class Ingress:
             tenant = self.gate.tenant_of_header(request.headers.get("authorization"))
             terms = await self._work_terms()
             wait = encode_wait(request.query_params.get("wait"))
-            items, patches = await self._read_images(request, terms, wait)
-            response = JSONResponse(await self._encode_answer(items, tenant, patches, wait))
+            video_for = encode_video_for(request.query_params.get("video_for"))
+            items, patches = await self._read_images(request, terms, wait, video_for)
+            response = JSONResponse(
+                await self._encode_answer(items, tenant, patches, wait, video_for)
+            )
         except VitserveError as exc:
             response = error_response(exc)
         metrics.inc("requests_total", route="encode", status=str(response.status_code))
         return response
 
     async def _read_images(
-        self, request: Request, terms: Terms, wait: EncodeWait = EncodeWait.PUBLISHED
+        self,
+        request: Request,
+        terms: Terms,
+        wait: EncodeWait = EncodeWait.PUBLISHED,
+        video_for: VideoFor = VideoFor.MODEL,
     ) -> tuple[list[bytes | str], list[int]]:
         """The request's items (image bytes or keys) and each one's patches (0 for a key);
         request-level limits checked, the body
@@ -254,19 +275,20 @@ class Ingress:
         ctype = request.headers.get("content-type", "")
         if ctype.startswith("multipart/form-data"):
             items = await self._form_items(request, body)
-            return items, await self._off_loop(self._check_request, items, terms, wait)
+            checked = await self._off_loop(self._check_request, items, terms, wait, video_for)
+            return items, checked
         if parse.is_json_type(ctype):
-            return await self._off_loop(self._json_items, body, terms, wait)
+            return await self._off_loop(self._json_items, body, terms, wait, video_for)
         raise MalformedRequestError(
             f"unsupported content type {ctype[:80]!r}; use multipart/form-data or JSON", 415
         )
 
     def _json_items(
-        self, body: bytearray, terms: Terms, wait: EncodeWait
+        self, body: bytearray, terms: Terms, wait: EncodeWait, video_for: VideoFor
     ) -> tuple[list[bytes | str], list[int]]:
         """A JSON encode body's items and their patches, checked (a worker thread)."""
         items = parse.encode_json_bytes(body, self.cfg.limits.max_images_per_request)
-        return items, self._check_request(items, terms, wait)
+        return items, self._check_request(items, terms, wait, video_for)
 
     async def _form_items(self, request: Request, body: bytes | bytearray) -> list[bytes | str]:
         """The image files of a multipart ``body`` (already read), then its video files (field
@@ -302,28 +324,37 @@ class Ingress:
         return items
 
     def _check_request(
-        self, items: list[bytes | str], terms: Terms, wait: EncodeWait = EncodeWait.PUBLISHED
+        self,
+        items: list[bytes | str],
+        terms: Terms,
+        wait: EncodeWait = EncodeWait.PUBLISHED,
+        video_for: VideoFor = VideoFor.MODEL,
     ) -> list[int]:
         """The request-level limits: image count, total bytes, each image's bytes and pixels,
         and the work of its images against what one encoder replica admits; each item's
         patches (0 for a key), the encoder router's hint."""
         parse.check_items(items, self.cfg.limits)
-        return self._check_images(items, terms, strict=wait is EncodeWait.CLAIMED)
+        strict = wait is EncodeWait.CLAIMED
+        return self._check_images(items, terms, strict, video_for)
 
     def _check_images(
-        self, items: list[bytes | str], terms: Terms, strict: bool = False
+        self,
+        items: list[bytes | str],
+        terms: Terms,
+        strict: bool = False,
+        video_for: VideoFor = VideoFor.MODEL,
     ) -> list[int]:
         """Byte and pixel limits of each image, and the request's work (patches, and bytes:
         prepared arrays plus its decodings) against one encoder replica's capacity, all from
         the images' headers (no decode), as the encoder's admission counts them: a request no
         replica could ever admit is a 413 here, before any store or encoder call. ``strict``
         (an answer at the claims, whose images' errors would come after it): an image whose
-        header does not read refuses the whole request here (422, naming its index)."""
+        header does not read refuses the whole request here (422, naming its index). A video
+        is sampled ``video_for``'s way."""
         limits, videos = self.cfg.limits.image_limits(), self.cfg.limits.video_limits()
+        sampling = terms.sampling(video_for)
         works = {
-            i: image_work(
-                terms.rule, item, i, limits, strict, video=terms.video, video_limits=videos
-            )
+            i: image_work(terms.rule, item, i, limits, strict, video=sampling, video_limits=videos)
             for i, item in enumerate(items)
             if isinstance(item, bytes)
         }
@@ -336,11 +367,12 @@ class Ingress:
         tenant: Tenant,
         patches: list[int],
         wait: EncodeWait = EncodeWait.PUBLISHED,
+        video_for: VideoFor = VideoFor.MODEL,
     ) -> dict[str, Any]:
         model = await self._describe()
 
         def keys() -> list[str]:  # hashing up to max_request_bytes: off the loop
-            fingerprint, video = model["fingerprint"], model.get("video")
+            fingerprint, video = model["fingerprint"], video_settings(model, video_for)
             return [
                 i if isinstance(i, str) else item_key(i, fingerprint, tenant.namespace, video)
                 for i in items
@@ -348,7 +380,8 @@ class Ingress:
 
         store = self._store_for(tenant)
         keyed = await self._off_loop(keys)
-        return {"items": await self.flow.encode(items, keyed, store, patches, wait)}
+        answer = await self.flow.encode(items, keyed, store, patches, wait, video_for)
+        return {"items": answer}
 
     # -- probe and fetch -------------------------------------------------------------------------
     @api.post(
@@ -506,14 +539,15 @@ class Ingress:
         return {"records": records}
 
     async def _encode_payload(self, payload: Any, tenant: Tenant) -> dict[str, Any]:
-        wait = EncodeWait.PUBLISHED
-        if isinstance(payload, dict) and "wait" in payload:
+        wait, video_for = EncodeWait.PUBLISHED, VideoFor.MODEL
+        if isinstance(payload, dict) and {"wait", "video_for"} & set(payload):
             payload = dict(payload)
-            wait = encode_wait(payload.pop("wait"))
+            wait = encode_wait(payload.pop("wait", None))
+            video_for = encode_video_for(payload.pop("video_for", None))
         images = parse.encode_payload(payload, self.cfg.limits.max_images_per_request)
         terms = await self._work_terms()
-        patches = await self._off_loop(self._check_request, images, terms, wait)
-        return await self._encode_answer(images, tenant, patches, wait)
+        patches = await self._off_loop(self._check_request, images, terms, wait, video_for)
+        return await self._encode_answer(images, tenant, patches, wait, video_for)
 
     @api.post(
         "/v1/rows",

@@ -24,6 +24,7 @@ from vitserve.deployments.encoder.wire import EncodeBatch, error_item
 from vitserve.encoder.images import ImageLimits
 from vitserve.encoder.video import VideoLimits
 from vitserve.errors import ImageError
+from vitserve.media import VideoFor
 
 if TYPE_CHECKING:  # heavy (the families' image processors): imported where preprocessing runs
     from vitserve.encoder.families import FamilyAdapter, PreparedImage
@@ -39,18 +40,25 @@ class ImagePreparer(Protocol):
     @property
     def video_limits(self) -> VideoLimits: ...
 
-    def prepare(self, data: bytes, key: str, index: int) -> PreparedImage: ...
+    def prepare(
+        self, data: bytes, key: str, index: int, video_for: VideoFor = VideoFor.MODEL
+    ) -> PreparedImage: ...
 
 
 def prepare_all(
-    preprocessor: ImagePreparer, images: list[bytes], keys: list[str], indices: list[int]
+    preprocessor: ImagePreparer,
+    images: list[bytes],
+    keys: list[str],
+    indices: list[int],
+    video_for: VideoFor = VideoFor.MODEL,
 ) -> list[Any]:
-    """Each image's PreparedImage, or its error item (a bad image fails alone)."""
+    """Each image's PreparedImage (a video sampled ``video_for``'s way), or its error item (a
+    bad image fails alone)."""
     out: list[Any] = []
     for data, key, index in zip(images, keys, indices, strict=True):
         start = time.perf_counter()
         try:
-            out.append(preprocessor.prepare(data, key, index))
+            out.append(preprocessor.prepare(data, key, index, video_for))
         except ImageError as exc:
             out.append(error_item(exc))
         metrics.observe("stage_seconds", time.perf_counter() - start, stage="preprocess")
@@ -82,4 +90,6 @@ class PreprocessDeployment:
 
     def prepare(self, batch: EncodeBatch) -> list[Any]:
         """Each image of the batch prepared, or its error item."""
-        return prepare_all(self.preprocessor, batch.images or [], batch.keys, batch.indices)
+        return prepare_all(
+            self.preprocessor, batch.images or [], batch.keys, batch.indices, batch.video_for
+        )

@@ -79,6 +79,7 @@ from vitserve.errors import (
     StoreUnavailableError,
     VitserveError,
 )
+from vitserve.media import VideoFor
 
 log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
 
@@ -222,6 +223,8 @@ class EncoderDeployment:
             "namespace": e.namespace,
             # how the model samples a video (part of a video's key); None: it takes none
             "video": e.video_settings,
+            # and each way an encode may ask for (``VideoFor``: the model's, vLLM's; None: refused)
+            "video_for": {w.value: e.video_settings_for(w) for w in VideoFor},
             "max_batch_patches": e.max_batch_patches,
             "budget_bytes": e.budget_bytes,
             "preprocess_at": self.cfg.preprocess_at,
@@ -341,7 +344,7 @@ class EncoderDeployment:
                 images[i],
                 batch.indices[i],
                 limits,
-                video=terms.video,
+                video=terms.sampling(batch.video_for),
                 video_limits=videos,
             )
             for i in indices
@@ -413,6 +416,7 @@ class EncoderDeployment:
             [images[i] for i in indices],
             [batch.keys[i] for i in indices],
             [batch.indices[i] for i in indices],
+            batch.video_for,
         )
 
     def _queue(

@@ -33,6 +33,7 @@ from vitserve.cache.codec import Header
 from vitserve.deployments.encoder.routing import RouteHint
 from vitserve.deployments.encoder.single_flight import ClaimState
 from vitserve.errors import VitserveError
+from vitserve.media import VideoFor
 
 #: ``EncodeBatch.claims_at`` of a caller that does not say where its claims live
 CLAIMS_UNSTATED = "unstated"
@@ -58,6 +59,7 @@ class EncodeBatch:
     # the caller's store's ``claim_scope`` (None: shared); unstated by a caller that predates
     # it (a rolling update) or builds batches by hand: not checked
     claims_at: str | None = CLAIMS_UNSTATED
+    video_for: VideoFor = VideoFor.MODEL  # whose sampling its videos are keyed and encoded by
 
     def route_hint(self) -> RouteHint:
         """What the encoder's request router reads: the keys and their patches (an unknown

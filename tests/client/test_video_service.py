@@ -134,3 +134,48 @@ def test_a_preprocess_deployments_preparer_takes_videos_under_the_configs_limits
     assert prepared.grid is not None and prepared.grid[0] == 2 and len(prepared.times) == 4
     with pytest.raises(ImageTooLargeError, match="max_video_frames"):
         preparer.prepare(fresh_clip(31), "k" * 64, 3)
+
+
+def test_a_video_for_vllm_is_sampled_and_keyed_as_vllms_loader_samples_it(family_apps) -> None:
+    """``video_for=vllm`` (what the vLLM front asks): Gemma 4's 40-frame clip is sampled as
+    vLLM's OpenCV loader samples it (32 frames at ``linspace``), not as transformers' video
+    processor does (``i * 40 // 32``), under a key of its own, over HTTP (multipart and JSON)
+    and through the SDK, hash first; a handle keeps the way, so an entry lost before its
+    fetch is encoded again under its own key. Another value is a 422 naming the ways."""
+    from prometheus_client import CollectorRegistry
+
+    from vitserve.cache.node import NodeStore
+    from vitserve.client import EncoderClient, VideoFor
+
+    app = family_apps["gemma4"]
+    video, url = fresh_clip(40), f"{app.url}/v1/encode"
+    files = [("videos", ("v.mp4", video, "video/mp4"))]
+    before = encoded_images(app)
+    mine = app.client.post(url, files=files)
+    theirs = app.client.post(url, files=files, params={"video_for": "vllm"})
+    assert mine.status_code == theirs.status_code == 200, (mine.text, theirs.text)
+    [mine_item], [theirs_item] = mine.json()["items"], theirs.json()["items"]
+    assert mine_item["times"] == [i * 40 // 32 / 10 for i in range(32)]
+    assert theirs_item["times"] == [int(i) / 10 for i in np.linspace(0, 39, 32, dtype=int)]
+    assert mine_item["key"] != theirs_item["key"]
+    assert encoded_images(app) - before == 2
+    again = app.client.post(url, json={"videos": [_b64(video)], "video_for": "vllm"})
+    assert again.status_code == 422  # a JSON body's fields are its items: the way is a param
+    again = app.client.post(url, json={"videos": [_b64(video)]}, params={"video_for": "vllm"})
+    assert again.status_code == 200, again.text
+    assert again.json()["items"][0] | {"cached": False} == theirs_item
+    registry = CollectorRegistry()
+    with EncoderClient(app.url, registry=registry) as client:
+        [handle] = client.encode([video], VideoFor.VLLM)
+        assert (handle.key, handle.cached, handle.video_for) == (
+            theirs_item["key"],
+            True,
+            VideoFor.VLLM,
+        )
+        NodeStore(namespace=app.config.namespace, read_cache_bytes=0).delete(handle.key)
+        [record] = client.fetch([handle])  # gone: encoded again, under vLLM's sampling
+        assert record.embedding.shape[0] == handle.num_tokens
+        assert registry.get_sample_value("vitserve_client_reencoded_total") == 1
+    assert encoded_images(app) - before == 3
+    bad = app.client.post(url, files=files, params={"video_for": "tgi"})
+    assert bad.status_code == 422 and "expected one of model, vllm" in bad.text, bad.text

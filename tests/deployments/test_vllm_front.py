@@ -716,25 +716,38 @@ def test_video_parts_are_items_and_the_wrong_kind_is_refused() -> None:
     assert video_option_problem({"media_io_kwargs": {"image": {}}}) is None
 
 
-def test_videos_are_keyed_only_where_vllm_samples_as_the_checkpoint_says() -> None:
-    """The front keys a video only when vLLM's loader (its own settings, not the
-    checkpoint's) samples the model's videos as vitserve does: the Qwen families with the
-    loader's defaults; a checkpoint sampling at another rate or frame bound, Gemma 4 (vLLM
-    spreads its frames otherwise) and a model without video go unkeyed."""
-    from vitserve.client.ec_plan import video_sampling_problem
+def test_a_video_is_keyed_for_vllm_under_the_settings_the_service_describes() -> None:
+    """The front keys a video under the service's ``video_for.vllm`` settings (vLLM's loader's
+    over the checkpoint's: a checkpoint sampling at 1 fps still gets vLLM's 2 fps), so the
+    SDK's key is the service's; a service that describes no such way (one that predates
+    ``video_for``, or a model whose vLLM sampling vitserve does not know) has its videos sent
+    unkeyed (None), and asking the SDK for that way is a ConfigError naming it."""
+    from vitserve.client.core import ClientCore
     from vitserve.encoder.video import VideoSampling
+    from vitserve.errors import ConfigError
     from vitserve.families import family_spec
+    from vitserve.keys import item_key, video_settings
+    from vitserve.media import VideoFor
 
-    def settings(family: str, **config: Any) -> dict[str, Any]:
-        return VideoSampling.from_config(family_spec(family).video or {}, config).settings()
-
-    for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"):
-        assert video_sampling_problem(family_spec(family), settings(family)) is None, family
-    qwen3 = family_spec("qwen3_vl")
-    assert "this checkpoint with {'fps': 1.0}" in str(
-        video_sampling_problem(qwen3, settings("qwen3_vl", fps=1.0))
-    )
-    assert video_sampling_problem(qwen3, settings("qwen3_vl", min_frames=8))
-    assert video_sampling_problem(qwen3, settings("qwen2_vl"))  # Qwen2-VL's frame rule
-    assert video_sampling_problem(family_spec("gemma4"), settings("gemma4"))
-    assert video_sampling_problem(qwen3, None)
+    spec = family_spec("qwen3_vl")
+    ckpt = VideoSampling.from_config(spec.video or {}, {"fps": 1.0})
+    ways = {"model": ckpt.settings(), "vllm": ckpt.replaced(spec.vllm_video or {}).settings()}
+    assert ways["vllm"]["fps"] == 2.0 and ways["model"]["fps"] == 1.0
+    model = {"fingerprint": "f" * 64, "family": "qwen3_vl", "video": ways["model"]}
+    assert video_settings(model, VideoFor.MODEL) == ways["model"]
+    assert video_settings(model, VideoFor.VLLM) is None  # a service before video_for
+    model["video_for"] = ways
+    assert video_settings(model, VideoFor.VLLM) == ways["vllm"]
+    core = ClientCore.for_client("http://unused:1", None, None, None)
+    core.model = model
+    video = b"\x00\x00\x00\x18ftypmp42" + bytes(64)
+    [key] = core.keys_of([video], VideoFor.VLLM)
+    assert key == item_key(video, model["fingerprint"], "", ways["vllm"])
+    assert key != core.keys_of([video])[0]
+    model["video_for"] = {"model": ways["model"], "vllm": None}
+    with pytest.raises(ConfigError, match="video_for=vllm"):
+        core.keys_of([video], VideoFor.VLLM)
+    image = b"\x89PNG\r\n\x1a\n" + bytes(32)
+    assert core.keys_of([image], VideoFor.VLLM) == core.keys_of([image])  # images: any way
+    model.update(video=None, video_for={"model": None, "vllm": None})  # a model without video
+    assert core.keys_of([video], VideoFor.VLLM) == [item_key(video, model["fingerprint"])]
