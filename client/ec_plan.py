@@ -60,7 +60,6 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar
 
 from vitserve.client.handles import ImageHandle
-from vitserve.families.spec import FamilySpec
 
 _IDENTIFIER = re.compile(r"(?:(?P<namespace>[^/:\s]{1,200})/)?(?P<key>[0-9a-f]{64})")
 
@@ -122,25 +121,6 @@ def video_option_problem(body: Mapping[str, Any]) -> str | None:
         return f"media_io_kwargs.video={video!r} changes the frames vLLM samples from a video"
     if body.get("mm_processor_kwargs"):
         return "mm_processor_kwargs changes how vLLM's processor makes a video's frames"
-    return None
-
-
-def video_sampling_problem(spec: FamilySpec, settings: Mapping[str, Any] | None) -> str | None:
-    """Why vLLM would not sample the model's videos as vitserve does (then the front forwards
-    them unkeyed, for vLLM to encode), or None. vLLM's loader for a family samples by its own
-    settings (``FamilySpec.vllm_video``), whatever the checkpoint's
-    ``video_preprocessor_config.json`` says; vitserve samples by the checkpoint's
-    (``settings``: the service's ``/healthz`` ``video``). Frames sampled otherwise can make
-    the same grid (7 frames or 8 make 4 temporal patches), so a key would hand vLLM rows of
-    other frames."""
-    if spec.vllm_video is None:
-        return f"vLLM samples {spec.name} videos otherwise than vitserve"
-    if settings is None:
-        return "the service's model takes no video"
-    differ = {k: v for k, v in spec.vllm_video.items() if settings.get(k) != v}
-    if differ:
-        mine = {k: settings.get(k) for k in differ}
-        return f"vLLM samples {spec.name} videos with {differ}, this checkpoint with {mine}"
     return None
 
 
@@ -580,5 +560,4 @@ __all__ = [
     "pixel_option_problem",
     "split_columns",
     "video_option_problem",
-    "video_sampling_problem",
 ]

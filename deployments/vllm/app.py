@@ -28,10 +28,11 @@ Invariants:
   entry.
 * A video is a ``video_url`` content part with a ``data:`` URL of a video container
   (:mod:`vitserve.media`); it is an item like an image (counted with them, encoded in the same
-  call, keyed under the model's video sampling, given its ``uuid``) for the families whose
-  videos vLLM samples and sizes as vitserve does (``FamilySpec.vllm_video``: the Qwen
-  families, with a checkpoint whose sampling is vLLM's loader's: ``video_sampling_problem``);
-  other videos go to vLLM unkeyed, for it to encode. Bytes of the
+  call, given its ``uuid``) sampled as vLLM's loader samples it (``video_for=vllm``:
+  ``FamilySpec.vllm_video`` over the checkpoint's settings, whatever the checkpoint says of
+  its own sampling) and keyed under that sampling, for the families whose videos vitserve
+  knows vLLM's sampling of (the Qwen families and Gemma 4); other videos go to vLLM
+  unkeyed, for it to encode. Bytes of the
   other kind (a video in an image part or the reverse) are refused (422).
 * A request with images that sets its own ``media_io_kwargs`` changing the decoded pixels
   (``image.rgba_background_color`` other than white, another ``image_mode``; for a video any
@@ -99,7 +100,6 @@ from vitserve.client.ec_plan import (
     item_identifier,
     pixel_option_problem,
     video_option_problem,
-    video_sampling_problem,
 )
 from vitserve.deployments.common import metrics
 from vitserve.deployments.common import requests as parse
@@ -123,8 +123,8 @@ from vitserve.errors import (
     ServiceUnavailableError,
     VitserveError,
 )
-from vitserve.families import family_spec
-from vitserve.media import Media, media_of
+from vitserve.keys import video_settings
+from vitserve.media import Media, VideoFor, media_of
 
 log = logging.getLogger("ray.serve")
 
@@ -422,17 +422,18 @@ class VllmFront:
             return Prepared(bytes(raw), count)
         client = self.clients.get(tenant, token)
         model = client.describe()
-        if videos and video_sampling_problem(family_spec(str(model["family"])), model.get("video")):
-            # vLLM samples this model's videos otherwise: they go to it unkeyed
+        if videos and video_settings(model, VideoFor.VLLM) is None:
+            # vitserve does not know how vLLM samples this model's videos: they go unkeyed
             images = [i for i in images if media_of(i.data) is Media.IMAGE]
             if not images:
                 return Prepared(bytes(raw), count)
         datas = [image.data for image in images]
+        way = VideoFor.VLLM  # videos sampled as vLLM's loader samples them (ignored by images)
         try:
             if self.overlap:  # answered once claimed: the encode runs beside vLLM
-                sent = [(s.key, s.uploaded) for s in client.submit(datas)]
+                sent = [(s.key, s.uploaded) for s in client.submit(datas, way)]
             else:
-                sent = [(h.key, h.uploaded) for h in client.encode(datas)]
+                sent = [(h.key, h.uploaded) for h in client.encode(datas, way)]
         except ImageError as exc:  # its index in the encode call -> among the image parts
             if isinstance(exc.index, int) and 0 <= exc.index < len(images):
                 exc.index = images[exc.index].index

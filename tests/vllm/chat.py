@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from vitserve.client import EncoderClient
+from vitserve.client import EncoderClient, VideoFor
 
 from .conftest import SERVED_NAME
 
@@ -39,9 +39,12 @@ def image_part(data: bytes, uuid: str | None = None) -> dict[str, Any]:
     return part
 
 
-def mp4(rng: np.random.Generator, frames: int, width: int, height: int, rate: int = 10) -> bytes:
+def mp4(
+    rng: np.random.Generator, frames: int, width: int, height: int, rate: int = 10, block: int = 1
+) -> bytes:
     """A clip of ``frames`` random frames (lossless 8-bit H.264, 4:4:4): vLLM's OpenCV decode
-    and vitserve's PyAV decode give the same pixels for it."""
+    and vitserve's PyAV decode give the same pixels for it. ``block``: each random value fills
+    a square of that side (a large clip that stays small)."""
     import av
 
     buf = io.BytesIO()
@@ -50,7 +53,8 @@ def mp4(rng: np.random.Generator, frames: int, width: int, height: int, rate: in
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv444p"
         stream.options = {"qp": "0"}
         for _ in range(frames):
-            pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+            pixels = rng.integers(0, 256, (height // block, width // block, 3), dtype=np.uint8)
+            pixels = pixels.repeat(block, axis=0).repeat(block, axis=1)
             for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
@@ -135,10 +139,10 @@ def near_tie_gap(doc: dict[str, Any], ref: dict[str, Any]) -> float:
 
 
 def keys_of(url: str, images: list[bytes]) -> list[str]:
-    """The images' vitserve keys from the service at ``url`` (encoding them, as the front
-    does)."""
+    """The images' vitserve keys from the service at ``url`` (encoding them as the front does:
+    a video sampled as vLLM samples it, ``VideoFor.VLLM``)."""
     with EncoderClient(url) as client:
-        return [h.key for h in client.encode(images)]
+        return [h.key for h in client.encode(images, VideoFor.VLLM)]
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

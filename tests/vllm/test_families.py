@@ -15,9 +15,10 @@ connector loaded every image. (Qwen2-VL runs in ``test_connector.py``, behind th
 Every family in fp32 but Qwen3.5, which vLLM's CPU build serves in bf16 only: there vitserve
 encodes in bf16 too, and the prompt logprobs agree to bf16's tolerance (:func:`near_tie_gap`).
 
-Qwen3-VL's and Qwen3.5's vLLMs (``VIDEO_FAMILIES``) also take a video a prompt: with the key
-vitserve gives it, vLLM alone's answer, its rows loaded by the connector though vLLM's prompt
-puts a time stamp between each frame group's.
+Qwen3-VL's, Qwen3.5's and Gemma 4's vLLMs (``VIDEO_FAMILIES``) also take a video a prompt:
+with the key vitserve gives it sampled as vLLM samples it (``video_for=vllm``), vLLM alone's
+answer, its rows loaded by the connector though vLLM's prompt puts a time stamp between each
+frame group's (Gemma 4: each frame's); and Gemma 4's through the front to its noise tower.
 
 The families added since the front was tested on Qwen2-VL alone (``NOISE_FAMILIES``) also go
 through vitserve's vLLM front, an application of the same cluster, to a second vLLM whose vision
@@ -88,7 +89,7 @@ KV_CACHE_BYTES = 64 * 2**20
 # the families also served through the front to a vLLM whose vision weights are noise
 NOISE_FAMILIES = ("qwen3_5", "gemma4")
 # the families whose vLLM also takes a video a prompt (vLLM profiles its encoder for one)
-VIDEO_FAMILIES = ("qwen3_vl", "qwen3_5")
+VIDEO_FAMILIES = ("qwen3_vl", "qwen3_5", "gemma4")
 # each application's share of the cluster's 2 CPUs: all five fit
 SHARES = {"encoder.num_cpus": 0.2, "ingress.num_cpus": 0.05, "torch_threads": 1}
 
@@ -246,6 +247,7 @@ def families(
             urls[family],
             store.url,
             work / f"vllm-{family}-noise.log",
+            videos=int(family in VIDEO_FAMILIES),
             check_model="tower-may-differ",
         )
         for family in NOISE_FAMILIES
@@ -316,28 +318,66 @@ def test_the_front_to_a_noise_tower_gives_vllm_alones_answer(
     assert control_gap > 10 * tol, control_gap
 
 
+def gemma4_clip(seed: int) -> bytes:
+    """40 frames of 480x288 at 10 fps: sides Gemma 4's processor keeps (``SIZES``), more frames
+    than vLLM's 32."""
+    return mp4(np.random.default_rng(seed), 40, 480, 288, block=8)
+
+
+def video_messages(clip: bytes, uuid: str | None = None) -> list[dict[str, Any]]:
+    parts = [video_part(clip, uuid), {"type": "text", "text": "What happens?"}]
+    return [{"role": "user", "content": parts}]
+
+
 @pytest.mark.parametrize("family", VIDEO_FAMILIES)
 def test_a_video_with_its_key_equals_vllm_alone(family: str, families: dict[str, Family]) -> None:
-    """A ``video_url`` part (40 frames of 128x96 at 10 fps): vLLM's ``qwen3_vl`` loader samples
-    8 at 2 fps at round(linspace) and its processor sizes the clip as vitserve does (frames
-    within the bounds: not resized), its prompt a time stamp before each of the 4 frame
-    groups (rows that are not one run: the connector's placeholder holds text between them).
-    vLLM with the video's vitserve key gives vLLM alone's tokens and prompt logprobs, the
-    video loaded by its connector."""
+    """A ``video_url`` part (40 frames of 128x96 at 10 fps), keyed as the front keys it
+    (``video_for=vllm``). Qwen: vLLM's ``qwen3_vl`` loader samples 8 at 2 fps at
+    round(linspace) and its processor sizes the clip as vitserve does (frames within the
+    bounds: not resized), its prompt a time stamp before each of the 4 frame groups (rows
+    that are not one run: the connector's placeholder holds text between them). Gemma 4
+    (frames of 480x288: no resize, as its images in ``SIZES``): vLLM's OpenCV loader takes 32
+    at linspace (not the frames transformers' processor would: the model's own sampling keys
+    the clip otherwise), each an image within 70 soft tokens after its ``mm:ss``. vLLM with
+    the video's vitserve key gives vLLM alone's tokens and prompt logprobs, the video loaded
+    by its connector."""
+    from vitserve.client import EncoderClient
+
     url, replica = families[family].url, families[family].replica
-    clip = mp4(np.random.default_rng(13), 40, 128, 96)
+    clip = gemma4_clip(13) if family == "gemma4" else mp4(np.random.default_rng(13), 40, 128, 96)
     (key,) = keys_of(url, [clip])
-
-    def messages(uuid: str | None) -> list[dict[str, Any]]:
-        parts = [video_part(clip, uuid), {"type": "text", "text": "What happens?"}]
-        return [{"role": "user", "content": parts}]
-
-    alone = answer(post(replica.url, body(messages(None))))
+    if family == "gemma4":
+        with EncoderClient(url) as client:  # the model's own sampling: other frames
+            assert client.encode([clip])[0].key != key
+    alone = answer(post(replica.url, body(video_messages(clip))))
     before = replica.counts()
-    hit = answer(post(replica.url, body(messages(key))))
+    hit = answer(post(replica.url, body(video_messages(clip, key))))
     moved = delta(before, replica.counts())
     gap, tol = gap_and_tolerance(family, hit, alone)
     print(f"{family} video: max |prompt logprob difference| from vLLM alone {gap:.2g}")
     assert tokens(hit) == tokens(alone)
     assert gap < tol, gap
     assert moved["loads"] == 1 and moved["load_fallbacks"] == 0, moved
+
+
+def test_a_gemma4_video_through_the_front_to_a_noise_tower_gives_vllm_alones_answer(
+    families: dict[str, Family],
+) -> None:
+    """A Gemma 4 ``video_url`` part (40 frames) through vitserve's front, which keys it as
+    vLLM samples it, to a vLLM whose vision weights are noise: vLLM alone's tokens and prompt
+    logprobs, the video loaded by the connector; the noise vLLM's own tower answers far."""
+    f = families["gemma4"]
+    assert f.front and f.noise
+    clip = gemma4_clip(14)
+    alone = answer(post(f.replica.url, body(video_messages(clip))))
+    before = f.noise.counts()
+    served = answer(post(f.front, body(video_messages(clip))))
+    moved = delta(before, f.noise.counts())
+    control = answer(post(f.noise.url, body(video_messages(clip))))
+    gap, tol = gap_and_tolerance("gemma4", served, alone)
+    control_gap, _ = gap_and_tolerance("gemma4", control, alone)
+    print(f"gemma4 video: through the front {gap:.2g} from vLLM alone, its own {control_gap:.2g}")
+    assert tokens(served) == tokens(alone)
+    assert gap < tol, gap
+    assert moved["loads"] == 1 and moved["load_fallbacks"] == 0, moved
+    assert control_gap > 10 * tol, control_gap
