@@ -21,7 +21,7 @@ CPU_PROFILES ?= 8MiB:0 32MiB:1 480MiB:1
 DURATIONS ?= build/durations
 JUNIT = --junitxml=$(DURATIONS)/$@.xml
 
-.PHONY: install demo test test-fast test-system test-large test-profiles test-vllm vllm-registry test-multinode test-gpu lint typecheck bench bench-publish bench-gpu readme
+.PHONY: install client-install demo test test-fast test-system test-large test-profiles test-vllm vllm-registry test-multinode test-gpu lint typecheck bench bench-publish bench-gpu readme
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -104,6 +104,22 @@ test-vllm: install $(VLLM_VENV)/.installed
 test-multinode: install
 	VITSERVE_TEST_MULTINODE=1 RAY_AUTH_MODE=disabled \
 	  flock /tmp/vitserve-heavy.lock $(PY) -m pytest -q tests/multinode $(JUNIT)
+
+# What `pip install vitserve` (no extras: the client an LLM server's nodes import) gives, in a
+# venv of its own: the SDK imports without torch, ray or redis, `vitserve --version` answers
+# and `vitserve --help` names the server extra (exit 2) instead of failing on an import. pip
+# fetches the client's few dependencies; a step of .ci/run.
+CLIENT_VENV ?= build/client-venv
+client-install:
+	rm -rf $(CLIENT_VENV) && $(PYTHON) -m venv $(CLIENT_VENV)
+	$(CLIENT_VENV)/bin/python -m pip install --quiet .
+	cd /tmp && $(CURDIR)/$(CLIENT_VENV)/bin/python -c "import sys, vitserve.client; \
+	  heavy = {'torch', 'ray', 'redis', 'transformers', 'pydantic'} & set(sys.modules); \
+	  assert not heavy, heavy"
+	$(CLIENT_VENV)/bin/vitserve --version | grep -qx 'vitserve [0-9.]*'
+	out=$$($(CLIENT_VENV)/bin/vitserve --help 2>&1); code=$$?; echo "$$out"; \
+	  test "$$code" = 2 && echo "$$out" | grep -q "pip install 'vitserve\[server\]'"
+	@echo "client-only install: the SDK imports, vitserve --version answers, --help names the extra"
 
 lint: install typecheck
 	$(PY) -m ruff check .

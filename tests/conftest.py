@@ -710,6 +710,13 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
     f"{_CLI}test_make_model_for_vllm_has_heads_vllms_cpu_attention_takes": ("subprocess",),
     f"{_CLI}test_make_model_rejects_unknown_family": ("subprocess",),
     f"{_CLI}test_encode_against_no_server_fails_clearly": ("subprocess",),
+    f"{_CLI}test_without_the_server_extra_the_script_names_it": ("subprocess",),
+    "tests/deployments/test_auth.py::test_vitserve_encode_takes_a_token_by_flag_or_environment": (
+        "subprocess",
+    ),
+    f"{_CLI}test_the_script_has_a_version_help_for_each_command_and_vllms_dtype_names": (
+        "subprocess",
+    ),
     f"{_CLI}test_demo_with_a_missing_model_fails_clearly_before_starting_anything": ("subprocess",),
     f"{_CLI}test_serve_demo_with_prefill_then_encode_and_chat_through_http_then_ctrl_c": (
         "subprocess",

@@ -128,12 +128,14 @@ def test_wheel_maps_top_level_folders_to_subpackages(tmp_path) -> None:
         "vitserve/cache/__init__.py",
         "vitserve/client/__init__.py",
         "vitserve/deployments/runner/cli.py",
+        "vitserve/cli.py",
     ):
         assert path in names, path
     assert not any(n.startswith(("tests/", "encoder/", "loadtest/")) for n in names)
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(names)[-8:]
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "vitserve = vitserve.deployments.runner.cli:main" in text
+    assert "vitserve = vitserve.cli:main" in text
 
 
 # -- the rooms of vitserve.deployments ----------------------------------------------------------

@@ -392,7 +392,9 @@ class VitserveConfig(_Strict):
     # None: cuda in a replica Ray gave a GPU (encoder.num_gpus > 0), else cpu; cuda reserves
     # one GPU per encoder replica unless encoder.num_gpus says otherwise
     device: str | None = None
-    dtype: str | None = None  # None: bf16 where native, else fp32
+    # fp32|bf16|fp16, or vLLM's spellings float32|bfloat16|float16; None or "auto": bf16 where
+    # native, else fp32
+    dtype: str | None = None
     store: str = "node://"  # any open_store URL
     namespace: str = ""
     budget_bytes: int | None = Field(None, gt=0)
@@ -426,8 +428,13 @@ class VitserveConfig(_Strict):
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, value: str | None) -> str | None:
-        if value is not None and value.lower() not in DTYPES:
-            raise ValueError(f"unknown dtype {value!r}; use fp32, bf16 or fp16")
+        if value is None or value.lower() == "auto":
+            return None
+        if value.lower() not in DTYPES:
+            raise ValueError(
+                f"unknown dtype {value!r}; use auto, bfloat16, float16 or float32 "
+                "(or bf16, fp16, fp32)"
+            )
         return value
 
     @model_validator(mode="before")

@@ -1,4 +1,5 @@
-"""The ``vitserve`` command line. Heavy imports (torch, transformers) happen per subcommand."""
+"""The ``vitserve`` command line. Heavy imports (torch, transformers) happen per subcommand;
+its entry point is :mod:`vitserve.cli` (which names the ``server`` extra where it is missing)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ from vitserve.deployments.common.config import VitserveConfig, parse_value
 from vitserve.deployments.runner import local
 from vitserve.encoder.testmodels import FAMILIES, PRESETS, make_model
 from vitserve.errors import ConfigError, VitserveError
+
+DESCRIPTION = (
+    "vitserve: a disaggregated vision-encoder service. Run it (serve, demo), encode files "
+    "through a running one (encode), build random-weight test models (make-model), write the "
+    "Redis ACL file of the Kubernetes manifests (redis-acl)."
+)
 
 
 def _make_model(args: argparse.Namespace) -> None:
@@ -131,13 +138,24 @@ def serving_lines(cfg: Any, url: str, *, prefill: bool) -> list[str]:
 def _encode(args: argparse.Namespace) -> int:
     import httpx  # heavy: only `encode` needs HTTP; `vitserve --help` stays fast
 
+    from vitserve.media import Media, media_of
+
     files = []
     for path in args.files:
         with open(path, "rb") as f:
-            files.append(("images", (path, f.read(), "application/octet-stream")))
+            data = f.read()
+        field = "videos" if media_of(data) is Media.VIDEO else "images"
+        files.append((field, (path, data, "application/octet-stream")))
+    # the service answers a request's images, then its videos
+    order = sorted(range(len(files)), key=lambda i: files[i][0] == "videos")
+    files = [files[i] for i in order]
+    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
     try:
         response = httpx.post(
-            f"{args.url.rstrip('/')}/v1/encode", files=files, timeout=args.timeout
+            f"{args.url.rstrip('/')}/v1/encode",
+            files=files,
+            headers=headers,
+            timeout=args.timeout,
         )
     except httpx.HTTPError as exc:
         from vitserve.cache.urls import redact_url  # a URL may carry a password
@@ -152,7 +170,7 @@ def _encode(args: argparse.Namespace) -> int:
         )
         return 1
     failed = 0
-    for path, item in zip(args.files, body["items"], strict=True):
+    for path, item in zip([args.files[i] for i in order], body["items"], strict=True):
         if "error" in item:
             failed += 1
             print(f"{path}\terror\t{item['error']['message']}")
@@ -320,7 +338,11 @@ def _service_flags(p: argparse.ArgumentParser, default_model: str | None = "demo
     p.add_argument("--port", type=int, help="HTTP port (default 8000; 0: a free port)")
     p.add_argument("--host", help="HTTP host (default 127.0.0.1)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
-    p.add_argument("--dtype", help="fp32, bf16 or fp16 (default: bf16 where native)")
+    p.add_argument(
+        "--dtype",
+        help="auto (default: bf16 where the device runs it natively, else fp32), bfloat16, "
+        "float16 or float32 (also bf16, fp16, fp32)",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -330,13 +352,23 @@ def _service_flags(p: argparse.ArgumentParser, default_model: str | None = "demo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vitserve", description=__doc__)
+    from vitserve import __version__
+
+    parser = argparse.ArgumentParser(prog="vitserve", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"vitserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     make = sub.add_parser("make-model", help="build a random-weight VLM offline")
     make.add_argument("--family", required=True, choices=FAMILIES, help="transformers model_type")
-    make.add_argument("--preset", default="tiny", choices=PRESETS)
-    make.add_argument("--seed", type=int, default=0)
+    make.add_argument(
+        "--preset",
+        default="tiny",
+        choices=PRESETS,
+        help="tiny (tests), small, or large (the published tower's size); default %(default)s",
+    )
+    make.add_argument(
+        "--seed", type=int, default=0, help="the random weights' seed (default %(default)s)"
+    )
     make.add_argument(
         "--vllm",
         action="store_true",
@@ -376,10 +408,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_serve)
 
-    encode = sub.add_parser("encode", help="encode image files through a running service")
-    encode.add_argument("files", nargs="+")
-    encode.add_argument("--url", default="http://127.0.0.1:8000")
-    encode.add_argument("--timeout", type=float, default=600)
+    encode = sub.add_parser(
+        "encode",
+        help="encode image or video files through a running service",
+        description="Send files to a running service's POST /v1/encode (images and videos, "
+        "told apart by their bytes) and print, per file, its key, its rows and whether the "
+        "store held it. Exit status 1 when a file failed, 2 when the service was not reached.",
+    )
+    encode.add_argument("files", nargs="+", help="image or video files")
+    encode.add_argument(
+        "--url",
+        default=os.environ.get("VITSERVE_URL", "http://127.0.0.1:8000"),
+        help="the service's base URL (default: $VITSERVE_URL, else %(default)s)",
+    )
+    encode.add_argument(
+        "--token",
+        default=os.environ.get("VITSERVE_TOKEN"),
+        help="bearer token, where the service has auth on (default: $VITSERVE_TOKEN)",
+    )
+    encode.add_argument(
+        "--timeout", type=float, default=600, help="seconds to wait (default %(default)s)"
+    )
     encode.set_defaults(func=_encode)
 
     demo = sub.add_parser(

@@ -623,3 +623,34 @@ def test_a_rotated_token_works_through_the_prefill_app_and_the_vllm_front(
         _swap(secret_files["tokens"], "# erin left\n")
         serve.delete(name)
         fake.stop()
+
+
+def test_vitserve_encode_takes_a_token_by_flag_or_environment(services, tmp_path) -> None:
+    """``vitserve encode`` against a service with auth on: refused without a token (exit 1,
+    the 401 said), encoded with ``--token``, and with ``$VITSERVE_TOKEN`` (then cached: the
+    tenant's own entry)."""
+    import subprocess
+
+    from tests.cli_process import VITSERVE, cli_env
+
+    encoder, _ = services
+    image = tmp_path / "a.png"
+    image.write_bytes(fresh_image())
+    env = cli_env(tmp_path)
+
+    def encode(*flags: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [VITSERVE, "encode", str(image), "--url", encoder.url, *flags],
+            capture_output=True,
+            text=True,
+            env={**env, **extra},
+            timeout=120,
+        )
+
+    refused = encode()
+    assert refused.returncode == 1 and "HTTP 401" in refused.stderr, refused.stderr
+    first = encode("--token", ALICE)
+    assert first.returncode == 0 and first.stdout.endswith("\tencoded\n"), first.stderr
+    again = encode(VITSERVE_TOKEN=ALICE)
+    assert again.returncode == 0 and again.stdout.endswith("\tcached\n"), again.stderr
+    assert again.stdout.split("\t")[1] == first.stdout.split("\t")[1]

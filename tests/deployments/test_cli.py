@@ -28,6 +28,7 @@ import httpx
 import pytest
 import torch
 
+import vitserve
 from tests.cli_process import VITSERVE, cli_env
 from vitserve.deployments.runner.demo import CHAT_MAX_TOKENS
 from vitserve.encoder.device import (
@@ -292,3 +293,55 @@ def test_the_stop_report_names_a_failed_drain_and_replicas_that_did_not_report()
         "vitserve: drain failed (GetTimeoutError: late); stopped anyway",
         "vitserve: 2 HTTP replica(s) did not report their drain",
     ]
+
+
+# A finder that hides the server extra's modules, as a client-only install (`pip install
+# vitserve`) lacks them.
+_HIDE = """
+import importlib.abc, sys
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"pydantic", "ray", "torch", "fastapi"}:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Hide())
+from vitserve.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["encode", "a.png"], ["serve"]])
+def test_without_the_server_extra_the_script_names_it(args: list[str]) -> None:
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _HIDE, *args], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'vitserve[server]'" in proc.stderr and "'pydantic'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    version = subprocess.run(
+        [sys.executable, "-c", _HIDE, "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert version.returncode == 0 and version.stdout.strip() == f"vitserve {vitserve.__version__}"
+
+
+def test_the_script_has_a_version_help_for_each_command_and_vllms_dtype_names(tmp_path) -> None:
+    from vitserve.deployments.common.config import VitserveConfig
+    from vitserve.errors import ConfigError
+
+    version = _run("--version", cache=tmp_path)
+    assert version.returncode == 0 and version.stdout.strip() == f"vitserve {vitserve.__version__}"
+    import argparse
+
+    from vitserve.deployments.runner.cli import build_parser
+
+    [commands] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in commands.choices.items():  # every option and argument says what it is
+        unhelped = [a.dest for a in command._actions if not a.help]
+        assert not unhelped, (name, unhelped)
+    helped = _run("encode", "--help", cache=tmp_path)
+    assert helped.returncode == 0 and "--token" in helped.stdout, helped.stderr
+    for spelled, short in (("bfloat16", "bfloat16"), ("float32", "float32"), ("auto", None)):
+        assert VitserveConfig.load({"dtype": spelled}).dtype == short
+    with pytest.raises((ConfigError, ValueError), match="auto, bfloat16, float16 or float32"):
+        VitserveConfig.load({"dtype": "int8"})
