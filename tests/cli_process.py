@@ -41,8 +41,10 @@ def wait_healthy(
     timeout: float = 180,
     path: str = "/healthz",
     log: Path | None = None,
+    statuses: tuple[int, ...] = (200,),
 ) -> None:
-    """Return once ``url``'s ``path`` (an application's health route) answers 200; fail if
+    """Return once ``url``'s ``path`` (an application's health route) answers 200 (or another
+    of ``statuses``: a route that answers at all); fail if
     ``proc`` exits first (with its output: its pipe, or the tail of ``log``, the file it
     writes to) or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
@@ -52,7 +54,7 @@ def wait_healthy(
             out += log.read_text(errors="replace")[-4000:] if log is not None else ""
             raise AssertionError(f"vitserve exited {proc.returncode} before it was healthy:\n{out}")
         try:
-            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=2).status_code in statuses:
                 return
         except httpx.HTTPError:
             pass

@@ -248,6 +248,9 @@ class VllmFrontConfig(EncoderAccessConfig):
     connect_timeout_s: float = Field(5.0, gt=0)  # to open a connection to a vLLM server
     read_timeout_s: float = Field(600.0, gt=0)  # between two reads of its answer
     retry_after_s: int = Field(1, ge=0)  # the Retry-After of a 503 when no vLLM answers
+    # How often each vLLM server's /metrics is read again for vitserve's connector (a server
+    # restarted without it takes no chat: vitserve.deployments.vllm.backends)
+    check_s: float = Field(30.0, gt=0)
     # Hand vLLM the chat once its new images are claimed (the encode then runs beside vLLM's
     # own work on the request; its connector waits for each chunk's images: it needs a direct
     # ``store`` to see the claims), not once they are published. None (the default): on when

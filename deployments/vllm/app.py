@@ -67,8 +67,14 @@ Routes (under ``vllm.route_prefix``, default ``/vllm``):
 
 * ``POST /v1/chat/completions``: as above.
 * ``GET /v1/models``: a vLLM server's model list, passed through (503 if none answers).
-* ``GET /healthz``: status, how many vLLM servers and how the encoder is reached (no
-  internal address).
+* ``GET /healthz``: status, how many vLLM servers, each one's connector state
+  (:mod:`~vitserve.deployments.vllm.backends`) and how the encoder is reached (no internal
+  address); 503 when no server runs vitserve's connector.
+
+A vLLM server without vitserve's connector would encode every image a second time, silently:
+the front reads each server's ``/metrics`` for the connector (at its first chat, then every
+``vllm.check_s``), passes a server without it over, and refuses a chat (503, naming why) when
+no server has it, before encoding its images.
 * ``GET /metrics``: this node's ``vitserve_*`` metrics.
 
 With the config's ``auth`` on, the ``/v1`` routes need ``Authorization: Bearer <token>`` (401
@@ -86,7 +92,7 @@ import binascii
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +121,7 @@ from vitserve.deployments.common.responses import (
     metrics_response,
 )
 from vitserve.deployments.common.serving import as_deployment, deployment_options
+from vitserve.deployments.vllm.backends import Backend, BackendChecks, backend_of_metrics
 from vitserve.errors import (
     ConfigError,
     ImageError,
@@ -309,15 +316,24 @@ class Upstreams:
         self._turn = itertools.count()
 
     async def send(
-        self, method: str, path: str, headers: dict[str, str], content: bytes | None = None
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        content: bytes | None = None,
+        takes: Callable[[int], bool] | None = None,
     ) -> tuple[Server, httpx.Response]:
         """(the server, its answer, its body still to read) from the next server in turn that
-        can be reached; ServiceUnavailableError (503) when none can be, or when the one that
-        took the request gave no answer in time."""
+        can be reached (and ``takes`` the request, by its index: ``backends``);
+        ServiceUnavailableError (503) when none can be, or when the one that took the request
+        gave no answer in time."""
         first = next(self._turn) % len(self.urls)
         failed = []
         for i in range(first, first + len(self.urls)):
             server = Server(i % len(self.urls), self.urls[i % len(self.urls)])
+            if takes is not None and not takes(server.index):
+                failed.append(f"{server.name}: no vitserve connector")
+                continue
             client = self.clients[server.index]
             request = client.build_request(method, path, headers=headers, content=content)
             try:
@@ -399,6 +415,35 @@ class VllmFront:
         self.clients = TenantClients(self.cfg, self.cfg.vllm)  # made at a first request
         self.gate = Gate(self.cfg)  # who calls (None: auth off), within the tenant's rate
         self.overlap = overlaps(self.cfg)
+        self.checks = BackendChecks(len(v.urls), self._read_backend, v.check_s)
+
+    async def _read_backend(self, i: int) -> Backend:
+        """vLLM server ``i``'s state from its ``/metrics`` (``backends``)."""
+        client, timeout = self.upstreams.clients[i], 2 * self.cfg.vllm.connect_timeout_s
+        headers = upstream_headers({}, self.api_key)
+        try:
+            answer = await client.get("/metrics", headers=headers, timeout=timeout)
+        except httpx.HTTPError:
+            return Backend.UNREACHABLE
+        state = backend_of_metrics(answer.status_code, answer.text)
+        if state is Backend.NO_CONNECTOR:
+            server = Server(i, self.upstreams.urls[i])
+            log.error(
+                "%s (%s) runs without vitserve's connector: it takes no chat from this front",
+                server.name,
+                server.shown,
+            )
+        return state
+
+    async def _checked(self) -> None:
+        """The servers' connector states read where due (beside the chat); a chat no server
+        may take (none runs the connector, by reads it waits for where due) is refused here."""
+        await self.checks.refresh(wait=False)
+        if self.checks.refusal() is not None:  # never refused by a state a due read would change
+            await self.checks.refresh(wait=True)
+        refusal = self.checks.refusal()
+        if refusal is not None:
+            raise refusal
 
     def _prepare(self, raw: bytearray, tenant: Tenant | None, token: str | None) -> Prepared:
         """The body to forward: the request's images encoded, each named by its key (blocking:
@@ -466,6 +511,7 @@ class VllmFront:
         try:
             tenant, token = self._authenticate(request)  # before the body
             parse.json_type(request.headers.get("content-type"))
+            await self._checked()
             limits = self.cfg.limits
             raw = await parse.read_body(request, limits.max_request_bytes, limits.body_timeout_s)
             prepared = await run_in_threadpool(self._prepare, raw, tenant, token)
@@ -476,11 +522,13 @@ class VllmFront:
             }
             for kind, count in counts.items():
                 metrics.inc("vllm_front_images_total", count, kind=kind)
+            await self._checked()  # a read that ended while the images encoded
             server, response = await self.upstreams.send(
                 "POST",
                 "/v1/chat/completions",
                 upstream_headers(request.headers, self.api_key),
                 prepared.content,
+                takes=self.checks.takes_chats,
             )
             answer = await passed_through(
                 server, response, {**prepared.headers(), REPLICA_HEADER: str(server.index)}
@@ -507,16 +555,25 @@ class VllmFront:
         metrics.inc("requests_total", route="vllm_models", status=str(answer.status_code))
         return answer
 
-    @api.get("/healthz", summary="Liveness, the vLLM servers and where the encoder is reached")
+    @api.get(
+        "/healthz",
+        summary="Liveness, the vLLM servers (with vitserve's connector or not) and where the "
+        "encoder is reached; 503 when no server runs the connector",
+    )
     async def healthz(self) -> Response:
         v = self.cfg.vllm
-        return JSONResponse(
-            {  # how many and how, not where: no internal address in an answer
-                "status": "ok",
-                "servers": len(v.urls),
-                "encoder": "by URL" if v.encoder_url else f"app {v.encoder_app}",
-            }
-        )
+        await self.checks.refresh()
+        refusal = self.checks.refusal()
+        body: dict[str, Any] = {  # how many and how, not where: no internal address
+            "status": "ok" if refusal is None else "no_connector",
+            "servers": len(v.urls),
+            # each server's state by its index (backends.Backend)
+            "backends": self.checks.states(),
+            "encoder": "by URL" if v.encoder_url else f"app {v.encoder_app}",
+        }
+        if refusal is not None:
+            body["error"] = refusal.to_dict()
+        return JSONResponse(body, status_code=200 if refusal is None else 503)
 
     @api.get("/metrics", summary="This node's vitserve metrics (Prometheus text format)")
     async def metrics_page(self, request: Request) -> Response:

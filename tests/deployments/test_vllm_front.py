@@ -30,6 +30,7 @@ FRONT = "t-vllm-front"
 UPSTREAM_KEY = "sk-upstream-secret"  # the front's vllm.api_key
 MAX_IMAGES = 4  # the front's limits.max_images_per_request (the encoder's is 8)
 RETRY_AFTER = 7  # the front's vllm.retry_after_s
+CHECK_S = 0.3  # the front's vllm.check_s: how often it reads each fake's /metrics
 GATE_TIMEOUT_S = 60  # how long the gated stream waits for the test before going on anyway
 MODELS = {
     "object": "list",
@@ -145,6 +146,18 @@ class _Handler(BaseHTTPRequestHandler):
         self._record()
         if self.path == "/v1/models":
             self._answer(200, MODELS)
+        elif self.path == "/metrics":  # vLLM's, with its connector's counters when it has one
+            lines = ['vllm:num_requests_running{engine="0"} 0.0']
+            if self.server.fake.connector:  # type: ignore[attr-defined]
+                lines.append('vllm:vitserve_ec_loads_total{engine="0"} 0.0')
+            body = "\n".join(lines).encode() + b"\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(body)
+            self.close_connection = True
         else:
             self._answer(404, {"detail": "Not Found"})
 
@@ -201,6 +214,7 @@ class FakeVllm:
     released: list[bool] = field(default_factory=list)  # per gated stream: the gate opened
     port: int = 0
     server: ThreadingHTTPServer | None = None
+    connector: bool = True  # its /metrics shows vitserve's connector
 
     def start(self) -> FakeVllm:
         self.server = ThreadingHTTPServer(("127.0.0.1", self.port), _Handler)  # bound here
@@ -262,6 +276,7 @@ def front(main_app, serve_url) -> Iterator[Front]:
         "retry_after_s": RETRY_AFTER,
         "encoder_attempts": 3,
         "overlap": True,  # forced: a CPU encoder's default is off (overlaps)
+        "check_s": CHECK_S,
         "graceful_shutdown_wait_loop_s": STOP_POLL_S,
     }
     cfg = VitserveConfig.load(
@@ -621,8 +636,53 @@ def test_healthz(front) -> None:
     assert health == {  # how many servers, not where: no internal address in an answer
         "status": "ok",
         "servers": len(front.fakes),
+        "backends": ["connected"] * len(front.fakes),
         "encoder": f"app {front.encoder.name}",
     }
+
+
+def test_a_vllm_without_the_connector_is_passed_over_and_with_none_chats_are_refused(
+    front,
+) -> None:
+    """A vLLM server whose /metrics shows no vitserve connector (restarted without
+    ``--ec-transfer-config``) takes no chat once the front has read it (within ``check_s``,
+    beside the chats; /healthz waits for the read): the other one takes them all; with
+    neither, /healthz says so (503) and a chat is refused with a clear error before its images
+    are encoded or anything is forwarded."""
+    a, b = front.fakes
+    try:
+        b.connector = False
+        time.sleep(CHECK_S * 1.5)
+        front.client.get(f"{front.url}/healthz")  # the due reads, waited for
+        before = len(b.chats())
+        for _ in range(3):
+            response = chat(front, [{"type": "text", "text": "hello"}])
+            assert response.status_code == 200 and response.json()["upstream"] == "a"
+        assert len(b.chats()) == before
+        health = front.client.get(f"{front.url}/healthz")
+        assert health.status_code == 200
+        assert health.json()["backends"] == ["connected", "no_connector"]
+        a.connector = False
+        time.sleep(CHECK_S * 1.5)
+        front.client.get(f"{front.url}/healthz")
+        sent, uploads = front.sent(), front.encoder.counters()["images"]
+        [image] = fresh_images(1)
+        refused = chat(front, [image_part(data_url(image)), {"type": "text", "text": "?"}])
+        assert refused.status_code == 503, refused.text
+        error = refused.json()["error"]
+        assert error["type"] == "ServiceUnavailableError"
+        assert "without vitserve's connector" in error["message"]
+        assert "--ec-transfer-config" in error["message"]
+        assert front.sent() == sent and front.encoder.counters()["images"] == uploads
+        health = front.client.get(f"{front.url}/healthz")
+        assert health.status_code == 503
+        assert health.json()["status"] == "no_connector"
+        assert health.json()["backends"] == ["no_connector", "no_connector"]
+        assert str(a.port) not in health.text and str(b.port) not in health.text
+    finally:
+        a.connector = b.connector = True
+    time.sleep(CHECK_S * 1.5)
+    assert chat(front, [{"type": "text", "text": "back"}]).status_code == 200
 
 
 # -- without Ray ---------------------------------------------------------------------------------

@@ -236,10 +236,12 @@ def vitserve_serve(
     log: Path,
     extra: tuple[str, ...] = (),
     up: RayUp | None = None,
+    front_statuses: tuple[int, ...] = (200,),
 ) -> Iterator[Vitserve]:
     """``vitserve serve`` of ``model`` in fp32 on the CPU with ``store``, as a user runs it,
     logging to ``log``; stopped (its process group) on exit. ``up`` is set once its Ray node
-    is up."""
+    is up; with ``--vllm-url``, the front's ``/healthz`` answers one of ``front_statuses``
+    first."""
     url = f"http://127.0.0.1:{port}"
     cmd = [
         VITSERVE,
@@ -266,7 +268,7 @@ def vitserve_serve(
         (up or RayUp()).wait_for(proc, url, log)
         wait_healthy(proc, url, timeout=240, log=log)
         if "--vllm-url" in extra:  # the front deploys after the encoder answers
-            wait_healthy(proc, url, timeout=120, path="/vllm/healthz")
+            wait_healthy(proc, url, timeout=120, path="/vllm/healthz", statuses=front_statuses)
         yield Vitserve(url, proc)
     finally:
         # SIGTERM to `vitserve serve` alone, as `kill` or a container's stop sends it: it
