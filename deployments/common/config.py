@@ -251,6 +251,10 @@ class VllmFrontConfig(EncoderAccessConfig):
     # How often each vLLM server's /metrics is read again for vitserve's connector (a server
     # restarted without it takes no chat: vitserve.deployments.vllm.backends)
     check_s: float = Field(30.0, gt=0)
+    # An image part whose URL is not a data: URL (https://...): vitserve cannot key it. refuse
+    # (422, the default) or forward it to vLLM unkeyed (vLLM fetches and encodes it; counted in
+    # x-vitserve-unkeyed and vitserve_vllm_front_images_total{kind="unkeyed"})
+    remote_media: Literal["refuse", "forward"] = "refuse"
     # Hand vLLM the chat once its new images are claimed (the encode then runs beside vLLM's
     # own work on the request; its connector waits for each chunk's images: it needs a direct
     # ``store`` to see the claims), not once they are published. None (the default): on when

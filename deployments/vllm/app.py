@@ -22,10 +22,12 @@ Invariants:
   ``<namespace>/<key>``: ``vitserve.client.ec_plan.item_identifier``, so that vLLM's connector
   reads each tenant's entry; replacing any the caller set) beside its ``image_url``,
   which keeps the data URL (vLLM still sizes the prompt from the pixels, and they are its
-  fallback). Other URLs (``http...``) are forwarded unchanged, without a uuid; so is a request
-  without images (its bytes as they came). Any other content part naming a ``uuid`` is refused
-  (422): vLLM would take it as the image's identity, so a caller could name another tenant's
-  entry.
+  fallback). A part with another URL (``https://...``) cannot be keyed: with
+  ``vllm.remote_media: refuse`` (the default) the request is refused (422, naming the part);
+  with ``forward`` it goes to vLLM unchanged, without a uuid, for vLLM to fetch and encode,
+  counted in ``x-vitserve-unkeyed``. A request without images goes as it came. Any other
+  content part naming a ``uuid`` is refused (422): vLLM would take it as the image's identity,
+  so a caller could name another tenant's entry.
 * A video is a ``video_url`` content part with a ``data:`` URL of a video container
   (:mod:`vitserve.media`); it is an item like an image (counted with them, encoded in the same
   call, given its ``uuid``) sampled as vLLM's loader samples it (``video_for=vllm``:
@@ -136,7 +138,12 @@ from vitserve.media import Media, VideoFor, media_of
 log = logging.getLogger("ray.serve")
 
 #: the answer headers that count a forwarded request's images
-COUNT_HEADERS = ("x-vitserve-images", "x-vitserve-uploaded", "x-vitserve-cached")
+COUNT_HEADERS = (
+    "x-vitserve-images",
+    "x-vitserve-uploaded",
+    "x-vitserve-cached",
+    "x-vitserve-unkeyed",
+)
 #: the answer header naming the vLLM server that answered
 REPLICA_HEADER = "x-vitserve-vllm"
 #: request headers passed on to vLLM (besides the content type and the front's own)
@@ -200,8 +207,8 @@ def _no_caller_uuids(messages: Any) -> None:
                     continue  # the front replaces it with the image's own key
                 raise MalformedRequestError(
                     "a content part names a 'uuid': the vitserve front sets an image's uuid "
-                    "(its key) from the image's bytes; remove it (remote image URLs and other "
-                    "parts go to vLLM without one)"
+                    "(its key) from the image's bytes; remove it (other parts go to vLLM "
+                    "without one)"
                 )
 
 
@@ -261,11 +268,23 @@ class Prepared:
     images: int = 0  # image parts
     uploaded: int = 0  # distinct images whose bytes went to the encoder
     cached: int = 0  # distinct images the store held already
+    unkeyed: int = 0  # image parts forwarded without a key (vLLM encodes them itself)
 
     def headers(self) -> dict[str, str]:
-        return dict(
-            zip(COUNT_HEADERS, map(str, (self.images, self.uploaded, self.cached)), strict=True)
-        )
+        counts = (self.images, self.uploaded, self.cached, self.unkeyed)
+        return dict(zip(COUNT_HEADERS, map(str, counts), strict=True))
+
+
+def remote_media_refusal(indices: list[int]) -> MalformedRequestError:
+    """The error for image parts whose URL is not a ``data:`` URL, under ``vllm.remote_media:
+    refuse``: vitserve keys only bytes it was given; vLLM would fetch and encode them itself."""
+    shown = ", ".join(map(str, indices[:8])) + (", ..." if len(indices) > 8 else "")
+    return MalformedRequestError(
+        f"image part{'s' if len(indices) > 1 else ''} {shown}: a URL that is not a data: URL. "
+        "The vitserve front keys the images it is sent; send each one as a data: URL "
+        "(data:image/png;base64,...), or set vllm.remote_media=forward to let vLLM fetch and "
+        "encode it itself (unkeyed, counted in x-vitserve-unkeyed)"
+    )
 
 
 def upstream_headers(incoming: Mapping[str, str], api_key: str | None) -> dict[str, str]:
@@ -451,6 +470,10 @@ class VllmFront:
         limits = self.cfg.limits
         body = parse.json_body(raw, limits.max_chat_json_values)  # values counted before parsing
         count, images = request_images(body, limits.max_images_per_request)
+        keyed = {image.index for image in images}
+        remote = [i for i in range(count) if i not in keyed]  # not data: URLs
+        if remote and self.cfg.vllm.remote_media == "refuse":
+            raise remote_media_refusal(remote)
         # a request's own media options that would make vLLM decode other pixels than
         # vitserve did: refused, its images' rows could not be vouched for
         problem = pixel_option_problem(body.get("media_io_kwargs")) if images else None
@@ -464,14 +487,14 @@ class VllmFront:
         if problem is not None:
             raise MalformedRequestError(f"{problem}; send the images without it")
         if not images:
-            return Prepared(bytes(raw), count)
+            return Prepared(bytes(raw), count, unkeyed=len(remote))
         client = self.clients.get(tenant, token)
         model = client.describe()
         if videos and video_settings(model, VideoFor.VLLM) is None:
             # vitserve does not know how vLLM samples this model's videos: they go unkeyed
             images = [i for i in images if media_of(i.data) is Media.IMAGE]
             if not images:
-                return Prepared(bytes(raw), count)
+                return Prepared(bytes(raw), count, unkeyed=count)
         datas = [image.data for image in images]
         way = VideoFor.VLLM  # videos sampled as vLLM's loader samples them (ignored by images)
         try:
@@ -491,7 +514,8 @@ class VllmFront:
         distinct = dict(sent)
         uploaded = sum(distinct.values())
         content = json.dumps(body, separators=(",", ":")).encode()
-        return Prepared(content, count, uploaded, len(distinct) - uploaded)
+        unkeyed = count - len(images)  # remote URLs, and videos sent unkeyed
+        return Prepared(content, count, uploaded, len(distinct) - uploaded, unkeyed)
 
     def _authenticate(self, request: Request) -> tuple[Tenant | None, str | None]:
         token = bearer_token(request.headers.get("authorization"))
@@ -519,6 +543,7 @@ class VllmFront:
                 "sent": prepared.images,
                 "uploaded": prepared.uploaded,
                 "cached": prepared.cached,
+                "unkeyed": prepared.unkeyed,
             }
             for kind, count in counts.items():
                 metrics.inc("vllm_front_images_total", count, kind=kind)

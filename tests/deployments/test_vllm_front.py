@@ -390,14 +390,13 @@ def front_keys(front: Front, images: list[bytes]) -> list[str]:
 # -- what is forwarded ----------------------------------------------------------------------------
 def test_data_url_images_are_forwarded_named_by_their_vitserve_keys(front) -> None:
     """Each data-URL image part gets ``uuid`` = ``<namespace>/<key>`` (a repeat the same), its
-    URL kept; text,
-    remote-URL parts and every other field pass unchanged; the caller's Authorization is
+    URL kept; text and every other field pass unchanged; the caller's Authorization is
     replaced by the configured api_key."""
     a, b = fresh_images(2)
     content = [
         {"type": "text", "text": "compare"},
         image_part(data_url(a)),
-        image_part("https://example.com/cat.png"),
+        {"type": "text", "text": "with"},
         {"type": "image_url", "image_url": {"url": data_url(b), "detail": "low"}},
         image_part(data_url(a)),
     ]
@@ -405,7 +404,8 @@ def test_data_url_images_are_forwarded_named_by_their_vitserve_keys(front) -> No
     response = chat(front, content, **extra)
     assert response.status_code == 200, response.text
     assert response.json()["object"] == "chat.completion"
-    assert counts(response) == (4, 2, 0)  # 4 image parts; 2 distinct new images uploaded
+    assert counts(response) == (3, 2, 0)  # 3 image parts; 2 distinct new images uploaded
+    assert response.headers["x-vitserve-unkeyed"] == "0"
     seen = front.last_forwarded()
     key_a, key_b = keys_of(front, [a, b])
     expected = copy.deepcopy(
@@ -417,7 +417,6 @@ def test_data_url_images_are_forwarded_named_by_their_vitserve_keys(front) -> No
     for i, key in ((1, key_a), (3, key_b), (4, key_a)):
         parts[i]["uuid"] = f"{namespace}/{key}"
     assert seen.json() == expected
-    assert "uuid" not in seen.json()["messages"][0]["content"][2]  # the remote URL's
     assert seen.headers["authorization"] == f"Bearer {UPSTREAM_KEY}"
     assert seen.headers["content-type"] == "application/json"
 
@@ -425,6 +424,51 @@ def test_data_url_images_are_forwarded_named_by_their_vitserve_keys(front) -> No
     assert again.status_code == 200, again.text
     assert counts(again) == (1, 0, 1)  # the store had it: nothing uploaded
     assert front.last_forwarded().json()["messages"][0]["content"][0]["uuid"] == parts[1]["uuid"]
+
+
+def test_a_remote_image_url_is_refused_by_default_naming_what_to_send(front) -> None:
+    """An image part whose URL is not a data: URL (vitserve could not key it; vLLM would fetch
+    and encode it itself, unkeyed): 422 by default (``vllm.remote_media: refuse``), naming the
+    part and both ways out; nothing is encoded or forwarded."""
+    [image] = fresh_images(1)
+    sent, encoded = front.sent(), front.encoder.counters()["images"]
+    response = chat(front, [image_part(data_url(image)), image_part("https://example.com/cat.png")])
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["type"] == "MalformedRequestError"
+    assert error["message"].startswith("image part 1: a URL that is not a data: URL")
+    assert "vllm.remote_media=forward" in error["message"]
+    assert front.sent() == sent and front.encoder.counters()["images"] == encoded
+
+
+def test_with_remote_media_forward_a_remote_image_goes_to_vllm_unkeyed_and_counted() -> None:
+    """``vllm.remote_media: forward``: a remote URL's part goes to vLLM as it came, without a
+    uuid, counted in ``x-vitserve-unkeyed`` (the front's own prepare step, without Serve)."""
+    from vitserve.deployments.common.config import VitserveConfig
+    from vitserve.deployments.vllm.app import VllmFront
+
+    def front_with(policy: str) -> Any:
+        cfg = VitserveConfig.load(
+            {"vllm.urls": ["http://127.0.0.1:1"], "vllm.remote_media": policy}
+        )
+        front = object.__new__(VllmFront.func_or_class)  # _prepare reads only its config here
+        front.cfg = cfg
+        return front
+
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": [image_part("https://example.com/cat.png")]}],
+    }
+    raw = bytearray(json.dumps(body).encode())
+    prepared = front_with("forward")._prepare(raw, None, None)
+    assert prepared.content == bytes(raw)  # as it came: no uuid
+    assert prepared.headers()["x-vitserve-unkeyed"] == "1"
+    assert prepared.headers()["x-vitserve-images"] == "1"
+    from vitserve.errors import MalformedRequestError
+
+    with pytest.raises(MalformedRequestError, match="image part 0"):
+        front_with("refuse")._prepare(raw, None, None)
+    assert VitserveConfig.load({}).vllm.remote_media == "refuse"
 
 
 def test_a_request_without_images_is_forwarded_byte_for_byte(front) -> None:
@@ -555,7 +599,7 @@ def test_images_that_fail_are_refused_in_vitserves_shape_and_nothing_is_forwarde
     response = chat(
         front,
         [
-            image_part("https://example.com/x.png"),
+            image_part(data_url(good)),
             image_part(data_url(good)),
             {"type": "text", "text": "and"},
             image_part(corrupt),
