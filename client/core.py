@@ -141,6 +141,10 @@ def falls_back(op: Any, outcome: Any) -> bool:
     )
 
 
+#: an error answer's fields that are the shape's own (OpenAI's), not the error's
+OPENAI_ERROR_FIELDS = ("type", "message", "param", "code")
+
+
 def error_from(reply: Reply) -> VitserveError:
     """The VitserveError an error answer describes (``{"error": {"type", "message", ...}}``):
     the class it names with its fields, else :class:`~vitserve.errors.ApiError`."""
@@ -154,7 +158,7 @@ def error_from(reply: Reply) -> VitserveError:
     exc = cls.__new__(cls)
     Exception.__init__(exc, message)
     for name, value in doc.items():
-        if name not in ("type", "message"):
+        if name not in OPENAI_ERROR_FIELDS:
             setattr(exc, name, value)
     return exc
 

@@ -34,9 +34,18 @@ class VitserveError(Exception):
     def to_dict(self) -> dict[str, object]:
         """A JSON-able description: the class name, the message and the structured fields, as
         answered to callers: every network address in their text (URLs, ``host:port``, IP
-        addresses) replaced by ``<address>`` (:func:`public_text`); the log keeps ``str(exc)``."""
+        addresses) replaced by ``<address>`` (:func:`public_text`); the log keeps ``str(exc)``.
+        It holds OpenAI's (and vLLM's) error fields too, ``code`` (the HTTP status) and
+        ``param`` (None), so every error an OpenAI client meets through vitserve, its own or
+        vLLM's passed through, has one shape: ``{"error": {message, type, param, code, ...}}``."""
         fields = {k: v for k, v in vars(self).items() if not k.startswith("_")}
-        described = {"type": type(self).__name__, "message": str(self), **fields}
+        described = {
+            "type": type(self).__name__,
+            "message": str(self),
+            "param": None,
+            "code": self.http_status,
+            **fields,
+        }
         return {k: public_text(v) if isinstance(v, str) else v for k, v in described.items()}
 
     def __reduce__(self) -> tuple[object, ...]:

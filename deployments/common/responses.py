@@ -1,8 +1,9 @@
 """The HTTP answers both applications' routes share: the error shape, the handlers that give
 every error answer that shape, and the metrics page.
 
-Every error answer of the API (the ingress's and the prefill's) is ``{"error": {"type",
-"message", ...fields}}`` with the error's status (:func:`install_error_handlers`): a
+Every error answer of the API (the ingress's, the prefill's, the vLLM front's) is ``{"error":
+{"type", "message", "param", "code", ...fields}}`` (OpenAI's shape, vLLM's too; ``code`` the
+status) with the error's status (:func:`install_error_handlers`): a
 :class:`~vitserve.errors.VitserveError` a route raises, FastAPI's request validation (422
 naming the parameter), Starlette's HTTP errors (404 unknown route, 405 wrong method) and, as the
 last resort, any other exception (500 :class:`~vitserve.errors.InternalError`, logged with its
@@ -35,8 +36,13 @@ ERROR_SCHEMA = {
     "properties": {
         "error": {
             "type": "object",
-            "required": ["type", "message"],
-            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+            "required": ["type", "message", "code"],
+            "properties": {
+                "type": {"type": "string"},
+                "message": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": "integer"},
+            },
             "additionalProperties": True,
         }
     },
@@ -68,7 +74,8 @@ def retry_headers(status: int) -> dict[str, str] | None:
 
 
 def error_response(exc: VitserveError, headers: dict[str, str] | None = None) -> JSONResponse:
-    """``{"error": {"type", "message", ...fields}}`` with the error's status."""
+    """``{"error": {"type", "message", "param", "code", ...fields}}`` with the error's status
+    (OpenAI's error shape, vLLM's too, with vitserve's fields beside)."""
     challenge = getattr(exc, "challenge", None)  # a 401's WWW-Authenticate (auth.py)
     retry_after = getattr(exc, "retry_after_s", None)  # a quota's own (QuotaExceededError)
     headers = {
@@ -96,6 +103,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     message = "; ".join(f"{where}: {msg}" for where, _, msg in problems) or "invalid request"
     err = MalformedRequestError(message)
     err.parameter = problems[0][1] if problems else ""  # type: ignore[attr-defined]
+    err.param = err.parameter or None  # type: ignore[attr-defined]  # OpenAI's name for it
     return error_response(err)
 
 

@@ -32,8 +32,9 @@ the token's tenant from its own namespace only; ``/healthz`` answers liveness wi
 the caller's namespace with one; ``/metrics`` answers the scrape token alone (see
 ``vitserve.deployments.common.auth``).
 
-Every error answer has one shape, ``{"error": {"type", "message", ...fields}}`` (FastAPI's
-validation errors, unknown routes and wrong methods included: ``responses.py``). Requests are
+Every error answer has one shape, ``{"error": {"type", "message", "param", "code", ...}}``
+(FastAPI's validation errors, unknown routes and wrong methods included: ``responses.py``).
+Requests are
 read by ``requests.py``: a body is refused while it is read once it passes
 ``max_request_bytes`` (chunked or declared; a probe or rows body, 4 KiB a key or read) or
 ``body_timeout_s`` (408), a JSON route takes JSON (415 otherwise), an empty body, invalid or

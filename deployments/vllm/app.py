@@ -45,7 +45,8 @@ Invariants:
   and encodes it from the data URL itself, and answers as vLLM alone would (its own error for
   an image it cannot decode). What the service refuses before claiming is refused here:
 * A request whose images fail is refused before anything is forwarded, with vitserve's errors
-  (``{"error": {"type", "message", ...}}``): more image parts than
+  (``{"error": {"type", "message", "param", "code", ...}}``, the shape of vLLM's own errors):
+  more image parts than
   ``limits.max_images_per_request`` 413 (counted before any image is decoded), a malformed data
   URL 422, an image the encoder refuses its error (``ImageDecodeError`` 422, ...), whose
   ``index`` is the image's position among the request's image parts; the encoder or the store

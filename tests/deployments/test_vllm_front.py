@@ -438,6 +438,9 @@ def test_a_remote_image_url_is_refused_by_default_naming_what_to_send(front) -> 
     assert error["type"] == "MalformedRequestError"
     assert error["message"].startswith("image part 1: a URL that is not a data: URL")
     assert "vllm.remote_media=forward" in error["message"]
+    # vitserve's errors have vLLM's (OpenAI's) shape, with vitserve's fields beside
+    vllms = ERRORS["missing"][1]["error"]
+    assert set(vllms) <= set(error) and (error["code"], error["param"]) == (422, None)
     assert front.sent() == sent and front.encoder.counters()["images"] == encoded
 
 

@@ -81,4 +81,11 @@ def test_a_front_to_a_vllm_without_the_connector_says_so_and_refuses_chats(bare)
     assert "--ec-transfer-config" in error["message"], error
     direct = answer(post(server.url, body([user(images)])))  # vLLM itself answers
     assert tokens(direct)
+    # one error shape: vLLM's own (OpenAI's) fields are all in the front's, with its status
+    theirs = httpx.post(
+        f"{server.url}/v1/chat/completions", json={**body([user(images)]), "model": "absent"}
+    )
+    assert theirs.status_code == 404, theirs.text
+    assert set(theirs.json()["error"]) <= set(error), (theirs.json(), error)
+    assert error["code"] == 503 and error["param"] is None
     print(f"front to a vLLM without the connector: 503 ({error['message'][:80]}...)")
