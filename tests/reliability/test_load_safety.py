@@ -445,11 +445,13 @@ def test_a_slow_body_a_64mib_json_body_and_a_disconnect_are_bounded(app, reliabi
         assert again.status_code == 200 and again.json()["items"][0]["cached"] is True
         notes.append("a disconnect mid-encode: published (the retry a hit), work given back")
     # parsing the bodies costs /healthz no more than carrying them does: its slowest answer
-    # within twice the carried bodies' slowest, or within half of what reading ``doc`` on the
-    # loop would cost (a longer window than the baseline's, on 2 busy cores, sees a slower
-    # poll or two; reading on the loop would add ``stall_s`` whole)
+    # within twice the carried bodies' slowest, or within three quarters of what reading
+    # ``doc`` on the loop would cost (a longer window than the baseline's, on 2 busy cores,
+    # sees a slower poll or two; reading on the loop would add ``stall_s`` whole). A half was
+    # 1.4 ms short once on a fast core (2-vCPU family 26 EPYC: stall 0.147 s, baseline 0.062 s,
+    # slowest 0.137 s), where the whole stall would have made it 0.21 s.
     assert not health.failures and not baseline.failures, (health.failures, baseline.failures)
-    allowed = max(2 * baseline.slowest, baseline.slowest + stall_s / 2)
+    allowed = max(2 * baseline.slowest, baseline.slowest + 3 * stall_s / 4)
     assert health.slowest <= allowed, (health.slowest, baseline.slowest, stall_s)
     reliability.record(
         "a slow body, a 64 MiB JSON body (two kinds), a disconnect mid-encode",
