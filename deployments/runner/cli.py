@@ -39,9 +39,48 @@ def _seconds(text: str) -> float:
     return value
 
 
+ENCODER_IMPORT_PATH = "vitserve.deployments.encoder.app:build_app"
+
+
+def config_file(path: str) -> dict[str, Any]:
+    """The config a ``--config`` file holds: a YAML (or JSON) mapping of config fields (nested
+    or dotted, as ``--set`` names them), or a Ray Serve config file (``serve run``'s, a
+    RayService's ``serveConfigV2``): then the ``args`` of its one application whose
+    ``import_path`` is vitserve's encoder application. ConfigError naming what is wrong."""
+    import yaml  # Ray Serve's own dependency
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not YAML or JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of config fields, got {doc!r:.60}")
+    if "applications" not in doc:
+        return doc
+    apps = doc["applications"] if isinstance(doc["applications"], list) else []
+    encoders = [
+        a for a in apps if isinstance(a, dict) and a.get("import_path") == ENCODER_IMPORT_PATH
+    ]
+    if len(encoders) != 1:
+        raise ConfigError(
+            f"--config {path}: a Serve config file needs exactly one application with "
+            f"import_path {ENCODER_IMPORT_PATH}, found {len(encoders)}"
+        )
+    args = encoders[0].get("args") or {}
+    if not isinstance(args, dict):
+        raise ConfigError(f"--config {path}: the encoder application's args are not a mapping")
+    return args
+
+
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """Config overrides (dotted names) from flags (only those given) and ``--set key=value``."""
+    """Config overrides (dotted names): a ``--config`` file's, then flags (only those given)
+    and ``--set key=value`` over them."""
     out: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        out.update(config_file(args.config))
     fields = {
         "model": "model",
         "store": "store",
@@ -328,11 +367,17 @@ def _write_private(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _service_flags(p: argparse.ArgumentParser, default_model: str | None = "demo") -> None:
+def _service_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="config fields from a YAML or JSON file: a mapping of fields, or a Ray Serve "
+        "config file (its vitserve encoder application's args); flags and --set override it",
+    )
     p.add_argument(
         "--model",
-        default=default_model,
-        help="HF id, local folder, or 'demo' (a random-weight model built offline)",
+        help="HF id, local folder, or 'demo' (a random-weight model built offline; the "
+        "default, unless the config file or $VITSERVE_MODEL names another)",
     )
     p.add_argument("--store", help="node:// (default), redis://host:port/db or tiered://...")
     p.add_argument("--port", type=int, help="HTTP port (default 8000; 0: a free port)")
@@ -436,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the demo model, encode images over HTTP twice, "
         "chat a few turns through the prefill application, exit",
     )
-    _service_flags(demo, default_model=None)
+    _service_flags(demo)
     demo.set_defaults(func=_demo)
 
     acl = sub.add_parser(

@@ -345,3 +345,47 @@ def test_the_script_has_a_version_help_for_each_command_and_vllms_dtype_names(tm
         assert VitserveConfig.load({"dtype": spelled}).dtype == short
     with pytest.raises((ConfigError, ValueError), match="auto, bfloat16, float16 or float32"):
         VitserveConfig.load({"dtype": "int8"})
+
+
+def test_config_file_plain_or_serve_config_under_the_flags(tmp_path, monkeypatch) -> None:
+    """``--config FILE``: a mapping of config fields, or a Ray Serve config file (the
+    RayService's own ``serveConfigV2`` from k8s/base: its encoder application's args); the
+    flags and ``--set`` override it; what cannot be read is a ConfigError naming the file."""
+    import yaml
+
+    from vitserve.deployments.runner import local
+    from vitserve.deployments.runner.cli import _overrides as overrides
+    from vitserve.deployments.runner.cli import build_parser, config_file
+    from vitserve.errors import ConfigError
+
+    monkeypatch.delenv("VITSERVE_MODEL", raising=False)
+
+    def cfg(*argv: str) -> local.VitserveConfig:
+        return local.VitserveConfig.load(overrides(build_parser().parse_args(["serve", *argv])))
+
+    plain = tmp_path / "vitserve.yaml"
+    plain.write_text("model: some/model\nlimits:\n  max_images_per_request: 9\nvllm.check_s: 5\n")
+    got = cfg("--config", str(plain))
+    assert (got.model, got.limits.max_images_per_request, got.vllm.check_s) == ("some/model", 9, 5)
+    got = cfg("--config", str(plain), "--model", "demo", "--set", "limits.max_images_per_request=3")
+    assert (got.model, got.limits.max_images_per_request) == ("demo", 3)  # the flags win
+    assert cfg().model == "demo"  # no file, no flag: the default
+
+    rayservice = Path(__file__).parents[2] / "k8s" / "base" / "rayservice.yaml"
+    serve_config = yaml.safe_load(rayservice.read_text())["spec"]["serveConfigV2"]
+    serve_file = tmp_path / "serve.yaml"
+    serve_file.write_text(serve_config)
+    got = cfg("--config", str(serve_file))
+    assert got.preprocess_at == "deployment" and got.encoder.autoscaling.max_replicas == 8
+
+    for text, why in (
+        ("[1, 2]", "expected a mapping"),
+        ("applications: []", "exactly one application"),
+        ("model: [unclosed", "not YAML or JSON"),
+    ):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=why):
+            config_file(str(bad))
+    with pytest.raises(ConfigError, match=r"absent\.yaml"):
+        config_file(str(tmp_path / "absent.yaml"))
