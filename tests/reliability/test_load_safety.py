@@ -390,13 +390,36 @@ def test_a_slow_body_a_64mib_json_body_and_a_disconnect_are_bounded(app, reliabi
     for item in json.loads(doc)["images"]:
         base64.b64decode(item["data"])
     stall_s = time.monotonic() - started
+
     # What carrying 64 MiB through Serve's proxy to the ingress costs /healthz here, nothing
-    # parsed: the same bytes as text/plain, read whole and refused 415.
-    with Health(app) as baseline:
+    # parsed: the same bytes as text/plain, read whole and refused 415; then what carrying and
+    # reading ``doc`` costs it. Each in windows of the same length (one post each, three
+    # times: the median window's slowest poll), so neither comparison sees the other's longer
+    # window's tail (on 2 busy vCPUs one window of ~40 s, the block below, saw a poll of
+    # 136 ms where the 1 s baseline's slowest was 43 ms and reading on the loop 116 ms).
+    def slowest_while(post: Any) -> float:
+        slowest = []
+        for _ in range(3):
+            with Health(app) as window:
+                post()
+            assert not window.failures, window.failures
+            slowest.append(window.slowest)
+        return sorted(slowest)[1]
+
+    def carry() -> None:
         carried = app.client.post(
             f"{app.url}/v1/encode", content=values, headers={"content-type": "text/plain"}
         )
-    assert carried.status_code == 415, carried.text[:300]
+        assert carried.status_code == 415, carried.text[:300]
+
+    def read() -> None:
+        answered = app.client.post(
+            f"{app.url}/v1/encode", content=doc, headers={"content-type": "application/json"}
+        )
+        assert answered.status_code == 200, answered.text[:300]
+
+    carried_s = slowest_while(carry)
+    read_s = slowest_while(read)
     with Health(app) as health:
         # 1. a body a few bytes a second: 408 at the deadline, not a slot held forever
         status, seconds, answer = _slow_post(app, dribble_s=30)
@@ -444,22 +467,20 @@ def test_a_slow_body_a_64mib_json_body_and_a_disconnect_are_bounded(app, reliabi
         again = app.client.post(f"{app.url}/v1/encode", files=files([image]))
         assert again.status_code == 200 and again.json()["items"][0]["cached"] is True
         notes.append("a disconnect mid-encode: published (the retry a hit), work given back")
-    # parsing the bodies costs /healthz no more than carrying them does: its slowest answer
-    # within twice the carried bodies' slowest, or within three quarters of what reading
-    # ``doc`` on the loop would cost (a longer window than the baseline's, on 2 busy cores,
-    # sees a slower poll or two; reading on the loop would add ``stall_s`` whole). A half was
-    # 1.4 ms short once on a fast core (2-vCPU family 26 EPYC: stall 0.147 s, baseline 0.062 s,
-    # slowest 0.137 s), where the whole stall would have made it 0.21 s.
-    assert not health.failures and not baseline.failures, (health.failures, baseline.failures)
-    allowed = max(2 * baseline.slowest, baseline.slowest + 3 * stall_s / 4)
-    assert health.slowest <= allowed, (health.slowest, baseline.slowest, stall_s)
+    # reading the bodies costs /healthz no more than carrying them does: in windows alike, the
+    # median slowest poll within twice the carried bodies', or within three quarters of what
+    # reading ``doc`` on the loop would cost (reading it on the loop would add ``stall_s``
+    # whole to the poll it holds up). The block's own window: every poll answered.
+    assert not health.failures, health.failures
+    allowed = max(2 * carried_s, carried_s + 3 * stall_s / 4)
+    assert read_s <= allowed, (read_s, carried_s, stall_s)
     reliability.record(
         "a slow body, a 64 MiB JSON body (two kinds), a disconnect mid-encode",
         tried=4,
         failed=0,
         wrong=0,
         lost=0,
-        note="; ".join(notes) + f"; /healthz <= {health.slowest * 1000:.0f} ms over "
-        f"{health.polls} polls (64 MiB carried and refused unparsed: "
-        f"{baseline.slowest * 1000:.0f} ms)",
+        note="; ".join(notes) + f"; /healthz answered {health.polls} polls, none failed; "
+        f"its slowest while 64 MiB of images are read: {read_s * 1000:.0f} ms (while 64 MiB "
+        f"are carried and refused unparsed: {carried_s * 1000:.0f} ms; medians of 3)",
     )
