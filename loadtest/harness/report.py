@@ -163,7 +163,7 @@ def markdown(stats: dict[str, Any]) -> str:
         "",
         "| load | requests | failures | seconds | req/s | images/s | p50 ms | p90 ms | p99 ms "
         f"| {heads} | publishing rule | hit rate | images encoded | forwards | images/forward |",
-        "|---" * (15 + len(slos)) + "|",
+        "|---" * (14 + len(slos)) + "|",
     ]
     for r in runs:
         m = r["metrics"]

@@ -123,6 +123,8 @@ def test_markdown_points_table_marks_the_rule_and_goodput() -> None:
     head = next(line for line in text.splitlines() if line.startswith("| load |"))
     assert "goodput req/s (share), e2el <= 1 s" in head and "e2el <= 5 s" in head
     assert "publishing rule" in head
+    rule = text.splitlines()[text.splitlines().index(head) + 1]
+    assert rule.count("|---") == head.count("|") - 1  # as many delimiters as header cells
     # 20 requests from 1000 s to 1021 s (the last one slow): 19 succeeded, 17 within 1 s (two
     # slow), all 19 within 5 s; p90 of 17 x 500 ms and 2 x 2000 ms interpolates to 800 ms
     assert (
