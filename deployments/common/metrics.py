@@ -28,7 +28,13 @@ batch_images / batch_patches           histogram  size of each forward
 padded_token_fraction                  histogram  padding share of each forward's tokens (0 when
                                                   packed, or stacked within one bucket)
 cache_hits_total / cache_misses_total  counter    store lookups by the service
-cache_evictions                        gauge      the store's evictions so far
+store_evictions_total                  counter    the store's evictions so far, as the store
+                                                  reports them: store-wide, so every encoder
+                                                  replica's series counts the same evictions
+                                                  (aggregate with max, not sum); from the
+                                                  first eviction on
+cache_evictions                        gauge      deprecated (0.1; removed in 0.2): the same
+                                                  count, as the gauge it used to be
 single_flight_joins_total{scope}       counter    images joined instead of encoded: on the
                                                   ``ingress`` (a request there encodes it),
                                                   ``local`` (on the encoder replica) or
@@ -156,7 +162,18 @@ _SPECS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
     ),
     "cache_hits_total": ("counter", "Store lookups that found the embedding", (), None),
     "cache_misses_total": ("counter", "Store lookups that did not", (), None),
-    "cache_evictions": ("gauge", "Evictions reported by the store", (), None),
+    "store_evictions_total": (
+        "counter",
+        "Evictions the store reports so far (store-wide: the same in every replica's series)",
+        (),
+        None,
+    ),
+    "cache_evictions": (
+        "gauge",
+        "Deprecated, removed in 0.2: vitserve_store_evictions_total",
+        (),
+        None,
+    ),
     "single_flight_joins_total": ("counter", "Images joined, not encoded", ("scope",), None),
     "admission_refused_total": ("counter", "Encodes the work budget refused", ("limit",), None),
     "bytes_published_total": ("counter", "Record bytes written to the store", (), None),
@@ -221,6 +238,30 @@ class Counts:
                 sorted((s["name"], tuple(sorted(s["tags"].items())), s["value"]) for s in samples)
             )
         )
+
+
+class RunningCount:
+    """A count another system keeps (the store's evictions so far) turned into the increments
+    of a counter of this process, reading by reading.
+
+    Invariants:
+
+    * the increments sum to the latest reading, from the first reading on;
+    * a reading below the one before is a reset (the store restarted, its count from 0): the
+      new reading is the increment, as Prometheus reads a counter that went down;
+    * an increment is never negative.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = 0.0
+
+    def step(self, reading: float) -> float:
+        """The increment that brings the counter to ``reading``."""
+        with self._lock:
+            delta = reading - self._last if reading >= self._last else reading
+            self._last = reading
+            return delta
 
 
 class Tally:

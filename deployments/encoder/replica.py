@@ -202,6 +202,7 @@ class EncoderDeployment:
         self._forwards: deque[dict[str, Any]] = deque(maxlen=256)  # the latest forwards
         self._seconds: defaultdict[str, float] = defaultdict(float)  # device-step time by phase
         self._store_reporter: asyncio.Task | None = None
+        self._evictions = metrics.RunningCount()  # the store's count, as increments
         self._stopping = False  # set when Serve stops the replica (``__del__``)
         # Autoscaling on work (record_autoscaling_stats): the step on the device now and the
         # recent steps as (end, device seconds, patches), appended on the event loop only.
@@ -736,6 +737,6 @@ class EncoderDeployment:
             stats = self.store.stats()
         except StoreError:
             return
-        metrics.set_gauge(
-            "cache_evictions", stats.get("evictions", 0) + stats.get("local_evictions", 0)
-        )
+        evictions = stats.get("evictions", 0) + stats.get("local_evictions", 0)
+        metrics.inc("store_evictions_total", self._evictions.step(evictions))
+        metrics.set_gauge("cache_evictions", evictions)  # the deprecated gauge, until 0.2
