@@ -36,9 +36,17 @@ CRDS = next((p for p in _CRD_PLACES if p.is_dir()), _CRD_PLACES[0])
 CUSTOM_KINDS = {"RayService", "PodMonitor"}  # no schema in kubernetes-validate's bundle
 ENCODER_APP_IMPORT = "vitserve.deployments.encoder.app:build_app"
 PREFILL_APP_IMPORT = "vitserve.deployments.prefill.app:build_app"
+VLLM_FRONT_IMPORT = "vitserve.deployments.vllm.app:build_app"
 WORK_POLICY_IMPORT = "vitserve.deployments.encoder.autoscaling:work_policy"
 # Stand-ins for the Redis Secrets' passwords (Secret name -> value of its key `password`).
 SECRETS = {"vitserve-redis-writer": "wr1ter-s3cr3t", "vitserve-redis-reader": "r3ader-s3cr3t"}
+#: Stand-ins for every Secret key a container's env names: (Secret name, key) -> value.
+SECRET_KEYS = {(name, "password"): value for name, value in SECRETS.items()} | {
+    ("vitserve-vllm", "api-key"): "vllm-api-k3y-0123456789abcdef",
+    ("vitserve-vllm", "connector-token"): "vllm-c0nnector-token-0123456789",
+}
+#: the vLLM tier (k8s/base/vllm.yaml): its StatefulSet and its container
+VLLM_STATEFULSET, VLLM_CONTAINER = "vitserve-vllm", "vllm"
 WRITER_URL = f"redis://vitserve-writer:{SECRETS['vitserve-redis-writer']}@vitserve-redis:6379/0"
 READER_URL = f"redis://vitserve-reader:{SECRETS['vitserve-redis-reader']}@vitserve-redis:6379/0"
 #: the targets whose store is a Redis Cluster (production: k8s/overlays/gpu-prod/redis.yaml)
@@ -77,20 +85,24 @@ def container_environ(
     objects: list[dict[str, Any]], container: dict[str, Any], pod_name: str = "pod-0"
 ) -> dict[str, str]:
     """The environment a container gets: its ConfigMaps (envFrom), then its own env with
-    ``$(VAR)`` references expanded as the kubelet does (SECRETS stand in for the Secrets,
-    ``pod_name`` for the pod's ``metadata.name``)."""
+    ``$(VAR)`` references expanded as the kubelet does (SECRET_KEYS stand in for the Secrets,
+    ``pod_name`` for the pod's ``metadata.name``; a ConfigMap key is the rendered one's)."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         name = source["configMapRef"]["name"]
         env.update(one(objects, "ConfigMap", name)["data"])
     for var in container.get("env", []):
-        if "fieldRef" in var.get("valueFrom", {}):
-            assert var["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", var
+        source = var.get("valueFrom", {})
+        if "fieldRef" in source:
+            assert source["fieldRef"]["fieldPath"] == "metadata.name", var
             env[var["name"]] = pod_name
+        elif "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            env[var["name"]] = one(objects, "ConfigMap", ref["name"])["data"][ref["key"]]
         elif "valueFrom" in var:
-            ref = var["valueFrom"]["secretKeyRef"]
-            assert ref["name"] in SECRETS and ref["key"] == "password", ref
-            env[var["name"]] = SECRETS[ref["name"]]
+            ref = source["secretKeyRef"]
+            assert (ref["name"], ref["key"]) in SECRET_KEYS, ref
+            env[var["name"]] = SECRET_KEYS[ref["name"], ref["key"]]
         else:
             env[var["name"]] = expand(var["value"], env)
     return env
@@ -150,11 +162,28 @@ def serve_config(rayservice: dict[str, Any]) -> dict[str, Any]:
 
 
 def applications(rayservice: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """import_path -> Serve application (one each of the encoder and prefill apps)."""
+    """import_path -> Serve application (one each of the encoder and prefill apps and the
+    vLLM front)."""
     apps = serve_config(rayservice)["applications"]
     by_import = {app["import_path"]: app for app in apps}
-    assert sorted(by_import) == sorted([ENCODER_APP_IMPORT, PREFILL_APP_IMPORT])
+    assert len(by_import) == len(apps)
+    assert sorted(by_import) == sorted([ENCODER_APP_IMPORT, PREFILL_APP_IMPORT, VLLM_FRONT_IMPORT])
     return by_import
+
+
+def vllm_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """The vLLM server's container of the StatefulSet vitserve-vllm."""
+    statefulset = one(objects, "StatefulSet", VLLM_STATEFULSET)
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert container["name"] == VLLM_CONTAINER
+    return container
+
+
+def arg_value(args: list[str], flag: str) -> str | None:
+    """The value after ``flag`` on a command line (None: the flag is not there)."""
+    found = [i for i, arg in enumerate(args) if arg == flag]
+    assert len(found) <= 1, f"{flag} given {len(found)} times"
+    return args[found[0] + 1] if found else None
 
 
 def load_attribute(path: str) -> Any:
@@ -278,23 +307,33 @@ def test_serve_applications_load_with_the_strict_config(render: Render, target: 
     rayservice = one(objects, "RayService")
     apps = applications(rayservice)
     encoder_app, prefill_app = apps[ENCODER_APP_IMPORT], apps[PREFILL_APP_IMPORT]
+    front_app = apps[VLLM_FRONT_IMPORT]
     assert encoder_app["route_prefix"] == "/"
     assert prefill_app["route_prefix"] == "/prefill"
-    # Every Ray pod may build or host either application: each must load with its environment.
+    assert front_app["route_prefix"] == "/vllm"
+    writer, reader = store_urls(target)
+    # Every Ray pod may build or host any application: each must load with its environment.
     for group, template in pod_templates(rayservice).items():
         environ = pod_environ(objects, template)
-        for app in (encoder_app, prefill_app):
-            # The store URLs carry passwords: from the Secrets, never in the CR's args. The
-            # encoder side writes as the writer, the prefill reads as the reader (directly, or
-            # as the shared tier of a tiered store: test_gpu_prod_stores_are_tiered).
+        for app in (encoder_app, prefill_app, front_app):
+            # The store URLs and vLLM's API key carry secrets: from the Secrets, never in the
+            # CR's args. The encoder side writes as the writer, the prefill and the vLLM front
+            # read as the reader (directly, or as the shared tier of a tiered store:
+            # test_gpu_prod_stores_are_tiered).
             assert "store" not in app["args"], app["name"]
-            assert "store" not in app["args"].get("prefill", {}), app["name"]
+            for section in ("prefill", "vllm"):
+                assert not {"store", "api_key"} & set(app["args"].get(section, {})), app["name"]
             cfg = VitserveConfig.load(app["args"], environ=environ)
             stores = (redis_tier(cfg.store), redis_tier(cfg.prefill.store))
-            assert stores == store_urls(target), group
+            assert stores == (writer, reader), group
+            assert redis_tier(cfg.vllm.store) == reader, group
         cfg = VitserveConfig.load(prefill_app["args"], environ=environ)
         assert cfg.prefill.encoder_app == encoder_app["name"]
         assert cfg.prefill.chunk_size == 512
+        cfg = VitserveConfig.load(front_app["args"], environ=environ)
+        assert cfg.vllm.encoder_app == encoder_app["name"]
+        assert cfg.vllm.route_prefix == front_app["route_prefix"]
+        assert cfg.vllm.api_key is not None  # vLLM's --api-key (test_vllm.py)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -384,7 +423,15 @@ def test_cpu_dev_is_one_cpu_node(render: Render) -> None:
     for app in applications(rayservice).values():
         cfg = VitserveConfig.load(app["args"], environ=environ)
         assert cfg.encoder.num_gpus == 0 and cfg.prefill.num_gpus == 0
+        assert cfg.vllm.num_gpus == 0
         assert cfg.model == "demo"
+    # ... and the vLLM tier on CPU too: vLLM's CPU build, no GPU asked for or tolerated
+    vllm = vllm_container(objects)
+    assert "nvidia.com/gpu" not in vllm["resources"]["limits"]
+    assert "nvidia.com/gpu" not in vllm["resources"]["requests"]
+    assert vllm["image"].endswith("-cpu")
+    statefulset = one(objects, "StatefulSet", VLLM_STATEFULSET)
+    assert not statefulset["spec"]["template"]["spec"].get("tolerations")
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -477,6 +524,7 @@ def test_gpu_prod_stores_are_tiered(
             for url, user in (
                 (cfg.store, "vitserve-writer"),
                 (cfg.prefill.store, "vitserve-reader"),
+                (cfg.vllm.store, "vitserve-reader"),
             ):
                 connection, _ = open_connection(url)
                 assert isinstance(connection, TieredConnection), (group, user)

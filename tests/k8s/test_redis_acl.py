@@ -4,6 +4,10 @@ nothing; the writer (encoder, ingress) publishes, claims and deletes; each tenan
 its own tenant's records and gets NOPERM on another's; none can flush, reconfigure or leave the
 key prefix.
 
+The vLLM servers' connector (k8s/base/vllm.yaml) opens the store with its pod's own URL (the
+reader's) and its own settings reader, passes its start-up check, reads every tenant's records
+and claims, and can write nothing.
+
 The users come from the manifest itself, as a pod starts: the Redis StatefulSet's init container
 (``vitserve redis-acl ...``) runs here through the venv's ``vitserve``, with its own command
 line and environment (the ConfigMap), its volumes stood in for by folders (the Secrets' keys as
@@ -15,6 +19,7 @@ RayService's pods compose (``VITSERVE_STORE``, ``VITSERVE_PREFILL__STORE``), poi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -31,6 +36,7 @@ from tests.k8s.conftest import BIN
 from tests.k8s.test_manifests import (
     PREFILL_APP_IMPORT,
     SECRETS,
+    VLLM_STATEFULSET,
     applications,
     container_environ,
     expand,
@@ -459,6 +465,78 @@ def test_each_tenants_reader_reads_its_own_records_and_gets_noperm_on_anothers(
         raw.close()
         for store in (mine, peek):
             store.close()
+
+
+def test_the_vllm_connector_reads_every_tenant_as_the_reader_and_writes_nothing(
+    manifest: dict[str, Any], server: Any, admin: redis.Redis, tmp_path: Path
+) -> None:
+    """The vLLM pod's connector as it starts: its --ec-transfer-config settings read by its own
+    reader (``ECSettings``) in the pod's environment (the store URL it composes from the
+    Secret, pointed at this server), then its start-up check of the store (``check_store``:
+    refused credentials would stop vLLM). It reads what the encoder published under two
+    tenants' namespaces, as it does for any tenant's item (a store view per namespace over its
+    one connection: headers, records, claims), and every write it might try is refused by
+    Redis, its records unchanged."""
+    from vitserve.cache.base import Pending
+    from vitserve.cache.views import StoreViews
+    from vitserve.client.ec_config import ECSettings, check_store
+
+    objects = manifest["objects"]
+    (container,) = one(objects, "StatefulSet", VLLM_STATEFULSET)["spec"]["template"]["spec"][
+        "containers"
+    ]
+    env = container_environ(objects, container)
+    extra = json.loads(env["EC_TRANSFER_CONFIG"])["ec_connector_extra_config"]
+    env[extra["store_env"]] = _local(env[extra["store_env"]], server.port)
+    token = tmp_path / "connector-token"
+    token.write_text("connector-token-0123456789abcdef\n")
+    settings = ECSettings.from_extra({**extra, "token_file": str(token)}, environ=env)
+    assert settings.store is not None and settings.store.startswith("redis://vitserve-reader:")
+    admin.acl_log_reset()
+    assert check_store(settings) is None  # answered, credentials accepted: vLLM starts
+
+    writer_url = _local(manifest["writer_url"], server.port)
+    spaces = ["tenant-a", "tenant-b"]
+    records = {ns: make_record(rows=24, width=8, seed=40 + i) for i, ns in enumerate(spaces)}
+    claimed = {ns: new_key() for ns in spaces}
+    writers = {ns: open_store(writer_url, namespace=ns) for ns in spaces}
+    for ns, writer in writers.items():
+        writer.put_many([records[ns]])
+        assert writer.claim(claimed[ns], ttl_s=30)  # an image being encoded
+    own = open_store(settings.store, namespace=spaces[0])
+    views = StoreViews(own.connection, own.policy)
+    for ns, record in records.items():
+        store = views.get(ns)
+        (header,) = store.headers_many([record.key])
+        assert header is not None and header.num_tokens == 24, ns
+        (got,) = store.get_many([record.key])
+        assert _same(got, record), ns
+        assert store.lookup_states([claimed[ns], new_key()]) == [Pending.CLAIMED, Pending.FREE], ns
+    assert _denials(admin, "vitserve-reader") == {}  # the connector's reads ask for nothing else
+
+    store, key = views.get(spaces[1]), records[spaces[1]].key
+    raw = redis.Redis.from_url(settings.store, socket_timeout=5)
+    attempts: dict[str, Callable[[], Any]] = {
+        "publish": lambda: store.put_many([make_record(seed=77)]),
+        "overwrite": lambda: store.put_many([make_record(rows=24, width=8, seed=41)]),
+        "delete": lambda: store.delete(key),
+        "claim": lambda: store.claim(new_key(), ttl_s=30),
+        "release another's claim": lambda: store.release(claimed[spaces[1]]),
+        "SET": lambda: raw.set(f"vsm:v:{spaces[1]}/{key}", b"x"),
+        "DEL a claim": lambda: raw.delete(f"vsm:c:{spaces[1]}/{claimed[spaces[1]]}"),
+        "FLUSHALL": lambda: raw.flushall(),
+    }
+    succeeded = [name for name, attempt in attempts.items() if _succeeds(attempt)]
+    assert succeeded == []
+    refused = _denials(admin, "vitserve-reader")
+    assert sum(refused.values()) == len(attempts), refused
+    for ns, writer in writers.items():  # nothing changed: records, claims
+        assert _same(writer.get(records[ns].key), records[ns]), ns
+        assert writer.lookup_states([claimed[ns]]) == [Pending.CLAIMED], ns
+        writer.release(claimed[ns])
+        writer.close()
+    raw.close()
+    own.close()
 
 
 def test_a_tenant_without_a_reader_password_stops_the_init_container(

@@ -1,5 +1,5 @@
 """Secure by default (issue 28), checked on the rendered manifests of base and both overlays:
-auth on in both Serve applications' effective config (tokens from a mounted Secret), network
+auth on in every Serve application's effective config (tokens from a mounted Secret), network
 policies that deny by default (evaluated, not string-matched: "may this peer open port P on
 that pod?"), a hardened securityContext and bounded ephemeral storage on every container,
 disruption budgets that select exactly the pods they protect, and Prometheus sending the scrape
@@ -27,6 +27,7 @@ import pytest
 from tests.k8s.conftest import K8S, TARGETS
 from tests.k8s.test_manifests import (
     CLUSTER_TARGETS,
+    VLLM_STATEFULSET,
     applications,
     one,
     pod_environ,
@@ -157,8 +158,8 @@ def app_namespace(objects: list[dict[str, Any]]) -> str:
 
 
 def our_pods(objects: list[dict[str, Any]]) -> dict[str, Pod]:
-    """name (``head``, the worker groups, ``redis``, and a Redis Cluster's bootstrap Job's
-    ``redis-init``) -> our pods as they run."""
+    """name (``head``, the worker groups, ``redis``, ``vllm``, and a Redis Cluster's bootstrap
+    Job's ``redis-init``) -> our pods as they run."""
     ns = app_namespace(objects)
     rayservice = one(objects, "RayService")
     pods = {
@@ -173,6 +174,8 @@ def our_pods(objects: list[dict[str, Any]]) -> dict[str, Pod]:
     ]
     template = redis["spec"]["template"]
     pods["redis"] = Pod("redis", ns, dict(template["metadata"]["labels"]), template["spec"])
+    template = one(objects, "StatefulSet", VLLM_STATEFULSET)["spec"]["template"]
+    pods["vllm"] = Pod("vllm", ns, dict(template["metadata"]["labels"]), template["spec"])
     for job in (o for o in objects if o["kind"] == "Job"):
         template = job["spec"]["template"]
         pods["redis-init"] = Pod(
@@ -367,9 +370,12 @@ def test_a_default_deny_covers_every_pod_both_ways(render: Render, target: str) 
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_redis_is_reached_by_the_ray_pods_alone(render: Render, target: str) -> None:
-    """Redis' 6379 from the Ray pods; a Redis Cluster's nodes also from each other (6379:
-    replication; 16379: the cluster bus) and 6379 from its bootstrap Job; nothing else."""
+def test_redis_is_reached_by_the_ray_pods_and_the_vllm_servers_alone(
+    render: Render, target: str
+) -> None:
+    """Redis' 6379 from the Ray pods and the vLLM servers (their connector reads the store);
+    a Redis Cluster's nodes also from each other (6379: replication; 16379: the cluster bus)
+    and 6379 from its bootstrap Job; nothing else."""
     objects = render(target)
     pods = our_pods(objects)
     ray = {name for name, pod in pods.items() if pod.ray}
@@ -377,7 +383,7 @@ def test_redis_is_reached_by_the_ray_pods_alone(render: Render, target: str) -> 
     cluster = target in CLUSTER_TARGETS
     assert ("redis-init" in pods) == cluster
     own = {"redis", "redis-init"} if cluster else set()
-    assert who_reaches(objects, everyone, pods["redis"], 6379) == ray | own
+    assert who_reaches(objects, everyone, pods["redis"], 6379) == ray | own | {"vllm"}
     assert who_reaches(objects, everyone, pods["redis"], 16379) == ({"redis"} if cluster else set())
     for port in (6380, 26379, 8000):  # nothing else of Redis' reaches anyone
         assert who_reaches(objects, everyone, pods["redis"], port) == set(), port
@@ -394,14 +400,15 @@ def test_ray_ports_stay_among_ray_pods_but_the_named_exceptions(
     render: Render, target: str
 ) -> None:
     """Every port of every Ray pod: the Ray pods reach it (Ray's ports are mostly random, so
-    all of them); from anywhere else only Serve's 8000 from the gateway (and, on the head,
-    the operator's health check and Prometheus' scrape of vitserve's /metrics), the
-    dashboard 8265 from the operator, Ray's metrics 8080 from Prometheus."""
+    all of them); from anywhere else only Serve's 8000 from the gateway and the vLLM servers
+    (their connector asks the encoder application for the model) (and, on the head, the
+    operator's health check and Prometheus' scrape of vitserve's /metrics), the dashboard
+    8265 from the operator, Ray's metrics 8080 from Prometheus."""
     objects = render(target)
     pods = our_pods(objects)
     ray = {name for name, pod in pods.items() if pod.ray}
     others = [
-        *(pods[name] for name in ("redis", "redis-init") if name in pods),
+        *(pods[name] for name in ("redis", "redis-init", "vllm") if name in pods),
         *stand_ins(app_namespace(objects)),
         API_SERVER,
     ]
@@ -412,7 +419,7 @@ def test_ray_ports_stay_among_ray_pods_but_the_named_exceptions(
         ports |= {p["containerPort"] for c in pod.spec["containers"] for p in c.get("ports", [])}
         head = name == "head"
         expected = {
-            8000: {"gateway"} | ({"kuberay-operator", "prometheus"} if head else set()),
+            8000: {"gateway", "vllm"} | ({"kuberay-operator", "prometheus"} if head else set()),
             8080: {"prometheus"},
             8265: {"kuberay-operator"} if head else set(),
         }
@@ -449,6 +456,69 @@ def test_egress_is_dns_ray_redis_the_api_server_and_the_hub(render: Render, targ
         assert reachable(objects, pod, PRIVATE, 443) == head, pod.name  # not the hub's rule
 
 
+VLLM_PORT = 8000  # vLLM's OpenAI server (k8s/base/vllm.yaml): the API, /metrics, /health
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_vllm_is_reached_by_the_front_and_prometheus_alone(render: Render, target: str) -> None:
+    """vLLM's port from the Ray pods (the vLLM front, a Serve replica on any of them) and
+    Prometheus (/metrics), nobody else (not Redis, the gateway, the operator, a pod of the
+    namespace the policies do not name, vitserve's look-alike elsewhere, the internet); no
+    other port of the vLLM pods from anyone."""
+    objects = render(target)
+    pods = our_pods(objects)
+    vllm = pods["vllm"]
+    assert _container_port(vllm, "http") == VLLM_PORT
+    ray = {name for name, pod in pods.items() if pod.ray}
+    everyone = [*pods.values(), *stand_ins(app_namespace(objects)), API_SERVER]
+    assert who_reaches(objects, everyone, vllm, VLLM_PORT) == ray | {"prometheus"}
+    for port in (22, 80, 443, 5557, 6379, 8001, 8080, 8265, 29500):  # ZMQ, torch, ...
+        assert who_reaches(objects, everyone, vllm, port) == set(), port
+    for name in ray:  # ... and the Ray pods' own policies let the front open them
+        assert reachable(objects, pods[name], vllm, VLLM_PORT), name
+        assert not reachable(objects, pods[name], vllm, 8001), name
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_vllm_reaches_redis_the_encoder_dns_and_the_hub_alone(render: Render, target: str) -> None:
+    """The vLLM servers open connections to Redis' 6379 (the connector's store: a Redis
+    Cluster's nodes included), Serve's 8000 on the Ray pods (the connector asks the encoder
+    application for the model and its namespace, through KubeRay's serve Service), DNS, and
+    where their weights come from the hub (not cpu-dev: it builds the demo model in the pod)
+    public addresses on 443; nothing else: no other Ray port, not the API server, no private
+    address, no pod elsewhere."""
+    objects = render(target)
+    pods = our_pods(objects)
+    vllm = pods["vllm"]
+    ns = app_namespace(objects)
+    stranger = Pod("stranger", ns, {"app": "stranger"})
+    assert reachable(objects, vllm, DNS, 53, "UDP") and reachable(objects, vllm, DNS, 53, "TCP")
+    assert reachable(objects, vllm, pods["redis"], 6379)
+    assert not reachable(objects, vllm, pods["redis"], 16379)  # not the cluster's bus
+    ray = [pod for pod in pods.values() if pod.ray]
+    for pod in ray:
+        assert reachable(objects, vllm, pod, 8000), pod.name
+        for port in (6379, 8080, 8265, 10001, 52365, 10002):  # GCS, metrics, dashboard, ...
+            assert not reachable(objects, vllm, pod, port), (pod.name, port)
+    hub = target != "cpu-dev"
+    assert reachable(objects, vllm, INTERNET, 443) == hub
+    for dst, port in (
+        (INTERNET, 80),
+        (PRIVATE, 443),
+        (API_SERVER, 443),
+        (API_SERVER, 6443),
+        (stranger, 8000),
+        (NEIGHBOUR, 6379),
+        (NEIGHBOUR, 8000),
+        (GATEWAY, 8000),
+        (MONITORING, 9090),
+        (vllm, 8000),  # not each other either
+    ):
+        assert not reachable(objects, vllm, dst, port), (dst.name, port)
+    if "redis-init" in pods:
+        assert not reachable(objects, vllm, pods["redis-init"], 6379)
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_prometheus_reaches_what_the_pod_monitors_scrape(render: Render, target: str) -> None:
     objects = render(target)
@@ -482,7 +552,7 @@ def _secret_file(pod: Pod, container: dict[str, Any], path: str) -> tuple[str, s
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_both_applications_have_auth_on_from_the_mounted_secret(
+def test_every_application_has_auth_on_from_the_mounted_secret(
     render: Render, target: str, tmp_path: Path
 ) -> None:
     from vitserve.deployments.common.auth import Authenticator
@@ -520,7 +590,8 @@ def test_both_applications_have_auth_on_from_the_mounted_secret(
                     }
                 )
             )
-            assert auth is not None and [t.name for t in auth.tenants()] == ["dev"]
+            # `dev`, and `vllm`: the vLLM connector's (test_vllm.py)
+            assert auth is not None and [t.name for t in auth.tenants()] == ["dev", "vllm"]
             assert len(data["scrape-token"].strip()) >= MIN_TOKEN_CHARS
 
 
@@ -535,7 +606,10 @@ def test_the_pod_monitor_sends_the_scrape_token_to_vitserves_routes(
         selected = [p for p in pods.values() if selects(monitor["spec"]["selector"], p.labels)]
         for endpoint in monitor["spec"]["podMetricsEndpoints"]:
             ports = {_container_port(p, endpoint["port"]) for p in selected}
-            if ports == {8000}:  # Serve's port: vitserve's /metrics routes, auth on
+            if {p.name for p in selected} == {"vllm"}:  # vLLM's /metrics: no credentials
+                assert ports == {VLLM_PORT} and "authorization" not in endpoint, endpoint
+            elif ports == {8000}:  # Serve's port: vitserve's /metrics routes, auth on
+                assert all(p.ray for p in selected), endpoint
                 assert endpoint["authorization"] == {
                     "type": "Bearer",
                     "credentials": {"name": TOKENS_SECRET, "key": "scrape-token"},
@@ -579,9 +653,11 @@ def test_every_container_runs_hardened(render: Render, target: str) -> None:
             uid = effective["runAsUser"]
             redis_image = container["image"].startswith("redis:")  # Redis' user; vitserve's else
             assert uid == (REDIS_UID if redis_image else RAY_UID), where
-    assert {"ray-head", "redis", "redis-acl"} <= seen
+    assert {"ray-head", "redis", "redis-acl", "vllm"} <= seen
     if target != "cpu-dev":
         assert {"autoscaler", "ray-worker", "wait-gcs-ready"} <= seen
+    else:
+        assert "demo-model" in seen  # the vLLM pod's init container (test_vllm.py)
 
 
 def _writable(pod: Pod, container: dict[str, Any], path: str) -> str | None:
@@ -626,6 +702,19 @@ def test_a_read_only_root_leaves_every_written_path_on_a_volume(
     (init,) = redis.spec["initContainers"]  # type: ignore[index]
     out = init["command"][init["command"].index("--out") + 1]
     assert _writable(redis, init, out)
+    # vLLM: HOME (~/.cache/vllm, ~/.triton, ~/.config), /tmp (torch's inductor cache, IPC
+    # sockets), /dev/shm, the weights (HF_HOME); the demo model's builder: its cache, its link
+    vllm = pods["vllm"]
+    for container in _containers(vllm):
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        paths = ["/tmp", env["HOME"]]
+        if container["name"] == "vllm":
+            paths += ["/dev/shm", f"{env['HOME']}/.cache", env["HF_HOME"]]
+        else:
+            assert container["name"] == "demo-model", container["name"]
+            paths += [env["VITSERVE_CACHE"], posixpath.dirname(env["DEMO_MODEL_DIR"])]
+        for path in paths:
+            assert _writable(vllm, container, path), (container["name"], path)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -664,7 +753,9 @@ def test_every_container_and_empty_dir_bounds_its_storage(render: Render, target
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_disruption_budgets_select_exactly_the_head_and_redis(render: Render, target: str) -> None:
+def test_disruption_budgets_select_exactly_the_head_redis_and_vllm(
+    render: Render, target: str
+) -> None:
     objects = render(target)
     pods = our_pods(objects)
     ns = app_namespace(objects)
@@ -679,11 +770,17 @@ def test_disruption_budgets_select_exactly_the_head_and_redis(render: Render, ta
         }
         for name, budget in budgets.items()
     }
-    assert selected == {"vitserve-ray-head": {"head"}, "vitserve-redis": {"redis"}}
+    assert selected == {
+        "vitserve-ray-head": {"head"},
+        "vitserve-redis": {"redis"},
+        "vitserve-vllm": {"vllm"},
+    }
     for name, budget in budgets.items():
         spec = budget["spec"]
         if name == "vitserve-redis" and target in CLUSTER_TARGETS:
             # six pods: one at a time (a primary's replica takes over; no data leaves)
+            assert spec.get("maxUnavailable") == 1, spec
+        elif name == "vitserve-vllm":  # independent servers: one at a time
             assert spec.get("maxUnavailable") == 1, spec
         else:
             # one pod: no voluntary eviction of a ready one (a drain waits for an operator)

