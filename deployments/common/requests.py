@@ -28,8 +28,9 @@ from typing import Any, NoReturn, Protocol
 
 from starlette.requests import ClientDisconnect
 
+from vitserve.client.handles import EncodeWait
 from vitserve.errors import LimitExceededError, MalformedRequestError, RequestTimeoutError
-from vitserve.media import Media, media_of
+from vitserve.media import Media, VideoFor, media_of
 
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 KEY_SCHEMA = {"type": "string", "pattern": KEY_RE.pattern}
@@ -408,6 +409,32 @@ _ENCODE_ITEM_SCHEMA = {
 }
 _VIDEOS = "videos (MP4/MOV, Matroska/WebM, AVI), answered after the images"
 ENCODE_OPENAPI = {
+    "parameters": [
+        {
+            "name": "wait",
+            "in": "query",
+            "required": False,
+            "description": "published: answered once the new images are encoded and published; "
+            "claimed: once they are claimed, each item {key, pending: true}",
+            "schema": {
+                "type": "string",
+                "enum": [w.value for w in EncodeWait],
+                "default": EncodeWait.PUBLISHED.value,
+            },
+        },
+        {
+            "name": "video_for",
+            "in": "query",
+            "required": False,
+            "description": "whose frame sampling the videos are encoded and keyed under: the "
+            "checkpoint's video processor's (model) or vLLM's loader's for the family (vllm)",
+            "schema": {
+                "type": "string",
+                "enum": [v.value for v in VideoFor],
+                "default": VideoFor.MODEL.value,
+            },
+        },
+    ],
     "requestBody": {
         "required": True,
         "content": {
@@ -443,7 +470,54 @@ ENCODE_OPENAPI = {
                 }
             },
         },
-    }
+    },
+}
+
+
+def inlined_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic model's JSON schema with its ``$defs`` written in where each is referred to
+    (an operation's OpenAPI body cannot refer to definitions of its own); recursion is an
+    error."""
+    defs = schema.get("$defs", {})
+
+    def inline(node: Any, seen: tuple[str, ...]) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                name = ref.rsplit("/", 1)[1]
+                if name in seen:
+                    raise ValueError(f"{name} refers to itself: it cannot be inlined")
+                rest = {k: v for k, v in node.items() if k != "$ref"}
+                return {**inline(defs[name], (*seen, name)), **inline(rest, seen)}
+            return {k: inline(v, seen) for k, v in node.items() if k != "$defs"}
+        if isinstance(node, list):
+            return [inline(v, seen) for v in node]
+        return node
+
+    return inline(schema, ())
+
+
+def body_openapi(schema: dict[str, Any]) -> dict[str, Any]:
+    """An operation's ``openapi_extra``: a required JSON body of ``schema``."""
+    return {"requestBody": _json_body(schema)}
+
+
+CHAT_OPENAPI = {
+    "requestBody": _json_body(
+        {
+            "type": "object",
+            "required": ["messages"],
+            "description": "OpenAI's chat completion request: messages whose content parts "
+            "may be images (image_url, a data: URL) and videos (video_url); the sampling "
+            "fields (max_tokens, temperature, stream, ...) as OpenAI defines them",
+            "properties": {
+                "model": {"type": "string"},
+                "messages": {"type": "array", "items": {"type": "object"}},
+                "stream": {"type": "boolean", "default": False},
+                "max_tokens": {"type": "integer", "minimum": 1},
+            },
+        }
+    )
 }
 PROBE_OPENAPI = {
     "requestBody": _json_body(
@@ -487,15 +561,18 @@ ROWS_OPENAPI = {
 
 
 __all__ = [
+    "CHAT_OPENAPI",
     "ENCODE_OPENAPI",
     "KEY_RE",
     "PROBE_OPENAPI",
     "ROWS_OPENAPI",
+    "body_openapi",
     "check_items",
     "content_length",
     "encode_json",
     "encode_json_bytes",
     "encode_payload",
+    "inlined_schema",
     "is_json_type",
     "json_body",
     "json_body_limit",

@@ -65,7 +65,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
@@ -620,7 +620,11 @@ class Ingress:
             return error_response(exc)
         return JSONResponse(await self._health(tenant))
 
-    @api.get("/metrics", summary="This node's vitserve metrics (Prometheus text format)")
+    @api.get(
+        "/metrics",
+        summary="This node's vitserve metrics (Prometheus text format)",
+        response_class=PlainTextResponse,
+    )
     async def metrics_page(self, request: Request) -> Response:
         return await metrics_response(self.gate.scrape, request.headers.get("authorization"))
 

@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from starlette.concurrency import run_in_threadpool
 
@@ -63,6 +63,7 @@ from vitserve.deployments.common.serving import (
     deployment_options,
     resolve_model,
 )
+from vitserve.deployments.prefill.chat import ChatRequest
 from vitserve.errors import VitserveError
 
 log = logging.getLogger("ray.serve")
@@ -96,6 +97,7 @@ class PrefillServer:
     @api.post(
         "/v1/chat/completions",
         summary="OpenAI-style chat completion (stream or not)",
+        openapi_extra=parse.body_openapi(parse.inlined_schema(ChatRequest.model_json_schema())),
         responses=error_responses(400, 401, 404, 408, 413, 415, 422, 429, 503),
     )
     async def completions(self, request: Request) -> Response:
@@ -178,7 +180,11 @@ class PrefillServer:
             }
         )
 
-    @api.get("/metrics", summary="This node's vitserve metrics (Prometheus text format)")
+    @api.get(
+        "/metrics",
+        summary="This node's vitserve metrics (Prometheus text format)",
+        response_class=PlainTextResponse,
+    )
     async def metrics_page(self, request: Request) -> Response:
         return await metrics_response(self.gate.scrape, request.headers.get("authorization"))
 

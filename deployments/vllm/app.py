@@ -101,7 +101,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from starlette.concurrency import run_in_threadpool
 
@@ -530,6 +530,7 @@ class VllmFront:
     @api.post(
         "/v1/chat/completions",
         summary="OpenAI chat completions, forwarded to vLLM with the images encoded",
+        openapi_extra=parse.CHAT_OPENAPI,
         responses=error_responses(401, 408, 413, 415, 422, 429, 503),
     )
     async def completions(self, request: Request) -> Response:
@@ -601,7 +602,11 @@ class VllmFront:
             body["error"] = refusal.to_dict()
         return JSONResponse(body, status_code=200 if refusal is None else 503)
 
-    @api.get("/metrics", summary="This node's vitserve metrics (Prometheus text format)")
+    @api.get(
+        "/metrics",
+        summary="This node's vitserve metrics (Prometheus text format)",
+        response_class=PlainTextResponse,
+    )
     async def metrics_page(self, request: Request) -> Response:
         return await metrics_response(self.gate.scrape, request.headers.get("authorization"))
 
