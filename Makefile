@@ -21,7 +21,7 @@ CPU_PROFILES ?= 8MiB:0 32MiB:1 480MiB:1
 DURATIONS ?= build/durations
 JUNIT = --junitxml=$(DURATIONS)/$@.xml
 
-.PHONY: install client-install demo test test-fast test-system test-large test-profiles test-vllm vllm-registry test-multinode test-gpu lint typecheck bench bench-publish bench-gpu readme
+.PHONY: install client-install demo test test-fast test-system test-large test-profiles test-vllm vllm-registry test-multinode test-gpu lint typecheck bench bench-publish bench-gpu readme docs
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,7 @@ demo: install
 
 # The suite a developer runs before each commit: everything but the system tier (below), the
 # fuzz tests at a fifth of their budget (tests/fuzz/budget.py). Its measured time, per target and
-# per folder: loadtest/results/test-durations.md (README "Tests").
+# per folder: loadtest/results/test-durations.md (docs/development.md).
 test: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
@@ -161,8 +161,17 @@ BENCH_GPU_ARGS ?=
 bench-gpu: install
 	$(PY) loadtest/bench_gpu.py $(BENCH_GPU_ARGS)
 
-# The README's generated sections (its performance and reliability figures) from the results
+# The documentation's generated sections (docs/benchmarks.md, reliability.md, development.md:
+# the performance and reliability figures) from the results
 # pages under loadtest/results/; tests/loadtest/test_readme_tables.py fails when they are stale.
 # Standard library only: no venv needed.
 readme:
 	$(PYTHON) loadtest/readme_tables.py
+
+# The documentation site (mkdocs.yml; docs/hooks.py joins README.md, k8s/README.md and the
+# results pages to it) into build/site. --strict: a link to a page, anchor or repository file
+# that does not exist fails the build (tests/docs/test_site.py shows one does). The reference
+# pages are generated from the code first (docs/gen_reference.py). A step of .ci/run.
+docs: install
+	$(PY) docs/gen_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet

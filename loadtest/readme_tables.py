@@ -1,6 +1,7 @@
-"""The README's performance and reliability figures, generated from the results pages.
+"""The documentation's performance and reliability figures, generated from the results pages.
 
-README.md holds no hand-typed measurement: every figure in it sits between a pair of markers,
+The documentation holds no hand-typed measurement: every figure in its pages ``DOCUMENTS``
+(the benchmarks, reliability and development pages of docs/) sits between a pair of markers,
 
     <!-- generated:NAME -->
     ...
@@ -8,20 +9,22 @@ README.md holds no hand-typed measurement: every figure in it sits between a pai
 
 and this script writes what lies between them from the pages under ``loadtest/results/``
 (the Markdown the benchmarks and the test suite write), each table followed by a link to the
-page it came from. ``make readme`` rewrites the sections; ``--check`` changes nothing and
-exits 1 naming every section that differs (``tests/loadtest/test_readme_tables.py`` runs it).
+page it came from, relative to the document it is written in. ``make readme`` rewrites the
+sections; ``--check`` changes nothing and exits 1 naming every section that differs
+(``tests/loadtest/test_readme_tables.py`` runs it).
 
 Invariants:
 
-* Only the text between a section's markers changes; every other byte of the README is kept.
+* Only the text between a section's markers changes; every other byte of a document is kept.
 * Every generated section names the page (or pages) its figures came from, as a link.
-* A section's content is a function of the results pages alone: the same pages give the same
-  README, whatever the time or machine of the run.
-* Each section named in the README has a generator here and each generator a section there;
-  a missing, unknown or unbalanced marker is an error, never a silent skip.
+* A section's content is a function of the results pages and of the document it lies in
+  alone: the same pages give the same documents, whatever the time or machine of the run.
+* Each section appears in exactly one document and has a generator here, and each generator
+  a section there; a missing, unknown, repeated or unbalanced marker is an error, never a
+  silent skip.
 * A figure the generator cannot find in its page (a renamed row, a missing table) is an error.
 
-    .venv/bin/python loadtest/readme_tables.py           # rewrite README.md's sections
+    .venv/bin/python loadtest/readme_tables.py           # rewrite the documents' sections
     .venv/bin/python loadtest/readme_tables.py --check   # exit 1 if they are stale
 """
 
@@ -35,6 +38,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = "loadtest/results"
+# the documents holding generated sections, from the repository root
+DOCUMENTS = ("docs/benchmarks.md", "docs/reliability.md", "docs/development.md")
 MARKER = re.compile(r"<!-- (/?)generated:([a-z0-9-]+) -->")
 
 
@@ -516,35 +521,56 @@ SECTIONS: dict[str, Callable[[Path], str]] = {
 
 
 # -- the README -----------------------------------------------------------------------------------
-def spans(readme: str) -> dict[str, tuple[int, int]]:
-    """Each section's content span (between the end of its opening marker and the start of
-    its closing one); malformed markers raise."""
+def spans(readme: str, source: str = "README") -> dict[str, tuple[int, int]]:
+    """Each section's content span in the document ``readme`` (between the end of its opening
+    marker and the start of its closing one); malformed or unknown markers raise."""
     out: dict[str, tuple[int, int]] = {}
     open_name, open_end = None, 0
     for m in MARKER.finditer(readme):
         closing, name = m.group(1) == "/", m.group(2)
         if not closing:
             if open_name is not None:
-                raise TableError(f"README: generated:{name} opens inside generated:{open_name}")
+                raise TableError(f"{source}: generated:{name} opens inside generated:{open_name}")
             if name in out:
-                raise TableError(f"README: generated:{name} appears twice")
+                raise TableError(f"{source}: generated:{name} appears twice")
             open_name, open_end = name, m.end()
         else:
             if name != open_name:
-                raise TableError(f"README: /generated:{name} closes no open section")
+                raise TableError(f"{source}: /generated:{name} closes no open section")
             out[name] = (open_end, m.start())
             open_name = None
     if open_name is not None:
-        raise TableError(f"README: generated:{open_name} is never closed")
+        raise TableError(f"{source}: generated:{open_name} is never closed")
     unknown = sorted(set(out) - set(SECTIONS))
-    missing = sorted(set(SECTIONS) - set(out))
-    if unknown or missing:
-        raise TableError(f"README: unknown sections {unknown}, missing sections {missing}")
+    if unknown:
+        raise TableError(f"{source}: unknown sections {unknown}")
     return out
 
 
+def documents(root: Path) -> dict[str, str]:
+    """Each document's text; every section in exactly one of them."""
+    texts = {name: (root / name).read_text() for name in DOCUMENTS}
+    seen: dict[str, str] = {}
+    for name, text in texts.items():
+        for section in spans(text, name):
+            if section in seen:
+                raise TableError(f"generated:{section} is in {seen[section]} and {name}")
+            seen[section] = name
+    missing = sorted(set(SECTIONS) - set(seen))
+    if missing:
+        raise TableError(f"missing sections {missing} (in none of {', '.join(DOCUMENTS)})")
+    return texts
+
+
+def relinked(contents: dict[str, str], document: str) -> dict[str, str]:
+    """``contents`` (links from the repository root) with their results links made relative
+    to ``document``."""
+    up = "../" * document.count("/")
+    return {n: text.replace(f"]({RESULTS}/", f"]({up}{RESULTS}/") for n, text in contents.items()}
+
+
 def render(readme: str, contents: dict[str, str]) -> str:
-    """``readme`` with each section's content replaced by ``contents[name]``."""
+    """``readme`` with each of its sections' content replaced by ``contents[name]``."""
     where = spans(readme)
     out, at = [], 0
     for name, (start, end) in sorted(where.items(), key=lambda item: item[1][0]):
@@ -559,36 +585,44 @@ def generate(root: Path) -> dict[str, str]:
 
 
 def stale(readme: str, contents: dict[str, str]) -> list[str]:
-    """The sections whose text in ``readme`` differs from ``contents``."""
+    """The sections of ``readme`` whose text differs from ``contents``."""
     now = render(readme, contents)
     before, after = spans(readme), spans(now)
-    return [name for name in SECTIONS if readme[slice(*before[name])] != now[slice(*after[name])]]
+    return [name for name in before if readme[slice(*before[name])] != now[slice(*after[name])]]
+
+
+def stale_documents(root: Path) -> dict[str, list[str]]:
+    """Each document with sections out of date, and those sections."""
+    contents = generate(root)
+    out = {}
+    for name, text in documents(root).items():
+        names = stale(text, relinked(contents, name))
+        if names:
+            out[name] = names
+    return out
 
 
 def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if stale")
     args = parser.parse_args(argv)
-    path = root / "README.md"
-    readme = path.read_text()
-    contents = generate(root)
     if args.check:
-        names = stale(readme, contents)
-        if names:
+        found = stale_documents(root)
+        for name, names in found.items():
             print(
-                f"README.md: generated sections out of date: {', '.join(names)} "
-                "(run `make readme`)",
+                f"{name}: generated sections out of date: {', '.join(names)} (run `make readme`)",
                 file=sys.stderr,
             )
+        if found:
             return 1
-        print("README.md: generated sections up to date")
+        print("the documents' generated sections are up to date")
         return 0
-    new = render(readme, contents)
-    if new != readme:
-        path.write_text(new)
-        print("README.md: generated sections rewritten")
-    else:
-        print("README.md: generated sections already up to date")
+    contents = generate(root)
+    for name, text in documents(root).items():
+        new = render(text, relinked(contents, name))
+        if new != text:
+            (root / name).write_text(new)
+            print(f"{name}: generated sections rewritten")
     return 0
 
 

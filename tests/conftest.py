@@ -670,6 +670,12 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "tests/fuzz/test_atheris.py": ("subprocess",),
     "tests/k8s/test_tooling.py": ("subprocess",),  # hadolint, kubernetes-validate
+    # the documentation's snippets: `vitserve serve` and the CLI, the SDK, models made offline
+    "tests/docs/test_snippets.py::test_a_pages_snippets_run": ("ray", "subprocess"),
+    "tests/docs/test_snippets.py::test_the_getting_started_server_answers_every_client_snippet": (
+        "ray",
+        "subprocess",
+    ),
     "tests/deployments/test_exposure.py::"
     "test_serve_as_a_user_runs_it_keeps_rays_token_auth_on_every_port_beyond_loopback": (
         "ray",

@@ -49,13 +49,22 @@ class _Strict(BaseModel):
 class LimitsConfig(_Strict):
     """Per-request limits, enforced at the HTTP ingress before any work is done."""
 
+    # The most items one request may carry (images, videos and keys together; a chat's image and
+    # video parts): more is a 413, counted before any item is decoded.
     max_images_per_request: int = Field(64, gt=0)
+    # The most bytes a request's body may take (the encoder's routes, the prefill and vLLM chat
+    # routes), declared or as it arrives: a 413 once past it, before the rest is read.
     max_request_bytes: int = Field(64 * 2**20, gt=0)
+    # The most bytes one image may take, as sent: a 413 for the request before the image is opened.
     max_image_bytes: int = Field(32 * 2**20, gt=0)
+    # The most pixels (width * height, from its header) one image may have: a 413 before any decode.
+    # It also sizes the costliest image the derived ``admission`` capacity must hold.
     max_image_pixels: int = Field(40_000_000, gt=0)
     # The most scans a JPEG may hold: each is a pass of the decoder over the image, and a file
     # of thousands (a few KB) costs seconds of CPU (vitserve.encoder.decode_work).
     max_jpeg_scans: int = Field(64, gt=0)
+    # The most keys a /v1/probe body, or reads a /v1/rows body, may hold (413); their bodies are
+    # also capped at about 4 KiB an item. The client SDK splits its probes and row reads by it.
     max_keys_per_probe: int = Field(1024, gt=0)
     # The most JSON values a chat body (/v1/chat/completions of the prefill app and the vLLM
     # front) may hold, counted before it is parsed (commas in the text count: an upper bound).
@@ -71,9 +80,12 @@ class LimitsConfig(_Strict):
     # costs is its header's frames times pixels, checked before any frame is decoded
     # (vitserve.encoder.video); the work of its sampled frames is admitted like an image's.
     max_videos_per_request: int = Field(8, gt=0)
+    # The most bytes one video may take, as sent: a 413 before its header is read.
     max_video_bytes: int = Field(64 * 2**20, gt=0)
+    # The longest a video may run, in seconds, by its container header's duration (413).
     max_video_seconds: float = Field(600.0, gt=0)
     max_video_frames: int = Field(36_000, gt=0)  # frames the header counts: what a decode walks
+    # The most pixels (width * height) of one video frame, by its header (413).
     max_frame_pixels: int = Field(3840 * 2160, gt=0)
 
     def image_limits(self) -> ImageLimits:
@@ -104,7 +116,12 @@ class AdmissionConfig(_Strict):
     each image's header before it is decoded. None: derived from the activation budget
     (``vitserve.encoder.work.Capacity.derived``)."""
 
+    # The most patches one encoder replica holds admitted (queued or on the device); None:
+    # ``QUEUE_FORWARDS`` (4) full forwards under the activation budget, at least the costliest
+    # image's.
     max_patches: int | None = Field(None, gt=0)
+    # The most bytes (prepared pixel arrays plus decodings under way) one encoder replica holds
+    # admitted; None: ``budget_bytes``, at least what the costliest image needs.
     max_bytes: int | None = Field(None, gt=0)
 
 
@@ -114,6 +131,7 @@ class BatchingConfig(_Strict):
     See vitserve.deployments.encoder.device_queue.
     """
 
+    # Off: each device step (and forward) takes one image, and ``batch_wait_timeout_s`` is unused.
     enabled: bool = True
     # The most patches one device step (and one tower forward) takes. None: the
     # engine's default, sized to the CPU's last-level cache on a CPU, uncapped on a GPU (see
@@ -138,25 +156,38 @@ class AutoscalingConfig(_Strict):
     before it is applied (both policies).
     """
 
+    # The signal (see above). ``work`` reads the patches encoder replicas report: on another
+    # deployment it never measures a throughput, so it keeps the replica count where it is.
     policy: Literal["requests", "work"] = "requests"
+    # The fewest replicas autoscaling keeps running (Serve's ``min_replicas``).
     min_replicas: int = Field(1, ge=0)
+    # The most replicas autoscaling may run; the default 1, with ``min_replicas`` 1, never scales.
     max_replicas: int = Field(1, ge=1)
     target_ongoing_requests: float = Field(8.0, gt=0)  # policy "requests"
     target_queue_delay_s: float = Field(2.0, gt=0)  # policy "work"
+    # Seconds a scale-up must be wanted, tick after tick, before it is applied.
     upscale_delay_s: float = Field(5.0, ge=0)
+    # Seconds a scale-down must be wanted, tick after tick, before it is applied.
     downscale_delay_s: float = Field(60.0, ge=0)
 
 
 class DeploymentConfig(_Strict):
     """Resources and scaling of one deployment (the subset vitserve exposes, checked)."""
 
+    # Replicas to run while ``autoscaling`` is None (unused when it is set).
     num_replicas: int = Field(1, ge=1)
+    # Serve autoscaling of this deployment (between its ``min_replicas`` and ``max_replicas``);
+    # None: a fixed ``num_replicas``.
     autoscaling: AutoscalingConfig | None = None
+    # CPUs Ray reserves for each replica (a fraction: replicas share a core).
     num_cpus: float = Field(1.0, ge=0)
+    # GPUs Ray reserves for each replica (a fraction: replicas share one).
     num_gpus: float = Field(0.0, ge=0)
     # Custom Ray resources each replica needs (``{"encoder_node": 1}``): which nodes may host
     # it. CPU, GPU and memory are num_cpus, num_gpus and Ray's own.
     resources: dict[str, float] = Field(default_factory=dict)
+    # The most calls one replica runs at once (Serve's); more wait in their callers' queues. The
+    # vLLM front also caps its connections to each vLLM server at it.
     max_ongoing_requests: int = Field(64, gt=0)
     max_queued_requests: int = Field(256, ge=-1)  # -1: unbounded (not recommended)
     # How often a stopping replica checks that its requests in flight are done (Serve's
@@ -187,7 +218,10 @@ class EncoderDeploymentConfig(DeploymentConfig):
     least loaded replica's admission; the default); ``serve-default``: Serve's power of two
     choices on ongoing calls."""
 
+    # How callers' calls reach the encoder's replicas: ``work`` or ``serve-default`` (see above).
     routing: Literal["work", "serve-default"] = "work"
+    # Seconds a call may wait in the ``work`` router for a replica with room before it goes to the
+    # least loaded replica, whose admission admits it or answers 429.
     routing_hold_s: float = Field(DEFAULT_ROUTING_HOLD_S, ge=0)
     # None: one GPU per replica when ``device`` is cuda, else none (VitserveConfig resolves it)
     num_gpus: float | None = Field(None, ge=0)  # type: ignore[assignment]
@@ -200,6 +234,8 @@ class EncoderAccessConfig(DeploymentConfig):
     # The encoder application, by its name in this Ray cluster (reached by its ingress's
     # handle), or over HTTP when ``encoder_url`` is set.
     encoder_app: str = "vitserve"
+    # The encoder application's base URL (``http://host:8000``), called over HTTP; None: by the
+    # handle of ``encoder_app``. ``vitserve serve`` always uses the handle.
     encoder_url: str | None = None
     # Read the store directly (the fast path; the store must be reachable from the
     # application's replicas), else through the encoder's API.
@@ -226,6 +262,8 @@ class PrefillConfig(EncoderAccessConfig):
     only)."""
 
     chunk_size: int = Field(512, gt=0)  # prompt tokens per prefill forward
+    # The path ``vitserve serve`` mounts the prefill application at (its routes are under it);
+    # ``serve run`` and ``serve deploy`` take their own.
     route_prefix: str = "/prefill"
     # The name requests give as ``model`` (and answers carry); None: ``model`` as configured.
     served_model_name: str | None = None
@@ -241,6 +279,8 @@ class VllmFrontConfig(EncoderAccessConfig):
     # The vLLM servers' base URLs (``http://host:8000``); a string is split on commas
     # (``VITSERVE_VLLM__URLS=http://a:8000,http://b:8000``).
     urls: list[str] = []
+    # The path ``vitserve serve`` mounts the vLLM front at (its routes are under it); ``serve run``
+    # and ``serve deploy`` take their own.
     route_prefix: str = "/vllm"
     # Sent to vLLM as ``Authorization: Bearer <api_key>`` (vLLM's ``--api-key``); None: no
     # Authorization header (the caller's is never forwarded).
@@ -297,7 +337,11 @@ def shared_store(url: str) -> str:
 
 
 class SingleFlightConfig(_Strict):
+    # Seconds a claim on a new image lasts in the store (others wait for the claimant's publish
+    # until then); also the longest a stopping encoder replica waits for its last publishes.
     claim_ttl_s: float = Field(60.0, gt=0)
+    # The longest (seconds) an encoder replica waits for an image another claimant encodes, before
+    # it claims and encodes the image itself.
     wait_timeout_s: float = Field(60.0, gt=0)
 
 
@@ -308,6 +352,7 @@ MIN_TOKEN_CHARS = 16
 class TokenConfig(_Strict):
     """One bearer token and the tenant it authenticates (a tenant may have several: rotation)."""
 
+    # The tenant the token authenticates: its keys live in its own namespace (see ``auth``).
     tenant: str = Field(pattern=TENANT_RE)
     token: SecretStr  # masked in the effective-config log and in every dump as JSON
 
@@ -326,6 +371,8 @@ class QuotaConfig(_Strict):
     the ingress replicas), ``burst`` requests at once. A tenant's byte share of the store is the
     store URL's ``share_bytes`` (``node://?share_bytes=1GiB``; vitserve.cache.urls)."""
 
+    # Each tenant's average request rate (requests/s) in each replica that authenticates it (the
+    # ingress, the prefill and vLLM fronts); None: no quota. Needs auth on (else a start error).
     requests_per_s: float | None = Field(None, gt=0)
     burst: int | None = Field(None, gt=0)  # None: max(1, requests_per_s)
 
@@ -356,12 +403,21 @@ class AuthConfig(_Strict):
     and a changed secret turns every stored entry into a miss.
     """
 
+    # Bearer tokens and their tenants, given inline; ``tokens_file``'s lines count too.
     tokens: list[TokenConfig] = []
+    # A file of ``tenant:token`` lines (``#`` comments), followed while replicas run (``reload_s``).
     tokens_file: str | None = None
+    # Seconds between a replica's looks at ``tokens_file`` and ``scrape_token_file`` (on a request).
     reload_s: float = Field(5.0, gt=0)
+    # The one bearer token ``/metrics`` and ``/v1/stats`` answer with auth on (16 characters or
+    # more); with neither it nor ``scrape_token_file``, they answer no one.
     scrape_token: SecretStr | None = None
+    # A file holding the scrape token instead (stripped), followed like ``tokens_file``.
     scrape_token_file: str | None = None
+    # A server secret (16 characters or more) that tags each tenant's namespace (see above);
+    # needs auth on (with auth off, a replica refuses to start).
     key_secret: SecretStr | None = None
+    # A file holding ``key_secret`` instead (stripped), read once when each replica starts.
     key_secret_file: str | None = None
     quota: QuotaConfig = QuotaConfig()
 
@@ -394,7 +450,11 @@ class AuthConfig(_Strict):
 class VitserveConfig(_Strict):
     """Everything a vitserve application needs; see the module docstring for the environment."""
 
+    # The model served: a Hugging Face id or a local folder; ``demo``: a small random-weight
+    # model, built once into the cache folder.
     model: str = "demo"
+    # The Hugging Face revision (branch, tag or commit) of ``model``; None: its default branch.
+    # Unused for a local folder.
     revision: str | None = None
     # None: cuda in a replica Ray gave a GPU (encoder.num_gpus > 0), else cpu; cuda reserves
     # one GPU per encoder replica unless encoder.num_gpus says otherwise
@@ -403,7 +463,12 @@ class VitserveConfig(_Strict):
     # native, else fp32
     dtype: str | None = None
     store: str = "node://"  # any open_store URL
+    # Mixed into every content key, and the prefix of the store's entries: with auth off every
+    # request's namespace; with auth on, each tenant's is derived from it (see ``auth``).
     namespace: str = ""
+    # The encoder's activation budget (bytes): what one forward's activations may take, and the
+    # default of ``admission.max_bytes``. None: half the GPU's free memory (a CPU: a quarter of
+    # MemAvailable), read as the replica starts.
     budget_bytes: int | None = Field(None, gt=0)
     torch_threads: int | None = Field(None, gt=0)  # None: the cores the container may use
     batching: BatchingConfig = BatchingConfig()
@@ -422,8 +487,12 @@ class VitserveConfig(_Strict):
     prefill: PrefillConfig = PrefillConfig(num_cpus=0.5, max_ongoing_requests=16)
     # I/O only (an HTTP relay): a small CPU share, many requests (streams) in flight
     vllm: VllmFrontConfig = VllmFrontConfig(num_cpus=0.25, max_ongoing_requests=256)
+    # The address ``vitserve serve`` has Serve listen on: beyond loopback it refuses to start with
+    # auth off (unless ``--insecure``). ``serve run`` and ``serve deploy`` use Serve's own.
     http_host: str = "127.0.0.1"
+    # The port ``vitserve serve`` has Serve listen on (0: a free one).
     http_port: int = Field(8000, ge=0, le=65535)
+    # Serve's ``enable_access_log`` for what ``vitserve serve`` starts (its log level is WARNING).
     access_log: bool = False
     auth: AuthConfig = AuthConfig()
 

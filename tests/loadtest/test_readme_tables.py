@@ -1,8 +1,9 @@
-"""README.md's generated sections: current with the results pages, and derived from them.
+"""The documentation's generated sections: current with the results pages, derived from them.
 
-The README's figures are written by ``loadtest/readme_tables.py`` (``make readme``) from the
-pages under ``loadtest/results/``; these tests fail when a page changed and the README did not,
-when a generated section was edited by hand, and when the generator stops reading its pages.
+The figures of docs/benchmarks.md, docs/reliability.md and docs/development.md are written by
+``loadtest/readme_tables.py`` (``make readme``) from the pages under ``loadtest/results/``;
+these tests fail when a page changed and a document did not, when a generated section was
+edited by hand, and when the generator stops reading its pages.
 """
 
 from __future__ import annotations
@@ -19,35 +20,55 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / readme_tables.RESULTS
 
 
+BENCHMARKS = "docs/benchmarks.md"  # the document holding the hot-path and vLLM sections
+
+
 def copy_of_repo(tmp_path: Path) -> Path:
-    """A root holding a copy of README.md and loadtest/results/ (the generator's inputs)."""
-    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    """A root holding a copy of the documents and loadtest/results/ (the generator's inputs)."""
+    for name in readme_tables.DOCUMENTS:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, tmp_path / name)
     shutil.copytree(RESULTS, tmp_path / readme_tables.RESULTS)
     return tmp_path
 
 
-def test_readme_generated_sections_are_current() -> None:
-    readme = (ROOT / "README.md").read_text()
-    stale = readme_tables.stale(readme, readme_tables.generate(ROOT))
-    assert stale == [], f"README.md's sections {stale} are out of date: run `make readme`"
+def test_the_documents_generated_sections_are_current() -> None:
+    stale = readme_tables.stale_documents(ROOT)
+    assert stale == {}, f"generated sections {stale} are out of date: run `make readme`"
+
+
+def test_a_section_in_no_document_or_in_two_is_an_error(tmp_path: Path) -> None:
+    root = copy_of_repo(tmp_path)
+    bench = root / BENCHMARKS
+    text = bench.read_text()
+    start = text.index("<!-- generated:vllm -->")
+    end = text.index("<!-- /generated:vllm -->") + len("<!-- /generated:vllm -->")
+    bench.write_text(text[:start] + text[end:])
+    with pytest.raises(readme_tables.TableError, match=re.escape("missing sections ['vllm']")):
+        readme_tables.documents(root)
+    other = root / "docs/reliability.md"
+    bench.write_text(text)
+    other.write_text(other.read_text() + "\n" + text[start:end] + "\n")
+    with pytest.raises(readme_tables.TableError, match="generated:vllm is in docs/benchmarks"):
+        readme_tables.documents(root)
 
 
 def test_check_fails_on_a_hand_edited_section_and_make_readme_restores_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root = copy_of_repo(tmp_path)
-    readme = (root / "README.md").read_text()
+    readme = (root / BENCHMARKS).read_text()
     row = "| 1 new image, 448x448 | 62.2 ms |"
     edited = readme.replace(row, "| 1 new image, 448x448 | 50 ms |")
     assert edited != readme, "the hot-path table's first row moved: update this test"
-    (root / "README.md").write_text(edited)
+    (root / BENCHMARKS).write_text(edited)
 
     assert readme_tables.main(["--check"], root=root) == 1
     assert "hot-path" in capsys.readouterr().err
-    assert (root / "README.md").read_text() == edited  # --check changes nothing
+    assert (root / BENCHMARKS).read_text() == edited  # --check changes nothing
 
     assert readme_tables.main([], root=root) == 0
-    assert (root / "README.md").read_text() == readme
+    assert (root / BENCHMARKS).read_text() == readme
     assert readme_tables.main(["--check"], root=root) == 0
 
 
@@ -77,7 +98,8 @@ def test_a_changed_results_page_changes_its_section_only(tmp_path: Path) -> None
     assert f"{p50} ({ratio})" not in after["vllm"]
     assert {n for n in before if before[n] != after[n]} == {"vllm"}
 
-    readme = (root / "README.md").read_text()
+    readme = (root / BENCHMARKS).read_text()
+    after = readme_tables.relinked(after, BENCHMARKS)
     assert readme_tables.stale(readme, after) == ["vllm"]
     new = readme_tables.render(readme, after)
     outside = readme_tables.MARKER.split(readme)[::6]  # the text outside every section
