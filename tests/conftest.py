@@ -670,6 +670,11 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "tests/fuzz/test_atheris.py": ("subprocess",),
     "tests/k8s/test_tooling.py": ("subprocess",),  # hadolint, kubernetes-validate
+    # the documentation site: git ls-files, mkdocs builds of a copy of the repository
+    "tests/docs/test_site.py::test_the_site_builds_strict_with_every_page_and_the_results": (
+        "subprocess",
+    ),
+    "tests/docs/test_site.py::test_a_broken_link_fails_the_build": ("subprocess",),
     # the documentation's snippets: `vitserve serve` and the CLI, the SDK, models made offline
     "tests/docs/test_snippets.py::test_a_pages_snippets_run": ("ray", "subprocess"),
     "tests/docs/test_snippets.py::test_the_getting_started_server_answers_every_client_snippet": (
