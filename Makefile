@@ -21,7 +21,7 @@ CPU_PROFILES ?= 8MiB:0 32MiB:1 480MiB:1
 DURATIONS ?= build/durations
 JUNIT = --junitxml=$(DURATIONS)/$@.xml
 
-.PHONY: install client-install demo test test-fast test-system test-large test-profiles test-vllm vllm-registry test-multinode test-gpu lint typecheck bench bench-publish bench-gpu readme docs
+.PHONY: install client-install demo test test-fast test-system test-large test-profiles test-min-versions test-vllm vllm-registry test-multinode test-gpu lint typecheck bench bench-publish bench-gpu readme docs
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +73,41 @@ test-profiles: install
 	  VITSERVE_CPU_LLC_BYTES=$$llc VITSERVE_CPU_BF16=$$bf16 \
 	    $(PY) -m pytest -q -m "cpu_profile and not system" --junitxml=$(DURATIONS)/$@-$$llc-$$bf16.xml; \
 	done
+
+# The minimum-versions job (a step of .ci/run): pyproject.toml's lower bounds are claims, so
+# they are installed literally. tests/min_versions.py turns each `>=` bound of the base and
+# `server` dependencies into an exact pin (ray[serve]>=2.60 -> ray==2.60) and pip installs the
+# project under those pins into a venv of its own, MIN_VENV; a bound that is a lie fails the
+# install or the tests by name (a resolver's "lowest" would quietly take a higher version, and
+# uv's lowest-direct would take every dev tool at its lowest too). The dev tools, what the
+# bounds do not reach and torch float: torch is TORCH, the build on this machine (a torch 2.6
+# would be a CUDA build from the registry). Then the tests that run vitserve on Ray Serve and
+# transformers for real at those versions: every family's towers and language models against
+# transformers' own, the encoder application over HTTP (bad input, auth, fuzzed requests from
+# FastAPI's OpenAPI), the request router and the autoscaling policy in Serve, the prefill
+# application, the SDK and the LLM adapters against served applications. Measured on a 2-vCPU
+# EPYC: 5:00 from no venv (the install 1:16, 340 tests 3:44). loadtest/compatibility.py lists
+# what it ran with (loadtest/results/compatibility.md).
+MIN_VENV ?= build/min-venv
+MIN_TESTS ?= tests/test_families.py tests/encoder/test_families.py \
+  tests/encoder/test_video_families.py tests/encoder/test_language_model.py \
+  tests/encoder/test_loading.py tests/deployments/test_serve_app.py \
+  tests/deployments/test_service.py tests/deployments/test_routing.py \
+  tests/deployments/test_routing_serve.py tests/deployments/test_autoscaling.py \
+  tests/deployments/test_bad_input.py tests/deployments/test_auth.py \
+  tests/deployments/test_prefill.py tests/fuzz/test_api_fuzz.py \
+  tests/client/test_client.py tests/client/test_adapters.py
+$(MIN_VENV)/.installed: pyproject.toml tests/min_versions.py
+	rm -rf $(MIN_VENV) && $(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(MIN_VENV)/bin/python -m pip install --quiet '$(TORCH)'
+	$(PYTHON) -m tests.min_versions --extra server --float torch > $(MIN_VENV)/pins.txt
+	$(MIN_VENV)/bin/python -m pip install --quiet -c $(MIN_VENV)/pins.txt -e '.[server,dev]'
+	touch $@
+
+test-min-versions: $(MIN_VENV)/.installed
+	RAY_AUTH_MODE=disabled flock /tmp/vitserve-heavy.lock \
+	  $(MIN_VENV)/bin/python -m pytest -q -m "not system" $(MIN_TESTS) $(JUNIT)
 
 # The tests marked gpu (the CUDA paths: publishing from a CUDA tensor, the SDK's pinned-memory
 # fetch, the budget from device memory, bf16 forwards batched vs alone), on a GPU machine (install

@@ -88,8 +88,9 @@ def test_a_broken_link_fails_the_build(
         done = build(repo_copy, tmp_path / "site")
     finally:
         page.write_text(text)
+    said = done.stdout + done.stderr
     assert done.returncode != 0
-    assert says in done.stderr and "Aborted" in done.stderr, done.stderr[-3000:]
+    assert says in said and "Aborted" in said, said[-3000:]
 
 
 def test_links_are_rewritten_to_the_site_or_shown_as_paths() -> None:
