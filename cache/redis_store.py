@@ -84,7 +84,7 @@ from redis.retry import Retry
 from vitserve.cache.base import EmbeddingStore, StorePolicy
 from vitserve.cache.codec import RowSpan, header_bytes_needed
 from vitserve.cache.connection import Buffer, Connection
-from vitserve.cache.urls import redact_url
+from vitserve.cache.redaction import redact_url
 from vitserve.errors import ConfigError, RecordFormatError, StoreError, StoreUnavailableError
 
 _PythonRespSerializer: Any = None  # the class, where this redis-py version has it

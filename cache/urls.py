@@ -32,24 +32,23 @@ file), ``ssl_ca_path`` (a folder of CAs), ``ssl_certfile`` and ``ssl_keyfile`` (
 certificate, for servers with ``tls-auth-clients``), ``ssl_cert_reqs`` (``required``, the
 default, ``optional`` or ``none``) and ``ssl_check_hostname`` (``true``/``false``).
 
-Secrets are never shown: :func:`redact_url` masks a URL's password (``redis://user:***@host``),
-also inside a ``tiered://`` URL's ``l1``/``l2``; every error here, the stores' names and the
-effective-config log use it.
+Secrets are never shown: ``redact_url`` (``cache/redaction.py``, a leaf module the backends
+import too) masks a URL's password (``redis://user:***@host``), also inside a ``tiered://``
+URL's ``l1``/``l2``; every error here, the stores' names and the effective-config log use it.
 """
 
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from vitserve.cache.base import EmbeddingStore, StorePolicy
 from vitserve.cache.connection import Connection
+from vitserve.cache.redaction import MASK, SECRET_PARAMS, redact_url
 from vitserve.errors import ConfigError
 
 _SIZE_UNITS = {"": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
 _COMMON = {"namespace": str, "ttl_s": float, "fingerprint": str, "read_wait_s": float}
-_MASK = "***"
-_SECRET_PARAMS = frozenset({"password", "ssl_password"})  # masked wherever a URL shows them
 
 
 def _bool(text: str) -> bool:
@@ -84,38 +83,6 @@ _TLS = {
 }
 
 
-def redact_url(url: str) -> str:
-    """``url`` with its password (and any ``password``/``ssl_password`` parameter) shown as
-    ``***``, nested store URLs (``tiered://``'s ``l1``, ``l2``) too; the user name, host, port,
-    path and other parameters as they were. Text that is not a URL comes back unchanged."""
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:  # e.g. a bad port: keep only what cannot hold a secret
-        return f"{url.partition('://')[0]}://<unparsable URL>" if "@" in url else url
-    if not parts.scheme or (not parts.netloc and not parts.query):
-        return url
-    if "@" in parts.path or "@" in parts.fragment:  # a password with an unencoded / or #
-        return f"{parts.scheme}://<unparsable URL>"
-    netloc = parts.netloc
-    if password is not None:
-        userinfo, _, hostport = netloc.rpartition("@")
-        user = userinfo.partition(":")[0]
-        netloc = f"{user}:{_MASK}@{hostport}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        masked = [
-            (k, _MASK if k in _SECRET_PARAMS else redact_url(v) if "://" in v else v)
-            for k, v in pairs
-        ]
-        if masked != pairs:
-            query = urlencode(masked, safe="*:/@?=", quote_via=quote)
-    query = f"?{query}" if query else ""
-    fragment = f"#{parts.fragment}" if parts.fragment else ""
-    return f"{parts.scheme}://{netloc}{parts.path}{query}{fragment}"
-
-
 def parse_size(text: str) -> int:
     """``"512MiB"`` -> 536870912; plain integers are bytes."""
     raw = text.strip().lower()
@@ -140,7 +107,7 @@ def _options(
         try:
             out[name] = parse_size(value) if kind == "size" else kind(value)
         except ValueError:
-            shown = _MASK if name in _SECRET_PARAMS else repr(value)
+            shown = MASK if name in SECRET_PARAMS else repr(value)
             raise ConfigError(
                 f"invalid value {shown} for {name!r} in {redact_url(url)!r}"
             ) from None

@@ -266,3 +266,99 @@ def test_a_room_may_import_what_its_rules_allow() -> None:
         ("vitserve.deployments.prefill.chat_service", "import torch"),
     ]
     assert [v for m, s in allowed for v in room_violations(m, s)] == []
+
+
+# -- no import cycles ---------------------------------------------------------------------------
+# Every product module's imports, at the top or inside a function, as a graph of vitserve's own
+# modules: a cycle is a knot (a module that cannot be read, tested or replaced without the
+# other), even where a lazy import keeps it from failing at start.
+PRODUCT = {"cache": "vitserve.cache", "client": "vitserve.client", "encoder": "vitserve.encoder"}
+PRODUCT |= {"deployments": DEPLOYMENTS, "vitserve": "vitserve"}
+
+
+def product_modules() -> dict[str, Path]:
+    out = {}
+    for folder, package in PRODUCT.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = [p for p in path.relative_to(ROOT / folder).with_suffix("").parts]
+            parts = [p for p in parts if p != "__init__"]
+            if folder == "vitserve" and parts and parts[0] in PRODUCT:
+                continue  # the links of the development tree, if any
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """module -> the modules of ``sources`` (module -> (source, is a package)) it imports."""
+    graph: dict[str, set[str]] = {}
+    for module, (source, package) in sources.items():
+        deps = set()
+        here = module if package else module.rpartition(".")[0]
+        for name in _imports(source, here + ".x"):
+            while name and name not in sources:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                deps.add(name)
+        graph[module] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_product_code_has_no_import_cycle() -> None:
+    modules = product_modules()
+    assert len(modules) > 80  # else the check would be vacuous
+    sources = {m: (p.read_text(), p.name == "__init__.py") for m, p in modules.items()}
+    assert cycles(import_graph(sources)) == []
+
+
+def test_an_import_cycle_is_found_even_inside_a_function() -> None:
+    sources = {
+        "vitserve.cache": ("", True),
+        "vitserve.cache.urls": ("def f():\n    from vitserve.cache.redis_store import S\n", False),
+        "vitserve.cache.redis_store": ("from vitserve.cache.urls import redact_url\n", False),
+        "vitserve.cache.redaction": ("", False),
+    }
+    assert cycles(import_graph(sources)) == [["vitserve.cache.redis_store", "vitserve.cache.urls"]]
+    sources["vitserve.cache.redis_store"] = ("from .redaction import redact_url\n", False)
+    assert cycles(import_graph(sources)) == []
