@@ -5,12 +5,17 @@ them, so a reader's arrays share memory with the store's entry (read-only) and s
 the entry is evicted. Thread-safe: one lock guards the index; claims wake waiters through a
 condition variable.
 
-Invariants (those of :class:`~vitserve.cache.lru.ByteBudgetLru`): the held bytes never exceed
-``max_bytes`` after a put returns (least recently used entries go first; a single value larger
-than the budget is refused and counted in ``too_large``); an expired entry is never returned.
-Closing the connection gives up the claims held under its token.
-
 :class:`MemoryStore` is a store over a connection of its own (it owns it and closes it).
+``BACKEND`` declares the URL it serves (``memory://?max_bytes=1GiB&share_bytes=...``) to the
+table of :mod:`vitserve.cache.urls`.
+
+Invariants:
+
+* Those of :class:`~vitserve.cache.lru.ByteBudgetLru`: the held bytes never exceed
+  ``max_bytes`` after a put returns (least recently used entries go first; a single value
+  larger than the budget is refused and counted in ``too_large``); an expired entry is never
+  returned.
+* Closing the connection gives up the claims held under its token.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any
 
+from vitserve.cache.backend import Backend, Opener, parse_size, take_policy
 from vitserve.cache.base import EmbeddingStore, StorePolicy
 from vitserve.cache.connection import Buffer, Connection, buffer_nbytes
 from vitserve.cache.lru import ByteBudgetLru
@@ -138,3 +145,17 @@ class MemoryStore(EmbeddingStore):
             StorePolicy(namespace=namespace, fingerprint=fingerprint, ttl_s=ttl_s),
             owns_connection=True,
         )
+
+
+def _from_url(
+    url: str, options: dict[str, Any], open_url: Opener
+) -> tuple[MemoryConnection, StorePolicy]:
+    policy = take_policy(options)
+    return MemoryConnection(**options), policy
+
+
+BACKEND = Backend(
+    schemes=("memory",),
+    options={"max_bytes": parse_size, "share_bytes": parse_size},
+    from_url=_from_url,
+)

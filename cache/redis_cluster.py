@@ -1,6 +1,7 @@
 """The Redis Cluster connection: the records of :mod:`vitserve.cache.redis_store`, sharded over a
 cluster's primaries (``redis+cluster://host:port``, any node as the seed; ``rediss+cluster://``
 with TLS). Managed Redis at scale is cluster mode; everything above the connection is unchanged.
+``BACKEND`` declares those URLs to the table of :mod:`vitserve.cache.urls`.
 
 Layout: the one-server layout with the full key as the hash tag, ``<prefix>:v:{<full key>}``
 and ``<prefix>:c:{<full key>}``: a record's value and its claim always share a slot, so every
@@ -31,7 +32,7 @@ Invariants (beyond :class:`~vitserve.cache.redis_store.RedisConnection`'s, which
   :class:`~vitserve.errors.StoreError` s that are not retryable, also when the cluster client
   meets them while reading the topology (the node's answer behind its own error is read); a
   seed node that is not in cluster mode is a StoreError naming that. Users need the cluster's
-  rules too (``cluster=True`` of :func:`~vitserve.cache.redis_store.reader_acl` and its kin;
+  rules too (``cluster=True`` of :func:`~vitserve.cache.redis_acl.reader_acl` and its kin;
   ``vitserve redis-acl`` writes them for a cluster store URL).
 * **Opening connects nothing.** The client reads the topology on its first call, so a replica
   starts while the cluster is down or still forming; until it can, every call is a
@@ -62,17 +63,21 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
+from vitserve.cache.backend import Backend, Opener, take_policy
+from vitserve.cache.base import StorePolicy
 from vitserve.cache.connection import Buffer
+from vitserve.cache.redis_acl import DEFAULT_PREFIX
 from vitserve.cache.redis_store import (
     _LOOKUP_OR_CLAIM_LUA,
     _RELEASE_LUA,
     _UNAVAILABLE,
-    DEFAULT_PREFIX,
     HEAD_READ,
+    URL_OPTIONS,
     RedisConnection,
     _guarded,
     _ms,
     _wire,
+    server_url,
 )
 from vitserve.errors import ConfigError, StoreError, StoreUnavailableError
 
@@ -277,4 +282,16 @@ class RedisClusterConnection(RedisConnection):
             client.disconnect_connection_pools()
 
 
-__all__ = ["CLUSTER_SCHEMES", "RedisClusterConnection"]
+def _from_url(
+    url: str, options: dict[str, Any], open_url: Opener
+) -> tuple[RedisClusterConnection, StorePolicy]:
+    """``url``'s cluster (its path, ``/0`` where it names none, is checked, then dropped)."""
+    policy = take_policy(options)
+    return RedisClusterConnection(server_url(url), **options), policy
+
+
+BACKEND = Backend(
+    schemes=tuple(CLUSTER_SCHEMES), options={**URL_OPTIONS, "retries": int}, from_url=_from_url
+)
+
+__all__ = ["BACKEND", "CLUSTER_SCHEMES", "RedisClusterConnection"]

@@ -2,7 +2,10 @@
 a Redis Cluster is :mod:`vitserve.cache.redis_cluster`, over the same layout and scripts).
 
 :class:`RedisConnection` is the connection (a pool of sockets to one server, shared by every
-store over it); :class:`RedisStore` is a store over a connection of its own.
+store over it); :class:`RedisStore` is a store over a connection of its own. ``BACKEND``
+declares the URLs it serves (``redis://``, ``rediss://``) to the table of
+:mod:`vitserve.cache.urls`; the ACL rules of the users of this layout are
+:mod:`vitserve.cache.redis_acl`'s.
 
 Layout: the value of a record lives at ``{prefix}:v:{full_key}`` (one Redis string holding the
 encoded record, see :mod:`vitserve.cache.codec`), a claim on it at ``{prefix}:c:{full_key}``;
@@ -55,7 +58,8 @@ Invariants:
   ``over_share``). Entries gone by their TTL leave the ledger when seen at the old end of their
   namespace. Keep ``max_bytes`` below ``maxmemory`` (values plus Redis's overhead) so that the
   server's own eviction, left as a backstop, never runs; the writer needs the ledger's commands
-  (``LEDGER_COMMANDS``). Standalone Redis only: the Lua call names keys it computes.
+  (:data:`~vitserve.cache.redis_acl.LEDGER_COMMANDS`, to be kept in step with the scripts
+  here). Standalone Redis only: the Lua call names keys it computes.
 """
 
 from __future__ import annotations
@@ -63,12 +67,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import re
 import ssl
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -81,10 +84,12 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
+from vitserve.cache.backend import Backend, Opener, Parser, parse_size, take_policy
 from vitserve.cache.base import EmbeddingStore, StorePolicy
 from vitserve.cache.codec import RowSpan, header_bytes_needed
 from vitserve.cache.connection import Buffer, Connection
 from vitserve.cache.redaction import redact_url
+from vitserve.cache.redis_acl import DEFAULT_PREFIX
 from vitserve.errors import ConfigError, RecordFormatError, StoreError, StoreUnavailableError
 
 _PythonRespSerializer: Any = None  # the class, where this redis-py version has it
@@ -228,12 +233,6 @@ return n
 """
 )
 
-#: what a budgeted connection's writer runs inside its Lua calls, beyond a plain writer's
-LEDGER_COMMANDS = (
-    "zadd", "zrange", "zrem", "hget", "hset", "hdel", "hincrby", "hkeys",
-    "incr", "incrby", "decrby",
-)  # fmt: skip
-
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -269,83 +268,6 @@ def _wire(value: Buffer) -> bytes | memoryview:
 
 def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
-
-
-#: What the SDK's direct reads send (``get_many``, ``get_rows_many``, ``headers_many``,
-#: ``exists_many``) and PING: all a reader user may run.
-READER_COMMANDS = ("get", "mget", "getrange", "strlen", "exists", "ping")
-#: What a Redis Cluster client reads the cluster's shape with (metadata, no record): every
-#: user of a cluster runs them too.
-CLUSTER_COMMANDS = ("cluster|slots", "command")
-DEFAULT_PREFIX = "vsm"
-
-
-def _glob_escape(text: str) -> str:
-    """``text`` as a literal inside a Redis key pattern."""
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
-
-
-#: what a writer's store sends (reads, publishes, claims: SET NX and the Lua compare-and-delete
-#: and lookup-or-claim, deletes, INFO for the memory figures, PING)
-WRITER_COMMANDS = (
-    "get", "mget", "getrange", "strlen", "exists", "set", "del",
-    "evalsha", "script|load", "script|exists", "info", "ping",
-)  # fmt: skip
-
-
-def _rules(keys: tuple[str, ...], commands: tuple[str, ...]) -> tuple[str, ...]:
-    return ("resetkeys", *keys, "resetchannels", "-@all", *(f"+{c}" for c in commands))
-
-
-def reader_acl(
-    namespace: str, prefix: str = DEFAULT_PREFIX, cluster: bool = False
-) -> tuple[str, ...]:
-    """The ACL rules (``ACL SETUSER`` / aclfile words) of a user that may read the record values
-    of ``namespace`` and nothing else: its keys only (``%R~{prefix}:v:{namespace}/*``, glob
-    characters escaped, read-only), and whether its claims are held (``%R~{prefix}:c:...``,
-    read-only: a read waits for a claimed key's publish, ``vitserve.cache.base``), the read
-    commands only, no channels. Another namespace's key is refused (NOPERM) even to a reader
-    who knows it. ``cluster``: for a Redis Cluster, whose keys hold the full key as their hash
-    tag (``{prefix}:v:{{namespace/key}}``, :mod:`vitserve.cache.redis_cluster`), and whose
-    clients also run :data:`CLUSTER_COMMANDS`."""
-    space = f"{_glob_escape(prefix)}:%s:{'{' if cluster else ''}{_glob_escape(namespace)}/*"
-    return _rules((f"%R~{space % 'v'}", f"%R~{space % 'c'}"), _commands(READER_COMMANDS, cluster))
-
-
-def server_reader_acl(prefix: str = DEFAULT_PREFIX, cluster: bool = False) -> tuple[str, ...]:
-    """The rules of the server side's reader (the prefill's direct reads, for every tenant):
-    every namespace's record values and claims, read-only, the read commands only (and, on a
-    ``cluster``, :data:`CLUSTER_COMMANDS`)."""
-    p = _glob_escape(prefix)
-    return _rules((f"%R~{p}:v:*", f"%R~{p}:c:*"), _commands(READER_COMMANDS, cluster))
-
-
-def writer_acl(
-    prefix: str = DEFAULT_PREFIX, ledger: bool = False, cluster: bool = False
-) -> tuple[str, ...]:
-    """The rules of the encoder side's writer: what its store sends, on the prefix's keys only;
-    with ``ledger`` (a store URL with ``max_bytes``) also the ledger's commands; on a
-    ``cluster``, :data:`CLUSTER_COMMANDS` and ``EVAL`` (its scripts go as text: a promoted
-    replica has no script cache)."""
-    commands = (
-        WRITER_COMMANDS + (LEDGER_COMMANDS if ledger else ()) + (("eval",) if cluster else ())
-    )
-    return _rules((f"~{_glob_escape(prefix)}:*",), _commands(commands, cluster))
-
-
-#: what the cluster's own user runs: replication between its nodes (a replica authenticates to
-#: its primary as this user: ``masteruser``/``masterauth``) and the cluster's bootstrap
-#: (``redis-cli --cluster create``: CLUSTER, INFO); no key, no configuration, no flush
-CLUSTER_USER_COMMANDS = ("psync", "replconf", "ping", "cluster", "info")
-
-
-def cluster_user_acl() -> tuple[str, ...]:
-    """The rules of a Redis Cluster's own user (:data:`CLUSTER_USER_COMMANDS`, no keys)."""
-    return _rules((), CLUSTER_USER_COMMANDS)
-
-
-def _commands(commands: tuple[str, ...], cluster: bool) -> tuple[str, ...]:
-    return commands + CLUSTER_COMMANDS if cluster else commands
 
 
 class RedisConnection(Connection):
@@ -701,3 +623,51 @@ class RedisStore(EmbeddingStore):
     ) -> None:
         policy = StorePolicy(namespace=namespace, fingerprint=fingerprint, ttl_s=ttl_s)
         super().__init__(RedisConnection(url, **options), policy, owns_connection=True)
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def _cert_reqs(text: str) -> str:
+    if text not in ("none", "optional", "required"):
+        raise ValueError(text)
+    return text
+
+
+#: the URL options of a Redis connection (this module's and the cluster's); the TLS ones on a
+#: redis:// URL are parsed, then refused by the connection (they need rediss://)
+URL_OPTIONS: dict[str, Parser] = {
+    "timeout_s": float,
+    "prefix": str,
+    "max_connections": int,
+    "max_bytes": parse_size,
+    "share_bytes": parse_size,
+    "ssl_ca_certs": str,
+    "ssl_ca_path": str,
+    "ssl_certfile": str,
+    "ssl_keyfile": str,
+    "ssl_cert_reqs": _cert_reqs,
+    "ssl_check_hostname": _bool,
+}
+
+
+def server_url(url: str) -> str:
+    """A Redis store URL without its options (the query), database 0 where it names none."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, parts.path or "/0", "", ""))
+
+
+def _from_url(
+    url: str, options: dict[str, Any], open_url: Opener
+) -> tuple[RedisConnection, StorePolicy]:
+    policy = take_policy(options)
+    return RedisConnection(server_url(url), **options), policy
+
+
+BACKEND = Backend(schemes=("redis", "rediss"), options=URL_OPTIONS, from_url=_from_url)

@@ -1,35 +1,40 @@
 """A local tier (in-process or node-local) in front of a shared tier (Redis): one connection.
 
 :class:`TieredConnection` joins two connections; :class:`TieredStore` is a store over a tiered
-connection of its own.
+connection of its own. ``BACKEND`` declares the URL it serves to the table of
+:mod:`vitserve.cache.urls`: ``tiered://?l1=<local store URL>&l2=<shared store URL>``, each
+tier opened by the opener the table hands it (this module imports no other backend).
 
-Reads hit the local tier first; a value found only in the shared tier is promoted into the local
-one (the bytes fetched are held as they are, no copy). Writes go to both. Claims go to the
-shared tier, so single flight spans replicas.
+Invariants:
 
-Degradation: when the shared tier is unavailable (``StoreUnavailableError``), reads, probes and
-writes carry on with the local tier alone, claims fall back to the local tier (single flight
-within the node), and each failure is counted in ``shared_unavailable``. Errors other than
-unavailability are not hidden.
-
-A value that fails a check (corrupt, truncated, another model's) is dropped from both tiers, so
-the next encode recomputes it instead of finding the bad value's header again in the other tier.
-
-The tiers are connections: they know no namespace, so the namespace of the store over the
-tiered connection applies to both. A promoted value is held in the local tier for the tiered
-connection's ``promote_ttl_s`` (the ``ttl_s`` of its URL; None: until evicted), whichever store
-read it. Closing the tiered connection closes both tiers.
+* Reads hit the local tier first; a value found only in the shared tier is promoted into the
+  local one (the bytes fetched are held as they are, no copy). Writes go to both. Claims go to
+  the shared tier, so single flight spans replicas.
+* Degradation: when the shared tier is unavailable (``StoreUnavailableError``), reads, probes
+  and writes carry on with the local tier alone, claims fall back to the local tier (single
+  flight within the node), and each failure is counted in ``shared_unavailable``. Errors other
+  than unavailability are not hidden.
+* A value that fails a check (corrupt, truncated, another model's) is dropped from both tiers,
+  so the next encode recomputes it instead of finding the bad value's header again in the
+  other tier.
+* The tiers are connections: they know no namespace, so the namespace of the store over the
+  tiered connection applies to both (a tier's URL takes no namespace, fingerprint or ttl_s of
+  its own). A promoted value is held in the local tier for the tiered connection's
+  ``promote_ttl_s`` (the ``ttl_s`` of its URL; None: until evicted), whichever store read it.
+  Closing the tiered connection closes both tiers.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
+from vitserve.cache.backend import Backend, Opener, take_policy
 from vitserve.cache.base import EmbeddingStore, StorePolicy
 from vitserve.cache.codec import RowSpan
 from vitserve.cache.connection import Buffer, Connection
+from vitserve.cache.redaction import redact_url
 from vitserve.errors import ConfigError, StoreError, StoreUnavailableError
 
 T = TypeVar("T")
@@ -225,3 +230,34 @@ class TieredStore(EmbeddingStore):
         policy = StorePolicy(namespace=namespace, fingerprint=fingerprint, ttl_s=ttl_s)
         connection = TieredConnection(tiers[0], tiers[1], promote_ttl_s=ttl_s)
         super().__init__(connection, policy, owns_connection=True)
+
+
+def _from_url(
+    url: str, options: dict[str, Any], open_url: Opener
+) -> tuple[TieredConnection, StorePolicy]:
+    """The tiered connection of ``url`` over its tiers' (``open_url`` opens them), its policy
+    the tiered URL's own: the tiers' URLs may hold none."""
+    try:
+        l1, l2 = options.pop("l1"), options.pop("l2")
+    except KeyError:
+        raise ConfigError(
+            f"tiered store needs l1= and l2= store URLs: {redact_url(url)!r}"
+        ) from None
+    policy = take_policy(options)
+    local, local_policy = open_url(l1)
+    try:
+        shared, shared_policy = open_url(l2)
+    except BaseException:
+        local.close()
+        raise
+    if (local_policy, shared_policy) != (StorePolicy(), StorePolicy()):
+        local.close()
+        shared.close()
+        raise ConfigError(
+            "the tiers of a tiered store take no namespace, fingerprint or ttl_s of their "
+            f"own (give them to the tiered URL): {redact_url(url)!r}"
+        )
+    return TieredConnection(local, shared, promote_ttl_s=policy.ttl_s), policy
+
+
+BACKEND = Backend(schemes=("tiered",), options={"l1": str, "l2": str}, from_url=_from_url)

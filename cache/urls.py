@@ -35,77 +35,64 @@ default, ``optional`` or ``none``) and ``ssl_check_hostname`` (``true``/``false`
 Secrets are never shown: ``redact_url`` (``cache/redaction.py``, a leaf module the backends
 import too) masks a URL's password (``redis://user:***@host``), also inside a ``tiered://``
 URL's ``l1``/``l2``; every error here, the stores' names and the effective-config log use it.
+
+The backends open from a table: :data:`BACKENDS` maps each scheme to the module that serves
+it, whose ``BACKEND`` (:class:`~vitserve.cache.backend.Backend`) declares its schemes, its
+options and its ``from_url``.
+
+Invariants:
+
+* This module imports no backend: a backend's module is imported (``importlib``) when a URL
+  of one of its schemes is first opened, so ``node``'s Ray and the Redis modules' redis-py
+  load only for those URLs (never for the light client or a memory store).
+* Every row of :data:`BACKENDS` is a scheme its module's ``BACKEND`` declares, and every
+  scheme a backend declares is a row (``tests/test_layering.py``).
+* A URL's options are all parsed, and an unknown one refused, before its backend connects
+  anything; ``overrides`` are policy options only.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Mapping
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
+from vitserve.cache.backend import POLICY_OPTIONS, Backend, Parser
+from vitserve.cache.backend import parse_size as parse_size
 from vitserve.cache.base import EmbeddingStore, StorePolicy
 from vitserve.cache.connection import Connection
 from vitserve.cache.redaction import MASK, SECRET_PARAMS, redact_url
 from vitserve.errors import ConfigError
 
-_SIZE_UNITS = {"": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
-_COMMON = {"namespace": str, "ttl_s": float, "fingerprint": str, "read_wait_s": float}
-
-
-def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(text)
-
-
-def _cert_reqs(text: str) -> str:
-    if text not in ("none", "optional", "required"):
-        raise ValueError(text)
-    return text
-
-
-_REDIS = {
-    "timeout_s": float,
-    "prefix": str,
-    "max_connections": int,
-    "max_bytes": "size",
-    "share_bytes": "size",
+_REDIS = "vitserve.cache.redis_store"
+_REDIS_CLUSTER = "vitserve.cache.redis_cluster"
+#: scheme -> the module that serves it (its ``BACKEND``), imported when a URL of the scheme is
+#: first opened
+BACKENDS: dict[str, str] = {
+    "memory": "vitserve.cache.memory",
+    "node": "vitserve.cache.node",
+    "redis": _REDIS,
+    "rediss": _REDIS,
+    "redis+cluster": _REDIS_CLUSTER,
+    "rediss+cluster": _REDIS_CLUSTER,
+    "tiered": "vitserve.cache.tiered",
 }
-_TLS = {
-    "ssl_ca_certs": str,
-    "ssl_ca_path": str,
-    "ssl_certfile": str,
-    "ssl_keyfile": str,
-    "ssl_cert_reqs": _cert_reqs,
-    "ssl_check_hostname": _bool,
-}
-
-
-def parse_size(text: str) -> int:
-    """``"512MiB"`` -> 536870912; plain integers are bytes."""
-    raw = text.strip().lower()
-    digits = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = raw[len(digits) :]
-    if not digits or unit not in _SIZE_UNITS:
-        raise ConfigError(f"invalid size {text!r}; use e.g. 1073741824, 512MiB or 4GiB")
-    return int(float(digits) * _SIZE_UNITS[unit])
 
 
 def _options(
-    url: str, query: str, allowed: dict[str, Any], overrides: dict[str, Any] | None = None
+    url: str, query: str, allowed: Mapping[str, Parser], overrides: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in parse_qsl(query, keep_blank_values=True):
-        kind = allowed.get(name) or _COMMON.get(name)
-        if kind is None:
-            known = ", ".join(sorted({*allowed, *_COMMON}))
+        parse = allowed.get(name) or POLICY_OPTIONS.get(name)
+        if parse is None:
+            known = ", ".join(sorted({*allowed, *POLICY_OPTIONS}))
             raise ConfigError(
                 f"unknown store option {name!r} in {redact_url(url)!r}; known: {known}"
             )
         try:
-            out[name] = parse_size(value) if kind == "size" else kind(value)
+            out[name] = parse(value)
         except ValueError:
             shown = MASK if name in SECRET_PARAMS else repr(value)
             raise ConfigError(
@@ -125,10 +112,10 @@ def open_store(url: str, **overrides: Any) -> EmbeddingStore:
 def keeps_redis_ledger(url: str) -> bool:
     """Whether a store URL has a Redis store keep vitserve's budget in Redis (``max_bytes`` on
     a ``redis://`` URL, or on either tier of a ``tiered://`` one): its writer needs the
-    ledger's commands (:data:`vitserve.cache.redis_store.LEDGER_COMMANDS`). Parses only."""
+    ledger's commands (:data:`vitserve.cache.redis_acl.LEDGER_COMMANDS`). Parses only."""
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query))
-    if parts.scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+    if BACKENDS.get(parts.scheme) in (_REDIS, _REDIS_CLUSTER):
         return "max_bytes" in query
     if parts.scheme == "tiered":
         return any(keeps_redis_ledger(query[tier]) for tier in ("l1", "l2") if tier in query)
@@ -138,93 +125,35 @@ def keeps_redis_ledger(url: str) -> bool:
 def uses_redis_cluster(url: str) -> bool:
     """Whether a store URL's Redis is a Redis Cluster (``redis+cluster://``, or either tier of
     a ``tiered://`` one): its users need the cluster's rules
-    (:func:`~vitserve.cache.redis_store.reader_acl`'s ``cluster``). Parses only."""
+    (:func:`~vitserve.cache.redis_acl.reader_acl`'s ``cluster``). Parses only."""
     parts = urlsplit(url)
     if parts.scheme == "tiered":
         query = dict(parse_qsl(parts.query))
         return any(uses_redis_cluster(query[tier]) for tier in ("l1", "l2") if tier in query)
-    return parts.scheme in ("redis+cluster", "rediss+cluster")
+    return BACKENDS.get(parts.scheme) == _REDIS_CLUSTER
+
+
+def _backend(scheme: str) -> Backend | None:
+    """The backend that serves ``scheme`` (importing its module), None for an unknown one."""
+    module = BACKENDS.get(scheme)
+    return None if module is None else importlib.import_module(module).BACKEND
 
 
 def open_connection(url: str, **overrides: Any) -> tuple[Connection, StorePolicy]:
     """The connection a URL names, and the policy its parameters give (``overrides`` take
     precedence); the caller closes the connection."""
-    unknown = set(overrides) - set(_COMMON)
+    unknown = set(overrides) - set(POLICY_OPTIONS)
     if unknown:
-        raise ConfigError(f"open_store overrides must be among {sorted(_COMMON)}: {unknown}")
+        raise ConfigError(f"open_store overrides must be among {sorted(POLICY_OPTIONS)}: {unknown}")
     parts = urlsplit(url)
-    scheme = parts.scheme
-    # Each backend's module is imported when its scheme is opened: node's loads Ray and
-    # redis_store's redis-py, which the light client and a memory store never need.
-    if scheme == "memory":
-        from vitserve.cache.memory import MemoryConnection
-
-        opts = _options(url, parts.query, {"max_bytes": "size", "share_bytes": "size"}, overrides)
-        policy = _policy(opts)
-        return MemoryConnection(**opts), policy
-    if scheme == "node":
-        from vitserve.cache.node import NodeConnection
-
-        allowed = {
-            "max_bytes": "size",
-            "share_bytes": "size",
-            "actor_name": str,
-            "timeout_s": float,
-            "read_cache_bytes": "size",
-            "read_cache_s": float,
-        }
-        opts = _options(url, parts.query, allowed, overrides)
-        policy = _policy(opts)
-        return NodeConnection(**opts), policy
-    if scheme in ("redis", "rediss"):
-        from vitserve.cache.redis_store import RedisConnection
-
-        # TLS options on a redis:// URL: the connection refuses them (they need rediss://)
-        opts = _options(url, parts.query, {**_REDIS, **_TLS}, overrides)
-        policy = _policy(opts)
-        server = urlunsplit((parts.scheme, parts.netloc, parts.path or "/0", "", ""))
-        return RedisConnection(server, **opts), policy
-    if scheme in ("redis+cluster", "rediss+cluster"):
-        from vitserve.cache.redis_cluster import RedisClusterConnection
-
-        opts = _options(url, parts.query, {**_REDIS, **_TLS, "retries": int}, overrides)
-        policy = _policy(opts)
-        server = urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
-        return RedisClusterConnection(server, **opts), policy
-    if scheme == "tiered":
-        from vitserve.cache.tiered import TieredConnection
-
-        opts = _options(url, parts.query, {"l1": str, "l2": str}, overrides)
-        try:
-            l1, l2 = opts.pop("l1"), opts.pop("l2")
-        except KeyError:
-            raise ConfigError(
-                f"tiered store needs l1= and l2= store URLs: {redact_url(url)!r}"
-            ) from None
-        policy = _policy(opts)
-        local, local_policy = open_connection(l1)
-        try:
-            shared, shared_policy = open_connection(l2)
-        except BaseException:
-            local.close()
-            raise
-        if (local_policy, shared_policy) != (StorePolicy(), StorePolicy()):
-            local.close()
-            shared.close()
-            raise ConfigError(
-                "the tiers of a tiered store take no namespace, fingerprint or ttl_s of their "
-                f"own (give them to the tiered URL): {redact_url(url)!r}"
-            )
-        return TieredConnection(local, shared, promote_ttl_s=policy.ttl_s), policy
-    raise ConfigError(
-        f"unknown store URL {redact_url(url)!r}; use memory://, node://, redis://host:port/db, "
-        "rediss://..., redis+cluster://host:port, rediss+cluster://... or tiered://"
-    )
-
-
-def _policy(opts: dict[str, Any]) -> StorePolicy:
-    """The policy parameters of ``opts``, taken out of it (what is left is the connection's)."""
-    return StorePolicy(**{name: opts.pop(name) for name in _COMMON if name in opts})
+    served = _backend(parts.scheme)
+    if served is None:
+        raise ConfigError(
+            f"unknown store URL {redact_url(url)!r}; use memory://, node://, redis://host:port/db, "
+            "rediss://..., redis+cluster://host:port, rediss+cluster://... or tiered://"
+        )
+    options = _options(url, parts.query, served.options, overrides)
+    return served.from_url(url, options, open_connection)
 
 
 def tiered_url(l1: str, l2: str, **options: Any) -> str:

@@ -750,7 +750,7 @@ class VitserveECConnector(ECConnectorBase):
         """The direct store over ``namespace``'s entries (over the connector's store
         connection, checking the service's fingerprint), None without a direct store: another
         tenant's entries are read only from the store, with the credentials its URL gives (a
-        reader of every namespace, ``vitserve.cache.redis_store.server_reader_acl``)."""
+        reader of every namespace, ``vitserve.cache.redis_acl.server_reader_acl``)."""
         own = self.client.core.store
         if own is None:
             return None

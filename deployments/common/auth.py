@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vitserve.cache.redis_store import DEFAULT_PREFIX, reader_acl
+from vitserve.cache.redis_acl import DEFAULT_PREFIX, reader_acl
 from vitserve.cache.urls import uses_redis_cluster
 from vitserve.deployments.common.config import (
     MIN_TOKEN_CHARS,
@@ -84,7 +84,7 @@ def tenant_namespace(prefix: str, tenant: str, key_secret: bytes | None = None) 
 def redis_readers(cfg: VitserveConfig, prefix: str = DEFAULT_PREFIX) -> dict[str, tuple[str, ...]]:
     """One Redis reader user per tenant of ``cfg``'s auth (``auth.tokens`` and the lines of
     ``auth.tokens_file``): ``vitserve-reader-<tenant>`` -> the ACL rules that let it read its
-    own namespace's records and nothing else (``cache.redis_store.reader_acl``), for the
+    own namespace's records and nothing else (``cache.redis_acl.reader_acl``), for the
     LLM-side direct reads of that tenant. ConfigError with auth off: there is no tenant list."""
     auth = Authenticator.from_config(cfg)
     if auth is None:

@@ -20,8 +20,8 @@ import pytest
 
 from vitserve.cache.codec import encode_record
 from vitserve.cache.node import RAY_NAMESPACE, NodeStore, default_actor_name
-from vitserve.cache.testing import make_record
 from vitserve.errors import StoreUnavailableError
+from vitserve.testing.records import make_record
 
 
 @pytest.fixture
@@ -196,7 +196,7 @@ def test_sleeping_waiters_do_not_hold_up_lookups_and_a_put_wakes_them_all(
     group, so lookups, claims and the put still answer at once, and the put wakes every one."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from vitserve.cache.node import ACTOR_THREADS, WAIT_THREADS
+    from vitserve.cache.node_actor import ACTOR_THREADS, WAIT_THREADS
 
     name = actor_name()
     owner, waiter = NodeStore(actor_name=name), NodeStore(actor_name=name)

@@ -21,9 +21,9 @@ import redis
 from vitserve.cache import open_store
 from vitserve.cache.base import Claim, EmbeddingStore
 from vitserve.cache.codec import encode_record
-from vitserve.cache.redis_store import reader_acl, server_reader_acl, writer_acl
-from vitserve.cache.testing import make_record, new_key
+from vitserve.cache.redis_acl import reader_acl, server_reader_acl, writer_acl
 from vitserve.errors import ConfigError, StoreError, StoreUnavailableError
+from vitserve.testing.records import make_record, new_key
 
 
 @pytest.fixture

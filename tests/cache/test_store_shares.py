@@ -201,7 +201,7 @@ def test_the_writer_acl_of_a_budgeted_store_lets_it_keep_its_ledger(redis_url, l
     writer's rules are refused (NOPERM) the moment the ledger's Lua runs."""
     from urllib.parse import urlsplit, urlunsplit
 
-    from vitserve.cache.redis_store import writer_acl
+    from vitserve.cache.redis_acl import writer_acl
     from vitserve.errors import StoreError
 
     prefix = f"acl-{uuid.uuid4().hex[:8]}"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vitserve.cache.redis_store import (
+from vitserve.cache.redis_acl import (
     CLUSTER_COMMANDS,
     CLUSTER_USER_COMMANDS,
     LEDGER_COMMANDS,
