@@ -61,11 +61,13 @@ from vitserve.cache.codec import Header
 from vitserve.client.handles import EncodeWait
 from vitserve.deployments.common import metrics
 from vitserve.deployments.common.config import VitserveConfig
+from vitserve.deployments.encoder.flight_store import FlightStore
 from vitserve.deployments.encoder.preprocessing import ImagePreparer, prepare_all
 from vitserve.deployments.encoder.routing import THIS_CALLER
 from vitserve.deployments.encoder.single_flight import ClaimState, Role, SingleFlight
 from vitserve.deployments.encoder.wire import (
     AnswerItem,
+    ClaimsAt,
     EncodeBatch,
     EncodedItem,
     ErrorItem,
@@ -168,6 +170,7 @@ class EncodeFlow:
         self.preprocessor = preprocessor  # a Preprocessor (``ingress``)
         # this ingress's flights, and the claims it releases
         self.flights = SingleFlight(hook=metrics.flight_hook("ingress"))
+        self.flight_store = FlightStore(self.flights)
         # wait=claimed requests' flows, running on after their answers (held until they end)
         self.background: set[asyncio.Task[Any]] = set()
 
@@ -291,7 +294,7 @@ class EncodeFlow:
                 video_for,
             )
         else:
-            self.flights.release_later(store, unneeded)
+            self.flight_store.release_later(store, unneeded)
         return [results[k].copy() for k in keys]
 
     async def _encode_new(
@@ -310,15 +313,9 @@ class EncodeFlow:
         """The request's new images: each one a request on this ingress is encoding already
         is joined here (single flight from the moment of the claim, before any preprocessing);
         the others go to the encoder in one call, and the flights they lead here end with it."""
-        roles = self.flights.roles(new, states)
-        futures = self.flights.begin(new, roles)
-        send = [i for i, r in enumerate(roles) if r is not Role.JOIN]
-        releases += [
-            (new[i], token)
-            for i, r in enumerate(roles)
-            if r is Role.JOIN and states[i] is ClaimState.WON
-        ]
-        self.flights.release_later(store, releases)
+        plan = self.flights.plan(new, states, token)
+        self.flight_store.release_later(store, [*releases, *plan.releases])
+        send = [i for i, r in enumerate(plan.roles) if r is not Role.JOIN]
         try:
             if send:
                 batch = EncodeBatch(
@@ -328,25 +325,22 @@ class EncodeFlow:
                     token=token,
                     images=[data_of[new[i]] for i in send],
                     namespace=store.namespace,
-                    claims_at=store.connection.claim_scope,
+                    claims_at=ClaimsAt(store.connection.claim_scope),
                     patches=[patches_of[new[i]] for i in send],
                     caller=THIS_CALLER,
                     video_for=video_for,
                 )
                 answers = await self._call_encoder(batch, store)
                 for i, answer in zip(send, answers, strict=True):
-                    if i in futures:
-                        self.flights.settle(futures[i], answer)
+                    if i in plan.futures:
+                        self.flights.settle(plan.futures[i], answer)
                     results[new[i]] = with_cached(answer, False)
         except BaseException as exc:
-            for i in send:
-                if i in futures:  # joiners of this request's images fail as it did
-                    self.flights.settle(futures[i], error=exc)
+            self.flights.end(plan, exc)  # joiners of this request's images fail as it did
             raise
-        for i, role in enumerate(roles):
-            if role is Role.JOIN:
-                answer = await self.flights.join(futures[i])
-                results[new[i]] = with_cached(answer, False)
+        for i in plan.indices(Role.JOIN):
+            answer = await self.flights.join(plan.futures[i])
+            results[new[i]] = with_cached(answer, False)
 
     async def _lookup_or_claim(
         self, store: EmbeddingStore, keys: list[str], token: str
@@ -388,7 +382,7 @@ class EncodeFlow:
             )
         except Exception as exc:
             # nobody will publish them: let waiters go now, not at the claim's ttl
-            self.flights.release_later(
+            self.flight_store.release_later(
                 store,
                 [
                     (k, batch.token)

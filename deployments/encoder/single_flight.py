@@ -1,60 +1,47 @@
-"""Single flight: each new image is encoded once, however many requests and replicas ask for it.
+"""Single flight's plan: each new image is encoded once, however many requests ask for it.
 
 **The rule.** The ingress's ``lookup_or_claim`` gives each new image of a request a
 :class:`ClaimState`: the request holds the store's claim on it (``WON``), someone else does
-(``BUSY``), or the store could not say (``UNCLAIMED``). On the encoder replica, one
-:class:`SingleFlight` per process decides each image's :class:`Role` as the request arrives,
-before any pixel is decoded:
+(``BUSY``), or the store could not say (``UNCLAIMED``). One :class:`SingleFlight` per process
+(the ingress's encode flow, each encoder replica) plans each request as it arrives, before any
+pixel is decoded (:meth:`SingleFlight.plan`, a :class:`FlightPlan`):
 
-* an image with a flight on this replica **joins** it (one shared future);
+* an image with a flight in this process **joins** it (one shared future); a claim the request
+  won on it is released (the flight's own claim covers the key);
 * else a ``WON`` or ``UNCLAIMED`` image **leads**: its flight is registered at once, so a request
   that arrives while this one still decodes its images joins it;
-* else (``BUSY``) it **waits** for the claimant (another replica, or a request not here yet) on
-  the store. When the value appears it is read back; when the claim is gone without one (the
-  claimant failed, or its claim expired), the wait times out or the store fails, the waiter
-  claims the image and leads (or joins a flight started here meanwhile).
+* else (``BUSY``) it **waits** for the claimant (another process, or a request not here yet) on
+  the store (:class:`~vitserve.deployments.encoder.flight_store.FlightStore`). When the claim is
+  gone without a value, the waiter **takes over** (:meth:`SingleFlight.take_over`): it joins a
+  flight started here meanwhile, else claims the image and leads.
 
-**Waits hold no thread.** A waiter is a future. Each store with waiters has one poller task that
-asks the store about all its awaited keys in one ``lookup_states`` call per tick (the value's
-header, or whether the claim is still held). Every store call of single flight (polls, claims,
-releases) runs in its own pool of ``STORE_THREADS`` threads, which no publish uses: a thousand
-waiters cost one call per tick, and the publish they wait for never waits for them.
+This module is pure bookkeeping: no store, no thread, no I/O (the store calls are
+``flight_store``'s; a take-over's claim is a coroutine handed in). Its unit tests need neither
+Ray nor a store (``tests/deployments/test_single_flight.py``).
 
 Invariants:
 
-* At most one flight per key; a flight's future is settled exactly once (``settle``, or the
-  future it ``follow``s) and forgotten as it settles.
+* At most one flight per key; a flight's future is settled exactly once (``settle``, the
+  future it ``follow``s, or ``end``) and forgotten as it settles.
+* A plan registers its leads in the call that answers it (no await inside): a request planned
+  after it joins them. A key twice in one request leads once; its repeats join.
+* A plan's ``releases`` are the claims its own token won on images that join: never a claim of
+  another request's token, never a BUSY image's.
 * A caller that stops waiting (cancelled: its client went away) never settles, cancels or
   forgets a flight: joiners await it shielded.
-* A wait ends within its timeout and one poll: ``PUBLISHED`` (with the header), ``GONE``,
-  ``TIMED_OUT`` or ``STORE_DOWN``; a waiter cancelled leaves nothing behind in the poller.
-* A claim handed to this process and not published is released by ``release_later``, off the
-  answer's path.
-
-Plain asyncio over an :class:`~vitserve.cache.base.EmbeddingStore`: no Ray (unit-tested alone,
-``tests/deployments/test_single_flight.py``).
+* ``end`` settles every lead of a plan still open (with the error given): a request that failed
+  or stopped early leaves no joiner waiting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import logging
-import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitserve.cache.base import Claim, EmbeddingStore, Header, Pending
-from vitserve.errors import StoreError
-
-log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
-
-#: threads of single flight's store calls (polls, claims, releases): never a publish's
-STORE_THREADS = 2
-#: the poller's first delay between polls, doubled while nothing changes, up to the second
-POLL_FIRST_S, POLL_MAX_S = 0.002, 0.05
+from vitserve.cache.base import Claim, Header
 
 
 class ClaimState(enum.Enum):
@@ -96,6 +83,37 @@ class Waited:
     header: Header | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class FlightPlan:
+    """One request's plan (:meth:`SingleFlight.plan`): per image its role; per leading or
+    joining image the flight it follows; the claims to release (``(key, token)``: won by
+    images that join)."""
+
+    keys: tuple[str, ...]
+    roles: tuple[Role, ...]
+    futures: Mapping[int, asyncio.Future]
+    releases: tuple[tuple[str, str], ...]
+
+    def indices(self, role: Role) -> list[int]:
+        """The positions of the images of ``role``, in order."""
+        return [i for i, r in enumerate(self.roles) if r is role]
+
+    def joining(self, i: int) -> bool:
+        return self.roles[i] is Role.JOIN
+
+
+@dataclass(frozen=True, slots=True)
+class TakeOver:
+    """After a wait that saw no value: lead (``future`` a new flight; ``claimed``: under the
+    store's token, else unclaimed) or join (``future`` the flight that started meanwhile);
+    ``release``: a claim won but not needed (a flight started during the claim)."""
+
+    role: Role
+    future: asyncio.Future
+    claimed: bool = False
+    release: bool = False
+
+
 Hook = Callable[..., None]  # hook(event, **fields): "join" (scope), "store_call" (op, seconds,
 # error): what the encoder turns into metrics
 
@@ -105,45 +123,49 @@ def _no_hook(event: str, **fields: Any) -> None:
 
 
 class SingleFlight:
-    """One replica process's flights, waits and claim releases (see the module)."""
+    """One process's flights (see the module): pure state, driven from one event loop."""
 
-    def __init__(self, *, threads: int = STORE_THREADS, hook: Hook = _no_hook) -> None:
+    def __init__(self, *, hook: Hook = _no_hook) -> None:
         self._flights: dict[str, asyncio.Future] = {}
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="vitserve-flight")
-        self._pollers: dict[int, _Poller] = {}  # id(store) -> its poller
-        self._background: set[asyncio.Task] = set()
-        self._hook = hook
+        self.hook = hook
 
-    # -- flights on this replica -----------------------------------------------------------------
-    def roles(self, keys: Sequence[str], states: Sequence[ClaimState]) -> list[Role]:
-        """Each image's role (nothing registered: see ``begin``). A key twice in one call leads
-        once; its repeats join."""
-        roles, leading = [], set()
-        for key, state in zip(keys, states, strict=True):
-            if key in self._flights or key in leading:
+    def plan(
+        self, keys: Sequence[str], states: Sequence[ClaimState], token: str | None
+    ) -> FlightPlan:
+        """Each image's role, its leads registered at once (module); ``token`` the request's
+        claim token (None: it holds none)."""
+        roles: list[Role] = []
+        futures: dict[int, asyncio.Future] = {}
+        releases: list[tuple[str, str]] = []
+        leading: set[str] = set()
+        for i, (key, state) in enumerate(zip(keys, states, strict=True)):
+            running = self._flights.get(key)
+            if running is not None:
                 roles.append(Role.JOIN)
+                futures[i] = running
+                self.hook("join", scope="local")
+                # a won claim is released, unless it is the claim of a flight this plan leads
+                # (a key twice in one request: its publish releases it)
+                if state is ClaimState.WON and token is not None and key not in leading:
+                    releases.append((key, token))
             elif state is ClaimState.BUSY:
                 roles.append(Role.WAIT)
             else:
                 roles.append(Role.LEAD)
-                leading.add(key)
-        return roles
-
-    def begin(self, keys: Sequence[str], roles: Sequence[Role]) -> dict[int, asyncio.Future]:
-        """Register a flight for each leading key; per index, the future of the flight each
-        leading or joining image follows. Call it in the event-loop turn ``roles`` was answered
-        in (no await between), so the roles still hold."""
-        futures: dict[int, asyncio.Future] = {}
-        for i, (key, role) in enumerate(zip(keys, roles, strict=True)):
-            if role is Role.LEAD:
                 futures[i] = self.lead(key)
-            elif role is Role.JOIN:
-                futures[i] = self._flights[key]
-                self._hook("join", scope="local")
-        return futures
+                leading.add(key)
+        return FlightPlan(tuple(keys), tuple(roles), futures, tuple(releases))
+
+    def end(self, plan: FlightPlan, error: BaseException) -> None:
+        """Settle each lead of ``plan`` still open with ``error`` (a request that failed,
+        was refused or stopped early)."""
+        for i in plan.indices(Role.LEAD):
+            self.settle(plan.futures[i], error=error)
+            self._forget(plan.keys[i], plan.futures[i])  # now, not at its callback: a plan
+            # made before the callback runs leads anew instead of joining a refused flight
 
     def flight(self, key: str) -> asyncio.Future | None:
-        """The flight of ``key`` on this replica, if one runs."""
+        """The flight of ``key`` in this process, if one runs."""
         return self._flights.get(key)
 
     def lead(self, key: str) -> asyncio.Future:
@@ -190,131 +212,27 @@ class SingleFlight:
         """The flight's result (its error raised); cancelling the caller leaves it running."""
         return await asyncio.shield(future)
 
-    # -- waits on another claimant ------------------------------------------------------------
-    async def wait(self, store: EmbeddingStore, key: str, timeout_s: float) -> Waited:
-        """Wait for ``key``'s value in ``store`` while someone holds its claim (module)."""
-        self._hook("join", scope="remote")
-        poller = self._pollers.get(id(store))
-        if poller is None or poller.store is not store:
-            poller = self._pollers[id(store)] = _Poller(self, store)
-        future = poller.add(key)
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout_s)
-        except asyncio.TimeoutError:
-            return Waited(Outcome.TIMED_OUT)
-        finally:
-            poller.drop(key, future)
-
-    async def take_over(
-        self, store: EmbeddingStore, key: str, ttl_s: float
-    ) -> tuple[Role, asyncio.Future, str | None]:
-        """After a wait that saw no value: ``(JOIN, flight, None)`` if a flight of ``key``
-        runs here (started meanwhile), else ``(LEAD, new flight, token)``: the image is
-        claimed for ``ttl_s`` under the store's token (None if the claim went elsewhere or the
-        store failed: encode it anyway, the worst is a second encode, never a wrong answer)."""
-        future = self.flight(key)
-        if future is not None:
-            self._hook("join", scope="local")
-            return Role.JOIN, future, None
-        try:
-            won = await self.call("claim", store.claim, key, ttl_s)
-        except StoreError:
-            won = False
-        future = self.flight(key)
-        if future is not None:  # started during the claim: ours is not needed
-            if won:
-                self.release_later(store, [(key, store.token)])
-            self._hook("join", scope="local")
-            return Role.JOIN, future, None
-        return Role.LEAD, self.lead(key), store.token if won else None
-
-    # -- store calls -----------------------------------------------------------------------------
-    async def call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` in single flight's own threads, timed (``store_call`` hook); a
-        StoreError is counted and raised."""
-        started = time.perf_counter()
-        error = False
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-        except StoreError:
-            error = True
-            raise
-        finally:
-            self._hook("store_call", op=op, seconds=time.perf_counter() - started, error=error)
-
-    def release_later(self, store: EmbeddingStore, releases: Sequence[tuple[str, str]]) -> None:
-        """Release claims ``(key, token)`` off the answer's path (one store call for them)."""
-        if not releases:
-            return
-
-        async def release() -> None:
-            try:
-                await self.call("release", store.put_values, [], None, list(releases))
-            except StoreError as exc:
-                log.warning("releasing %d claims failed: %s", len(releases), exc)
-
-        task = asyncio.create_task(release())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def drain(self) -> None:
-        """Until the releases under way are done (tests, a clean stop)."""
-        while self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
+    async def take_over(self, key: str, claim: Callable[[], Awaitable[bool]]) -> TakeOver:
+        """After a wait on another claimant that saw no value: join a flight of ``key`` started
+        here meanwhile, else ``claim()`` it (False: claimed elsewhere, or the store failed:
+        encode it anyway, the worst is a second encode, never a wrong answer) and lead, unless
+        a flight started during the claim (join it; the claim, if won, is to be released)."""
+        running, won = self.flight(key), False
+        if running is None:
+            won = await claim()
+            running = self.flight(key)
+            if running is None:
+                return TakeOver(Role.LEAD, self.lead(key), claimed=won)
+        self.hook("join", scope="local")
+        return TakeOver(Role.JOIN, running, release=won)
 
 
-class _Poller:
-    """The waits on one store: one ``lookup_states`` call per tick for every awaited key."""
-
-    def __init__(self, flights: SingleFlight, store: EmbeddingStore) -> None:
-        self.flights = flights
-        self.store = store
-        self.waiters: dict[str, set[asyncio.Future]] = {}
-        self.task: asyncio.Task | None = None
-
-    def add(self, key: str) -> asyncio.Future:
-        future = asyncio.get_running_loop().create_future()
-        self.waiters.setdefault(key, set()).add(future)
-        if self.task is None or self.task.done():
-            self.task = asyncio.create_task(self._run())
-        return future
-
-    def drop(self, key: str, future: asyncio.Future) -> None:
-        waiting = self.waiters.get(key)
-        if waiting is not None:
-            waiting.discard(future)
-            if not waiting:
-                del self.waiters[key]
-
-    def _settle(self, key: str, waited: Waited) -> None:
-        for future in self.waiters.pop(key, ()):
-            if not future.done():
-                future.set_result(waited)
-
-    async def _run(self) -> None:
-        delay = POLL_FIRST_S
-        while self.waiters:
-            keys = list(self.waiters)
-            try:
-                answers = await self.flights.call("poll", self.store.lookup_states, keys)
-            except StoreError:
-                for key in keys:
-                    self._settle(key, Waited(Outcome.STORE_DOWN))
-                continue
-            changed = False
-            for key, answer in zip(keys, answers, strict=True):
-                if answer is Pending.CLAIMED:
-                    continue
-                changed = True
-                self._settle(
-                    key,
-                    Waited(Outcome.GONE)
-                    if answer is Pending.FREE
-                    else Waited(Outcome.PUBLISHED, answer),
-                )
-            if self.waiters:
-                delay = POLL_FIRST_S if changed else min(2 * delay, POLL_MAX_S)
-                await asyncio.sleep(delay)
-
-
-__all__ = ["POLL_MAX_S", "STORE_THREADS", "ClaimState", "Outcome", "Role", "SingleFlight", "Waited"]
+__all__ = [
+    "ClaimState",
+    "FlightPlan",
+    "Outcome",
+    "Role",
+    "SingleFlight",
+    "TakeOver",
+    "Waited",
+]

@@ -35,8 +35,18 @@ from vitserve.deployments.encoder.single_flight import ClaimState
 from vitserve.errors import VitserveError
 from vitserve.media import VideoFor
 
-#: ``EncodeBatch.claims_at`` of a caller that does not say where its claims live
-CLAIMS_UNSTATED = "unstated"
+
+@dataclass(frozen=True, slots=True)
+class ClaimsAt:
+    """Where a batch's claims live: the ``claim_scope`` of the caller's store connection (None:
+    a shared store, whose claims every process sees). The encoder refuses a batch whose
+    claims live elsewhere than its own store's (``StoreSplitError``)."""
+
+    scope: str | None
+
+    def split_from(self, mine: str | None) -> bool:
+        """True when a store of claim scope ``mine`` cannot see these claims."""
+        return self.scope != mine
 
 
 @dataclass(slots=True)
@@ -56,9 +66,8 @@ class EncodeBatch:
     namespace: str | None = None
     patches: list[int] = field(default_factory=list)
     caller: str = ""  # the calling process's name (``routing.THIS_CALLER``): its router's work
-    # the caller's store's ``claim_scope`` (None: shared); unstated by a caller that predates
-    # it (a rolling update) or builds batches by hand: not checked
-    claims_at: str | None = CLAIMS_UNSTATED
+    # where the caller's claims live; None (unstated: a batch built by hand): not checked
+    claims_at: ClaimsAt | None = None
     video_for: VideoFor = VideoFor.MODEL  # whose sampling its videos are keyed and encoded by
 
     def route_hint(self) -> RouteHint:

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from vitserve.encoder.testimages import make_image
+from vitserve.testing.images import make_image
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -196,9 +196,8 @@ class Service:
 
         async def run() -> list:
             answers = await asyncio.gather(*(self._request(r) for r in requests))
-            await self.flow.flights.drain()  # the claim releases under way
-            await self.encoder.flights.drain()
-            await self.encoder.drain_publishes()  # the publishes run past the answers
+            await self.flow.flight_store.drain()  # the claim releases under way
+            await self.encoder.drain_publishes()  # its releases, the publishes past the answers
             return answers
 
         self.counts.reset()
@@ -316,11 +315,11 @@ def test_a_busy_image_encoding_here_is_joined_when_the_store_fails_the_wait(
     )
 
     async def run() -> list:
-        in_flight = encoder.flights.lead(key)  # this replica encodes the image now
+        in_flight = encoder.pipeline.flights.lead(key)  # this replica encodes the image now
         busy = asyncio.ensure_future(encoder.encode(batch))
         await asyncio.sleep(0.2)  # its wait fails at once: it must not go and encode
         assert not busy.done()
-        encoder.flights.settle(in_flight, joined)
+        encoder.pipeline.flights.settle(in_flight, joined)
         return await busy
 
     before = service.images_encoded()
@@ -463,7 +462,7 @@ def test_a_publish_refused_as_unavailable_is_tried_again_and_its_readers_wait(
     a reader asking meanwhile gets the record once it lands, never a miss; refused past the
     last try, it is given up and the claim released (the reader then misses, at once)."""
     from vitserve.cache import open_store
-    from vitserve.deployments.encoder.replica import PUBLISH_RETRY_S
+    from vitserve.deployments.encoder.publisher import PUBLISH_RETRY_S
 
     service = Service(loop, engine_cfg, "node://", "encoder")
     store = RefusedPuts(service.encoder.store, refusals)
@@ -575,7 +574,7 @@ def test_an_encode_answered_at_its_claims_that_fails_after_releases_and_counts(
         answer = await service.flow.encode([image], [key], wait=EncodeWait.CLAIMED)
         service.flow.encoder.go.set()
         await asyncio.gather(*service.flow.background, return_exceptions=True)
-        await service.flow.flights.drain()  # the release
+        await service.flow.flight_store.drain()  # the release
         return answer, service.flow.store.lookup_states([key])
 
     answer, states = loop.run_until_complete(run())

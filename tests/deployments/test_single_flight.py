@@ -1,5 +1,6 @@
-"""Single flight (``vitserve.deployments.encoder.single_flight``) alone: plain asyncio over the
-in-process store, no Ray. Each test pins one clause of the module's rule or invariants.
+"""Single flight alone: its plan (``vitserve.deployments.encoder.single_flight``, pure state:
+the tests of the plan use no store) and its store side (``flight_store``, over the in-process
+store), no Ray. Each test pins one clause of a module's rule or invariants.
 
 What the old code did instead (issue 25): a BUSY image's wait ran ``store.wait_for`` in a thread
 of the event loop's default executor (five threads in a one-CPU replica) while the publish it
@@ -22,14 +23,14 @@ import pytest
 from vitserve.cache.base import Claim
 from vitserve.cache.codec import encode_record
 from vitserve.cache.memory import MemoryStore
-from vitserve.cache.testing import make_record, new_key
+from vitserve.deployments.encoder.flight_store import POLL_MAX_S, FlightStore
 from vitserve.deployments.encoder.single_flight import (
-    POLL_MAX_S,
     ClaimState,
     Outcome,
     Role,
     SingleFlight,
 )
+from vitserve.testing.records import make_record, new_key
 
 WON, BUSY, UNCLAIMED = ClaimState.WON, ClaimState.BUSY, ClaimState.UNCLAIMED
 
@@ -75,19 +76,19 @@ def test_an_image_is_joinable_from_the_moment_its_request_arrives() -> None:
         flights = SingleFlight()
         key = new_key()
         preparing = asyncio.Event()
-        leader_roles = flights.roles([key], [WON])
-        assert leader_roles == [Role.LEAD]
-        [lead] = flights.begin([key], leader_roles).values()
+        leader = flights.plan([key], [WON], "leader")
+        assert leader.roles == (Role.LEAD,)
+        [lead] = leader.futures.values()
 
         async def leader() -> None:
             await preparing.wait()  # decoding its (large) images
             flights.settle(lead, {"key": key, "from": "leader"})
 
         task = asyncio.create_task(leader())
-        follower_roles = flights.roles([key], [BUSY])
-        assert follower_roles == [Role.JOIN]  # not WAIT: the flight runs here already
-        [joined] = flights.begin([key], follower_roles).values()
-        assert joined is lead
+        follower = flights.plan([key], [BUSY], "follower")
+        assert follower.roles == (Role.JOIN,)  # not WAIT: the flight runs here already
+        [joined] = follower.futures.values()
+        assert joined is lead and follower.releases == ()  # a BUSY claim is not its to release
         preparing.set()
         assert await flights.join(joined) == {"key": key, "from": "leader"}
         await task
@@ -100,7 +101,11 @@ def test_a_key_twice_in_one_call_leads_once() -> None:
     async def test() -> None:
         flights = SingleFlight()
         key = new_key()
-        assert flights.roles([key, key], [WON, WON]) == [Role.LEAD, Role.JOIN]
+        plan = flights.plan([key, key], [WON, WON], "t")
+        assert plan.roles == (Role.LEAD, Role.JOIN)
+        assert plan.futures[0] is plan.futures[1]
+        # the repeat's claim is the lead's own: released by its publish, never before
+        assert plan.releases == ()
 
     run(test)
 
@@ -113,9 +118,10 @@ def test_a_waiter_whose_claimant_dies_takes_over_at_once() -> None:
     async def test() -> None:
         store = MemoryStore(namespace="sf")
         flights = SingleFlight()
+        side = FlightStore(flights)
         key = new_key()
         assert store.claim(key, ttl_s=60, token="claimant")
-        waiting = asyncio.create_task(flights.wait(store, key, timeout_s=30))
+        waiting = asyncio.create_task(side.wait(store, key, timeout_s=30))
         await asyncio.sleep(0.1)
         assert not waiting.done()
         started = time.monotonic()
@@ -123,7 +129,8 @@ def test_a_waiter_whose_claimant_dies_takes_over_at_once() -> None:
         waited = await waiting
         assert waited.outcome is Outcome.GONE
         assert time.monotonic() - started < 4 * POLL_MAX_S
-        role, future, token = await flights.take_over(store, key, ttl_s=60)
+        took, token = await side.take_over(store, key, ttl_s=60)
+        role, future = took.role, took.future
         assert role is Role.LEAD and token == store.token
         assert flights.flight(key) is future
         assert not store.claim(key, ttl_s=1, token="someone else")  # ours now
@@ -135,10 +142,11 @@ def test_a_claim_that_expires_ends_the_wait() -> None:
     async def test() -> None:
         store = MemoryStore(namespace="sf")
         flights = SingleFlight()
+        side = FlightStore(flights)
         key = new_key()
         assert store.claim(key, ttl_s=0.3, token="claimant")  # its claimant hangs
         started = time.monotonic()
-        waited = await flights.wait(store, key, timeout_s=30)
+        waited = await side.wait(store, key, timeout_s=30)
         assert waited.outcome is Outcome.GONE
         assert 0.25 < time.monotonic() - started < 0.3 + 4 * POLL_MAX_S
 
@@ -149,12 +157,13 @@ def test_a_wait_times_out_and_leaves_nothing_behind() -> None:
     async def test() -> None:
         store = MemoryStore(namespace="sf")
         flights = SingleFlight()
+        side = FlightStore(flights)
         key = new_key()
         assert store.claim(key, ttl_s=60, token="claimant")
         started = time.monotonic()
-        assert (await flights.wait(store, key, timeout_s=0.2)).outcome is Outcome.TIMED_OUT
+        assert (await side.wait(store, key, timeout_s=0.2)).outcome is Outcome.TIMED_OUT
         assert time.monotonic() - started < 0.2 + 2 * POLL_MAX_S
-        [poller] = flights._pollers.values()
+        [poller] = side._pollers.values()
         assert poller.waiters == {}
         await asyncio.sleep(2 * POLL_MAX_S)
         assert poller.task is not None and poller.task.done()  # no key left to poll
@@ -170,11 +179,12 @@ def test_many_waiters_and_one_publish() -> None:
         store = MemoryStore(namespace="sf")
         calls: list[str] = []
         flights = SingleFlight(hook=lambda event, **f: calls.append(f.get("op", event)))
+        side = FlightStore(flights)
         keys = [new_key() for _ in range(3)]
         for key in keys:
             assert store.claim(key, ttl_s=60, token="claimant")
         waits = [
-            asyncio.create_task(flights.wait(store, keys[i % 3], timeout_s=30)) for i in range(300)
+            asyncio.create_task(side.wait(store, keys[i % 3], timeout_s=30)) for i in range(300)
         ]
         # wait for the poller to have asked at least twice (not a fixed sleep: a loaded CI host
         # may start 300 tasks slower than the first tick)
@@ -184,7 +194,7 @@ def test_many_waiters_and_one_publish() -> None:
         assert not any(w.done() for w in waits)
         polls_before = calls.count("poll")
         for key in keys:  # the claimant publishes, in single flight's own threads too
-            await flights.call("put", publish, store, key, 3, [(key, "claimant")])
+            await side.call("put", publish, store, key, 3, [(key, "claimant")])
         results = await asyncio.gather(*waits)
         assert all(r.outcome is Outcome.PUBLISHED for r in results)
         assert all(
@@ -200,8 +210,9 @@ def test_a_cancelled_joiner_or_waiter_leaves_the_flight_and_the_others_alone() -
     async def test() -> None:
         store = MemoryStore(namespace="sf")
         flights = SingleFlight()
+        side = FlightStore(flights)
         key, other = new_key(), new_key()
-        [lead] = flights.begin([key], flights.roles([key], [WON])).values()
+        [lead] = flights.plan([key], [WON], "t").futures.values()
         joiners = [asyncio.create_task(flights.join(lead)) for _ in range(3)]
         await asyncio.sleep(0)
         joiners[0].cancel()  # its client went away
@@ -211,8 +222,8 @@ def test_a_cancelled_joiner_or_waiter_leaves_the_flight_and_the_others_alone() -
         assert await asyncio.gather(*joiners[1:]) == ["result", "result"]
         # a waiter cancelled is dropped from the poller; another on the same key goes on
         assert store.claim(other, ttl_s=60, token="claimant")
-        w1 = asyncio.create_task(flights.wait(store, other, timeout_s=30))
-        w2 = asyncio.create_task(flights.wait(store, other, timeout_s=30))
+        w1 = asyncio.create_task(side.wait(store, other, timeout_s=30))
+        w2 = asyncio.create_task(side.wait(store, other, timeout_s=30))
         await asyncio.sleep(0.05)
         w1.cancel()
         await asyncio.sleep(0.05)
@@ -220,7 +231,7 @@ def test_a_cancelled_joiner_or_waiter_leaves_the_flight_and_the_others_alone() -
         assert (await w2).outcome is Outcome.PUBLISHED
         with pytest.raises(asyncio.CancelledError):
             await w1
-        [poller] = flights._pollers.values()
+        [poller] = side._pollers.values()
         assert poller.waiters == {}
 
     run(test)
@@ -234,7 +245,7 @@ def test_a_flight_follows_its_device_future_whatever_its_caller_does() -> None:
         flights = SingleFlight()
         ok, bad = new_key(), new_key()
         loop = asyncio.get_running_loop()
-        leads = flights.begin([ok, bad], flights.roles([ok, bad], [WON, UNCLAIMED]))
+        leads = flights.plan([ok, bad], [WON, UNCLAIMED], "t").futures
         device = {k: loop.create_future() for k in (ok, bad)}
         for i, k in enumerate((ok, bad)):
             flights.follow(leads[i], device[k])
@@ -252,7 +263,7 @@ def test_a_flight_follows_its_device_future_whatever_its_caller_does() -> None:
             await flights.join(leads[1])
         # a device future cancelled all the same: the joiners get an error, never a hang
         gone = new_key()
-        [lead] = flights.begin([gone], [Role.LEAD]).values()
+        [lead] = flights.plan([gone], [UNCLAIMED], None).futures.values()
         source = loop.create_future()
         flights.follow(lead, source)
         source.cancel()
@@ -275,9 +286,11 @@ def test_a_store_down_ends_the_wait_and_take_over_still_leads() -> None:
     async def test() -> None:
         store = Down(namespace="sf")
         flights = SingleFlight()
+        side = FlightStore(flights)
         key = new_key()
-        assert (await flights.wait(store, key, timeout_s=30)).outcome is Outcome.STORE_DOWN
-        role, future, token = await flights.take_over(store, key, ttl_s=60)
+        assert (await side.wait(store, key, timeout_s=30)).outcome is Outcome.STORE_DOWN
+        took, token = await side.take_over(store, key, ttl_s=60)
+        role, future = took.role, took.future
         assert role is Role.LEAD and token is None  # encode it, unclaimed
         flights.settle(future, "x")
 
@@ -288,13 +301,15 @@ def test_take_over_joins_a_flight_started_during_the_wait() -> None:
     async def test() -> None:
         store = MemoryStore(namespace="sf")
         flights = SingleFlight()
+        side = FlightStore(flights)
         key = new_key()
         assert store.claim(key, ttl_s=0.2, token="claimant")
-        waiting = asyncio.create_task(flights.wait(store, key, timeout_s=30))
+        waiting = asyncio.create_task(side.wait(store, key, timeout_s=30))
         await asyncio.sleep(0.05)
         lead = flights.lead(key)  # a request encoding it arrived here meanwhile
         assert (await waiting).outcome is Outcome.GONE
-        role, future, token = await flights.take_over(store, key, ttl_s=60)
+        took, token = await side.take_over(store, key, ttl_s=60)
+        role, future = took.role, took.future
         assert role is Role.JOIN and future is lead and token is None
         flights.settle(lead, "ok")
 
@@ -305,10 +320,131 @@ def test_releases_run_in_single_flights_own_threads() -> None:
     async def test() -> None:
         store = MemoryStore(namespace="sf")
         flights = SingleFlight()
+        side = FlightStore(flights)
         key = new_key()
         assert store.claim(key, ttl_s=60, token="t")
-        flights.release_later(store, [(key, "t")])
-        await flights.drain()
+        side.release_later(store, [(key, "t")])
+        await side.drain()
         assert store.claim(key, ttl_s=60, token="other")
+
+    run(test)
+
+
+# -- the plan alone: no store, no thread -----------------------------------------------------------
+
+
+def test_a_plan_releases_only_the_claims_its_own_token_won_on_joined_images() -> None:
+    """The step the replica and the ingress both take: a request whose images join flights
+    here releases the claims it won on them (the flight's claim covers the key), never a BUSY
+    image's (another request's claim) and never one of a key it leads."""
+
+    async def test() -> None:
+        flights = SingleFlight()
+        running, busy, new, unclaimed = (new_key() for _ in range(4))
+        first = flights.plan([running, busy], [WON, WON], "first")
+        plan = flights.plan([running, busy, new, unclaimed], [WON, BUSY, WON, UNCLAIMED], "second")
+        assert plan.roles == (Role.JOIN, Role.JOIN, Role.LEAD, Role.LEAD)
+        assert plan.releases == ((running, "second"),)
+        assert plan.futures[0] is first.futures[0] and plan.futures[1] is first.futures[1]
+        assert plan.indices(Role.LEAD) == [2, 3] and plan.indices(Role.WAIT) == []
+        # a request that holds no token (its lookup failed) releases nothing
+        assert flights.plan([running], [WON], None).releases == ()
+        # a BUSY image with no flight here waits (on the store), registering nothing
+        waiting = new_key()
+        assert flights.plan([waiting], [BUSY], "third").roles == (Role.WAIT,)
+        assert flights.flight(waiting) is None
+
+    run(test)
+
+
+def test_a_refused_plan_leaves_no_flight_behind() -> None:
+    """The replica plans a request, then admission refuses it in the same turn: ``end`` settles
+    its leads with the refusal and forgets them at once, so the next request leads (it would
+    otherwise join a flight that never runs, or one already failed)."""
+
+    async def test() -> None:
+        flights = SingleFlight()
+        key = new_key()
+        refused = flights.plan([key], [WON], "refused")
+        flights.end(refused, RuntimeError("no room"))
+        assert flights.flight(key) is None  # no await in between: not left to a callback
+        again = flights.plan([key], [WON], "again")
+        assert again.roles == (Role.LEAD,)
+        with pytest.raises(RuntimeError, match="no room"):
+            await flights.join(refused.futures[0])
+        flights.settle(again.futures[0], "ok")
+        assert await flights.join(again.futures[0]) == "ok"
+
+    run(test)
+
+
+def test_end_settles_only_the_leads_still_open_and_their_joiners_hear_it() -> None:
+    async def test() -> None:
+        flights = SingleFlight()
+        done, stuck = new_key(), new_key()
+        plan = flights.plan([done, stuck], [WON, WON], "t")
+        joiner = flights.plan([stuck], [BUSY], "other")
+        flights.settle(plan.futures[0], "embedded")
+        flights.end(plan, RuntimeError("the encode stopped early"))
+        assert await flights.join(plan.futures[0]) == "embedded"
+        with pytest.raises(RuntimeError, match="stopped early"):
+            await flights.join(joiner.futures[0])
+
+    run(test)
+
+
+def test_take_over_races_are_decided_without_a_store() -> None:
+    """After a wait that saw no value: a flight started here before the claim is joined (no
+    claim made); one started during the claim is joined and the claim won is to be released;
+    else the waiter leads, claimed or not as the claim went."""
+
+    async def test() -> None:
+        flights = SingleFlight()
+        claims: list[str] = []
+
+        def claim_of(key: str, won: bool, meanwhile: bool = False) -> Any:
+            async def claim() -> bool:
+                claims.append(key)
+                await asyncio.sleep(0)  # the store call: other requests run meanwhile
+                if meanwhile:
+                    flights.plan([key], [UNCLAIMED], None)  # a request leading it arrived
+                return won
+
+            return claim
+
+        before = new_key()
+        [running] = flights.plan([before], [WON], "t").futures.values()
+        took = await flights.take_over(before, claim_of(before, won=True))
+        assert (took.role, took.future, took.release) == (Role.JOIN, running, False)
+        assert claims == []  # no claim was made for a flight that runs here
+
+        during = new_key()
+        took = await flights.take_over(during, claim_of(during, won=True, meanwhile=True))
+        assert took.role is Role.JOIN and took.future is flights.flight(during)
+        assert took.release and not took.claimed  # ours is not needed: release it
+
+        lost = new_key()
+        took = await flights.take_over(lost, claim_of(lost, won=False, meanwhile=True))
+        assert took.role is Role.JOIN and not took.release  # nothing of ours to release
+
+        won, unclaimed = new_key(), new_key()
+        took = await flights.take_over(won, claim_of(won, won=True))
+        assert took.role is Role.LEAD and took.claimed and flights.flight(won) is took.future
+        took = await flights.take_over(unclaimed, claim_of(unclaimed, won=False))
+        assert took.role is Role.LEAD and not took.claimed  # encoded unclaimed, still one flight
+        assert flights.plan([unclaimed], [BUSY], "late").roles == (Role.JOIN,)
+
+    run(test)
+
+
+def test_a_settled_flight_is_forgotten_and_the_key_leads_again() -> None:
+    async def test() -> None:
+        flights = SingleFlight()
+        key = new_key()
+        [failed] = flights.plan([key], [WON], "t").futures.values()
+        flights.settle(failed, error=RuntimeError("device step failed"))
+        await asyncio.sleep(0)  # its done callbacks
+        assert flights.flight(key) is None
+        assert flights.plan([key], [WON], "retry").roles == (Role.LEAD,)
 
     run(test)
