@@ -9,7 +9,7 @@ from typing import Any
 from vitserve.cache.base import EmbeddingStore
 from vitserve.cache.codec import EmbeddingRecord
 from vitserve.client.chunks import chunk_bounds, item_spans
-from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, falls_back, retry_delay
+from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, Sleep, retried
 from vitserve.client.device import to_device
 from vitserve.client.handles import FetchedChunk, ImageHandle, Submitted
 from vitserve.client.inputs import ImageInput
@@ -129,34 +129,28 @@ class AsyncEncoderClient:
 
     # -- performing the core's operations ------------------------------------------------------
     async def _run(self, flow: Flow) -> Any:
+        """Perform ``flow``'s ops, each tried as the retry policy says (``core.retried``)."""
+        steps = retried(flow, self.retry)
         try:
-            op = next(flow)
+            step = next(steps)
             while True:
-                op = flow.send(await self._perform(op))
+                if isinstance(step, Sleep):
+                    await asyncio.sleep(step.seconds)
+                    step = steps.send(None)
+                else:
+                    step = steps.send(await self._try(step))
         except StopIteration as done:
             return done.value
 
-    async def _perform(self, op: Any) -> Any:
-        """The op, tried again while :func:`~vitserve.client.core.retry_delay` says so (a
-        store call runs in a worker thread)."""
-        for attempt in range(self.retry.attempts):
-            try:
-                outcome = await (
-                    self.transport.call(op)
-                    if isinstance(op, ApiCall)
-                    else asyncio.to_thread(getattr(self.core.store, op.method), *op.args)
-                )
-            except VitserveError as exc:
-                outcome = exc
-            if falls_back(op, outcome):  # the core reads elsewhere: no retry, no raise
-                return outcome
-            delay = retry_delay(self.retry, attempt, outcome)
-            if delay is None:
-                break
-            await asyncio.sleep(delay)
-        if isinstance(outcome, VitserveError):
-            raise outcome
-        return outcome
+    async def _try(self, op: Any) -> Any:
+        """One try of ``op`` (a store call in a worker thread): its answer, or the
+        VitserveError it raised."""
+        try:
+            if isinstance(op, ApiCall):
+                return await self.transport.call(op)
+            return await asyncio.to_thread(getattr(self.core.store, op.method), *op.args)
+        except VitserveError as exc:
+            return exc
 
 
 __all__ = ["AsyncEncoderClient"]

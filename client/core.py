@@ -5,7 +5,8 @@ generator that yields what it needs done, an :class:`ApiCall` (through the clien
 HTTP to the ingress, or a Serve handle) or a :class:`StoreCall` (a method of the direct store),
 and is sent the answer back; its return value is the operation's result. ``EncoderClient``
 performs the yields with blocking I/O, ``AsyncEncoderClient`` awaits them: only the I/O differs
-(the httpx / redis-py manner), and when to retry is decided in one place (:func:`retry_delay`).
+(the httpx / redis-py manner), and the retry loop is written once (:func:`retried`, deciding
+by :func:`retry_delay`).
 
 Invariants:
 
@@ -139,6 +140,42 @@ def falls_back(op: Any, outcome: Any) -> bool:
         and isinstance(outcome, VitserveError)
         and outcome.retryable
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """What :func:`retried` yields between tries: wait ``seconds`` (and send back None)."""
+
+    seconds: float
+
+
+def retried(flow: Flow, policy: RetryPolicy) -> Generator[Op | Sleep, Any, Any]:
+    """``flow`` with each op tried as ``policy`` says: the retry loop of both clients, written
+    once and without I/O. It yields each try of an op (send back its outcome: the answer, or
+    the :class:`~vitserve.errors.VitserveError` it raised) and a :class:`Sleep` between tries;
+    it returns the flow's value, or raises the error of an op whose tries are spent (one whose
+    store call falls back is handed to the flow instead, neither retried nor raised)."""
+    try:
+        op = next(flow)
+        while True:
+            op = flow.send((yield from _tries(op, policy)))
+    except StopIteration as done:
+        return done.value
+
+
+def _tries(op: Op, policy: RetryPolicy) -> Generator[Op | Sleep, Any, Any]:
+    """One op's tries (see :func:`retried`): its outcome for the flow, or its error raised."""
+    for attempt in range(policy.attempts):
+        outcome = yield op
+        if falls_back(op, outcome):  # the core reads elsewhere: no retry, no raise
+            return outcome
+        delay = retry_delay(policy, attempt, outcome)
+        if delay is None:
+            break
+        yield Sleep(delay)
+    if isinstance(outcome, VitserveError):
+        raise outcome
+    return outcome
 
 
 #: an error answer's fields that are the shape's own (OpenAI's), not the error's

@@ -128,3 +128,48 @@ def test_backoff_grows_and_retry_after_is_capped() -> None:
     assert [0.05 <= policy.delay(0) <= 0.1, 0.1 <= policy.delay(1) <= 0.2] == [True, True]
     assert 0.15 <= policy.delay(4) <= 0.3
     assert policy.delay(0, retry_after=60) == 2
+
+
+def _drive(flow_ops: list, outcomes: list, policy: RetryPolicy = FAST) -> tuple[list, object]:
+    """Drive ``core.retried`` over a flow that yields ``flow_ops`` (returning what it was sent
+    last), answering each try with the next of ``outcomes``: what it yielded, and its value."""
+    from vitserve.client.core import Sleep, retried
+
+    def flow():
+        got = None
+        for op in flow_ops:
+            got = yield op
+        return got
+
+    seen: list = []
+    steps = retried(flow(), policy)
+    try:
+        step = next(steps)
+        while True:
+            seen.append(step)
+            step = steps.send(None if isinstance(step, Sleep) else outcomes.pop(0))
+    except StopIteration as done:
+        return seen, done.value
+
+
+def test_the_retry_loop_is_one_sans_io_generator() -> None:
+    """Both clients drive ``core.retried``: a retryable failure is tried again after a sleep
+    until its tries are spent; what a retry cannot help is raised at once; a store call with a
+    fallback hands its failure to the flow; a 503 answer that persists comes back as it is."""
+    from vitserve.client.core import ApiCall, Reply, Sleep, StoreCall
+
+    call = ApiCall("probe", {"keys": []})
+    down = ServiceUnavailableError("encoder", "restarting")
+    seen, value = _drive([call], [down, "answer"])
+    assert seen[0] == call and isinstance(seen[1], Sleep) and seen[2] == call
+    assert value == "answer"
+    with pytest.raises(ServiceUnavailableError):
+        _drive([call], [down, down, down])  # FAST: three tries
+    with pytest.raises(LimitExceededError):
+        _drive([call], [LimitExceededError("pixels", 10, 5)])
+    fallback = StoreCall("get_many", ((),), fallback=True)
+    seen, value = _drive([fallback], [down])
+    assert seen == [fallback] and value is down  # the core reads elsewhere: no retry, no raise
+    busy = Reply(503, {})
+    seen, value = _drive([call], [busy, busy, busy])
+    assert value is busy and [type(s) for s in seen] == [ApiCall, Sleep] * 2 + [ApiCall]
