@@ -40,8 +40,8 @@ read by ``requests.py``: a body is refused while it is read once it passes
 ``body_timeout_s`` (408), a JSON route takes JSON (415 otherwise), an empty body, invalid or
 too deeply nested JSON, a key that is not 64 lowercase hex characters or a row range that is
 not ``0 <= start < end`` (integers) is a 422 naming it. Bodies are parsed, and images' headers
-and keys read, in two threads of the ingress's own, in steps that never hold the interpreter
-lock for long: ``/healthz`` answers meanwhile.
+and keys read, in two threads of the ingress's own (``bodies.py``), in steps that never hold
+the interpreter lock for long: ``/healthz`` answers meanwhile.
 
 Request-level limits are checked before any work, from the request's size and each image's
 header: too many images (counted before any base64 is decoded), too many bytes, an image over
@@ -61,14 +61,11 @@ encoder that cannot describe its model yet (starting) -> 503.
 import asyncio
 import dataclasses
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
-from starlette.exceptions import HTTPException
-from starlette.formparsers import MultiPartException
 
 from vitserve.cache import open_connection
 from vitserve.cache.base import EmbeddingStore
@@ -87,7 +84,7 @@ from vitserve.deployments.common.responses import (
     metrics_response,
     retry_headers,
 )
-from vitserve.deployments.encoder.admission import check_fits, image_work, request_cost
+from vitserve.deployments.encoder.bodies import BodyReader, encode_video_for, encode_wait
 from vitserve.deployments.encoder.encode_flow import EncodeFlow, EncoderHandle, PreprocessHandle
 from vitserve.deployments.encoder.preprocessing import make_preprocessor
 from vitserve.deployments.encoder.wire import describe_header, with_cached
@@ -112,32 +109,6 @@ api = FastAPI(
 )
 install_error_handlers(api)  # every error answer in the one shape (responses.py)
 api.add_middleware(Draining)  # graceful stop: drain, then 503 (lifecycle.py)
-
-
-def encode_wait(value: str | None) -> EncodeWait:
-    """An encode's ``wait`` (query parameter, or the handle payload's field): absent is
-    ``published``; anything but a :class:`EncodeWait` value is a 422 naming them."""
-    if value is None:
-        return EncodeWait.PUBLISHED
-    try:
-        return EncodeWait(value)
-    except ValueError:
-        allowed = ", ".join(w.value for w in EncodeWait)
-        shown = str(value)[:40]
-        raise MalformedRequestError(f"wait={shown!r}: expected one of {allowed}") from None
-
-
-def encode_video_for(value: str | None) -> VideoFor:
-    """An encode's ``video_for`` (query parameter, or the handle payload's field): absent is
-    ``model``; anything but a :class:`~vitserve.media.VideoFor` value is a 422 naming them."""
-    if value is None:
-        return VideoFor.MODEL
-    try:
-        return VideoFor(value)
-    except ValueError:
-        allowed = ", ".join(w.value for w in VideoFor)
-        shown = str(value)[:40]
-        raise MalformedRequestError(f"video_for={shown!r}: expected one of {allowed}") from None
 
 
 def _rows_record(part: Any) -> Any:
@@ -187,9 +158,8 @@ class Ingress:
         self._terms: Terms | None = None
         self._describing: asyncio.Future | None = None
         # Reading a request's items (JSON, base64, image headers, content keys: up to
-        # max_request_bytes of CPU work) runs here, off the event loop, so that /healthz and
-        # the other requests are answered meanwhile; two threads bound what runs at once.
-        self._readers = ThreadPoolExecutor(2, thread_name_prefix="vitserve-read")
+        # max_request_bytes of CPU work), off the event loop (bodies.py).
+        self.bodies = BodyReader(self.cfg.limits)
 
     async def _describe(self) -> dict[str, Any]:
         """The encoder's model and its work terms, fetched once (concurrent first requests
@@ -230,9 +200,6 @@ class Ingress:
         assert self._terms is not None
         return self._terms
 
-    async def _off_loop(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._readers, fn, *args)
-
     # -- encode ------------------------------------------------------------------------------
     @api.post(
         "/v1/encode",
@@ -246,7 +213,7 @@ class Ingress:
             terms = await self._work_terms()
             wait = encode_wait(request.query_params.get("wait"))
             video_for = encode_video_for(request.query_params.get("video_for"))
-            items, patches = await self._read_images(request, terms, wait, video_for)
+            items, patches = await self.bodies.read(request, terms, wait, video_for)
             response = JSONResponse(
                 await self._encode_answer(items, tenant, patches, wait, video_for)
             )
@@ -254,113 +221,6 @@ class Ingress:
             response = error_response(exc)
         metrics.inc("requests_total", route="encode", status=str(response.status_code))
         return response
-
-    async def _read_images(
-        self,
-        request: Request,
-        terms: Terms,
-        wait: EncodeWait = EncodeWait.PUBLISHED,
-        video_for: VideoFor = VideoFor.MODEL,
-    ) -> tuple[list[bytes | str], list[int]]:
-        """The request's items (image bytes or keys) and each one's patches (0 for a key);
-        request-level limits checked, the body
-        refused while it is read once it passes ``max_request_bytes`` or takes longer than
-        ``body_timeout_s``; the JSON parsed and the limits checked off the event loop."""
-        limits = self.cfg.limits
-        body = await parse.read_body(request, limits.max_request_bytes, limits.body_timeout_s)
-        if not body:
-            raise MalformedRequestError(
-                "empty request body; send images as multipart/form-data "
-                f"or JSON {parse.ENCODE_SHAPE}"
-            )
-        ctype = request.headers.get("content-type", "")
-        if ctype.startswith("multipart/form-data"):
-            items = await self._form_items(request, body)
-            checked = await self._off_loop(self._check_request, items, terms, wait, video_for)
-            return items, checked
-        if parse.is_json_type(ctype):
-            return await self._off_loop(self._json_items, body, terms, wait, video_for)
-        raise MalformedRequestError(
-            f"unsupported content type {ctype[:80]!r}; use multipart/form-data or JSON", 415
-        )
-
-    def _json_items(
-        self, body: bytearray, terms: Terms, wait: EncodeWait, video_for: VideoFor
-    ) -> tuple[list[bytes | str], list[int]]:
-        """A JSON encode body's items and their patches, checked (a worker thread)."""
-        items = parse.encode_json_bytes(body, self.cfg.limits.max_images_per_request)
-        return items, self._check_request(items, terms, wait, video_for)
-
-    async def _form_items(self, request: Request, body: bytes | bytearray) -> list[bytes | str]:
-        """The image files of a multipart ``body`` (already read), then its video files (field
-        ``videos``), at most the item limit parsed."""
-        limits = self.cfg.limits
-        ctype = request.headers.get("content-type", "")
-
-        async def replay() -> dict[str, Any]:
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        items: list[bytes | str] = []
-        try:
-            async with Request(request.scope, replay).form(
-                max_files=limits.max_images_per_request,
-                max_fields=16,
-                max_part_size=max(limits.max_image_bytes, limits.max_video_bytes) + 1,
-            ) as form:
-                for field in parse.ENCODE_FIELDS:
-                    for i, upload in enumerate(form.getlist(field)):
-                        if isinstance(upload, str):
-                            raise MalformedRequestError(f"multipart field {field!r} must be a file")
-                        items.append(parse.check_media(await upload.read(), field, i))
-                unknown = set(form.keys()) - set(parse.ENCODE_FIELDS)
-        except (HTTPException, MultiPartException) as exc:
-            reason = str(getattr(exc, "detail", None) or getattr(exc, "message", exc))
-            if reason.startswith("Too many files"):  # refused at the limit's next file
-                allowed = limits.max_images_per_request
-                sent = max(parse.multipart_parts(body, ctype), allowed + 1)
-                raise LimitExceededError("max_images_per_request", sent, allowed) from None
-            raise MalformedRequestError(f"unreadable multipart body: {reason}") from None
-        if unknown:
-            raise MalformedRequestError(f"unknown multipart fields: {sorted(unknown)}")
-        return items
-
-    def _check_request(
-        self,
-        items: list[bytes | str],
-        terms: Terms,
-        wait: EncodeWait = EncodeWait.PUBLISHED,
-        video_for: VideoFor = VideoFor.MODEL,
-    ) -> list[int]:
-        """The request-level limits: image count, total bytes, each image's bytes and pixels,
-        and the work of its images against what one encoder replica admits; each item's
-        patches (0 for a key), the encoder router's hint."""
-        parse.check_items(items, self.cfg.limits)
-        strict = wait is EncodeWait.CLAIMED
-        return self._check_images(items, terms, strict, video_for)
-
-    def _check_images(
-        self,
-        items: list[bytes | str],
-        terms: Terms,
-        strict: bool = False,
-        video_for: VideoFor = VideoFor.MODEL,
-    ) -> list[int]:
-        """Byte and pixel limits of each image, and the request's work (patches, and bytes:
-        prepared arrays plus its decodings) against one encoder replica's capacity, all from
-        the images' headers (no decode), as the encoder's admission counts them: a request no
-        replica could ever admit is a 413 here, before any store or encoder call. ``strict``
-        (an answer at the claims, whose images' errors would come after it): an image whose
-        header does not read refuses the whole request here (422, naming its index). A video
-        is sampled ``video_for``'s way."""
-        limits, videos = self.cfg.limits.image_limits(), self.cfg.limits.video_limits()
-        sampling = terms.sampling(video_for)
-        works = {
-            i: image_work(terms.rule, item, i, limits, strict, video=sampling, video_limits=videos)
-            for i, item in enumerate(items)
-            if isinstance(item, bytes)
-        }
-        check_fits(terms.capacity, *request_cost(works.values(), decoding=True))
-        return [works[i].patches if i in works else 0 for i in range(len(items))]
 
     async def _encode_answer(
         self,
@@ -380,7 +240,7 @@ class Ingress:
             ]
 
         store = self._store_for(tenant)
-        keyed = await self._off_loop(keys)
+        keyed = await self.bodies.off_loop(keys)
         answer = await self.flow.encode(items, keyed, store, patches, wait, video_for)
         return {"items": answer}
 
@@ -413,7 +273,7 @@ class Ingress:
             if (json_limit := parse.json_body_limit(limits.max_keys_per_probe)) < allowed:
                 allowed, name = json_limit, "json_body_bytes"
             body = await parse.read_body(request, allowed, limits.body_timeout_s, name=name)
-            doc = await self._off_loop(
+            doc = await self.bodies.off_loop(
                 parse.json_body, body, parse.json_values_allowed(limits.max_keys_per_probe)
             )
         except VitserveError as exc:
@@ -547,7 +407,7 @@ class Ingress:
             video_for = encode_video_for(payload.pop("video_for", None))
         images = parse.encode_payload(payload, self.cfg.limits.max_images_per_request)
         terms = await self._work_terms()
-        patches = await self._off_loop(self._check_request, images, terms, wait, video_for)
+        patches = await self.bodies.check(images, terms, wait, video_for)
         return await self._encode_answer(images, tenant, patches, wait, video_for)
 
     @api.post(
