@@ -168,7 +168,8 @@ TYPECHECK_TREE := build/typecheck
 TYPECHECKED ?= -p vitserve
 typecheck: install
 	@rm -rf $(TYPECHECK_TREE) && mkdir -p $(TYPECHECK_TREE)/vitserve
-	@ln -s $(CURDIR)/vitserve/*.py $(CURDIR)/vitserve/families $(TYPECHECK_TREE)/vitserve/
+	@ln -s $(CURDIR)/vitserve/*.py $(CURDIR)/vitserve/families $(CURDIR)/vitserve/testing \
+	  $(TYPECHECK_TREE)/vitserve/
 	@for d in cache client deployments encoder; do ln -s $(CURDIR)/$$d $(TYPECHECK_TREE)/vitserve/$$d; done
 	cd $(TYPECHECK_TREE) && $(CURDIR)/$(PY) -m mypy --config-file $(CURDIR)/pyproject.toml \
 	  --cache-dir $(CURDIR)/build/.mypy_cache $(TYPECHECKED)

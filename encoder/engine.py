@@ -49,11 +49,11 @@ from vitserve.encoder.device import (
     resolve_device,
     tune_cpu_allocator,
 )
-from vitserve.encoder.families import FamilyAdapter, PreparedImage
 from vitserve.encoder.images import DEFAULT_LIMITS, ImageLimits
 from vitserve.encoder.loading import LoadReport, load_vision
 from vitserve.encoder.planner import Plan, PlanItem, plan_batches
 from vitserve.encoder.preprocess import Preprocessor
+from vitserve.encoder.towers import FamilyAdapter, PreparedImage
 from vitserve.encoder.video import DEFAULT_VIDEO_LIMITS, VideoLimits, VideoSampling
 from vitserve.encoder.work import Capacity, Terms
 from vitserve.errors import ConfigError, ImageError

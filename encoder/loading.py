@@ -36,7 +36,7 @@ from typing import Any
 
 import blake3
 
-from vitserve.encoder.families import FamilyAdapter, adapter_class
+from vitserve.encoder.towers import FamilyAdapter, adapter_class
 from vitserve.encoder.video import VideoSampling
 from vitserve.errors import ModelLoadError
 from vitserve.families import family_spec

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from vitserve.encoder.families import FamilyAdapter, PreparedImage
 from vitserve.encoder.images import DEFAULT_LIMITS, ImageLimits, decode_image
 from vitserve.encoder.loading import load_preprocessor
+from vitserve.encoder.towers import FamilyAdapter, PreparedImage
 from vitserve.encoder.video import (
     DEFAULT_VIDEO_LIMITS,
     VideoLimits,

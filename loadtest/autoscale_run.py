@@ -28,8 +28,8 @@ def main() -> int:
     from vitserve.deployments.common.config import VitserveConfig
     from vitserve.deployments.encoder.app import build_application
     from vitserve.deployments.runner.local import free_port, serve_app, start_serve
-    from vitserve.encoder.testimages import make_image
-    from vitserve.encoder.testmodels import cached_model
+    from vitserve.testing.images import make_image
+    from vitserve.testing.models import cached_model
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning")
     url = start_serve("127.0.0.1", free_port())

@@ -63,7 +63,7 @@ TOTALS_HEAD = (
 def tagged(data: bytes, set_key: str) -> bytes:
     """The PNG with a ``tEXt`` chunk naming its image set, just before ``IEND`` (the pixels,
     and so the embedding, are unchanged; the bytes, and so the content key, are the set's)."""
-    from vitserve.encoder.testimages import _png_chunk
+    from vitserve.testing.images import _png_chunk
 
     iend = _png_chunk(b"IEND", b"")
     assert data.endswith(iend), "not a PNG ending in IEND"

@@ -78,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from vitserve.encoder.device import cpu_model, describe_cpu
-    from vitserve.encoder.testmodels import make_model
+    from vitserve.testing.models import make_model
 
     root = Path(tempfile.mkdtemp(prefix="vitserve-decode-"))
     lines = [

@@ -46,10 +46,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    from vitserve.encoder import testimages as t
     from vitserve.encoder.device import cpu_model, describe_cpu
     from vitserve.encoder.images import DEFAULT_LIMITS, ImageLimits, decode_image, image_header
     from vitserve.errors import ImageTooLargeError
+    from vitserve.testing import images as t
 
     lifted = ImageLimits(max_jpeg_scans=10**9, max_structure_steps=10**9)
     cases: list[tuple[str, Callable[[], bytes]]] = [

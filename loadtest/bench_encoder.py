@@ -65,7 +65,7 @@ class Result:
 
 
 def workload(requests: int) -> list[list[bytes]]:
-    from vitserve.encoder.testimages import make_image
+    from vitserve.testing.images import make_image
 
     out = []
     for r in range(requests):
@@ -169,7 +169,7 @@ def run_strategy(engine: Any, strategy: str, prepared: list[list[Any]]) -> tuple
 
 def bench_dtype(args: argparse.Namespace, dtype_name: str) -> dict[str, Any]:
     from vitserve.encoder.engine import EncoderEngine
-    from vitserve.encoder.testmodels import cached_model
+    from vitserve.testing.models import cached_model
 
     model = args.model or str(cached_model(args.family, args.preset))
     engine = EncoderEngine.from_pretrained(

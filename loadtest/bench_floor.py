@@ -46,7 +46,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from ray import serve
 
-from vitserve.encoder.testimages import make_image
+from vitserve.testing.images import make_image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: loadtest.*
 
@@ -228,7 +228,7 @@ def main() -> int:
     from vitserve.deployments.common.serving import WORKER_ENV
     from vitserve.deployments.encoder.app import build_application
     from vitserve.deployments.runner.local import free_port, serve_app, start_ray, start_serve
-    from vitserve.encoder.testmodels import cached_model
+    from vitserve.testing.models import cached_model
 
     model = str(cached_model("qwen2_vl", args.preset))
     start_ray(num_cpus=4)

@@ -111,9 +111,9 @@ def timed(engine: Any, strategy: str, items: list[Any]) -> tuple[float, int]:
 
 def main() -> None:
     from vitserve.encoder.engine import EncoderEngine
-    from vitserve.encoder.testimages import make_image
-    from vitserve.encoder.testmodels import cached_model
     from vitserve.encoder.video import VideoSampling
+    from vitserve.testing.images import make_image
+    from vitserve.testing.models import cached_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="small", choices=("tiny", "small", "large"))

@@ -541,7 +541,7 @@ def main() -> None:
     from loadtest import bench_vllm
 
     bench_vllm.SIDE = args.side  # the images' side (image_part draws through new_jpeg)
-    from vitserve.encoder.testmodels import cached_model
+    from vitserve.testing.models import cached_model
 
     model = cached_model("qwen2_vl", args.model, vllm=True)
     logs = args.logs or Path(tempfile.mkdtemp(prefix="goodput-"))

@@ -1,7 +1,7 @@
 """GPU benchmark: vitserve's bucketed batching vs one image at a time, on a real-size tower.
 
 One model: a vision tower of its family's published size with random weights (the ``large``
-preset of ``vitserve.encoder.testmodels``: for the default family, Qwen2-VL's tower from
+preset of ``vitserve.testing.models``: for the default family, Qwen2-VL's tower from
 transformers' own ``Qwen2VLConfig``, 1280 wide and 32 layers deep), saved and loaded back
 through the vision-only path a published checkpoint takes, in the device's default dtype (bf16
 on a GPU). One workload: a mixed set of resolutions, from 224x224 thumbnails to 1080p, prepared
@@ -78,7 +78,7 @@ def page_name(card: str, family: str = DEFAULT_FAMILY) -> str:
 
 def image_set(sizes: tuple[tuple[int, int, int], ...]) -> list[tuple[str, bytes]]:
     """Named JPEGs of the given sizes, each with its own content."""
-    from vitserve.encoder.testimages import make_image  # heavy: PIL, numpy
+    from vitserve.testing.images import make_image  # heavy: PIL, numpy
 
     images = []
     for count, width, height in sizes:
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # heavy, after the refusals: torch, transformers and the model
     from vitserve.encoder.engine import BATCH_TOLERANCE_ULPS, EncoderEngine
-    from vitserve.encoder.testmodels import cached_model
+    from vitserve.testing.models import cached_model
 
     preset = "tiny" if args.tiny else "large"
     if args.model:
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         "family": engine.family,
         "source": f"from `{args.model}`"
         if args.model
-        else f"random weights from the `{preset}` preset of `vitserve.encoder.testmodels`",
+        else f"random weights from the `{preset}` preset of `vitserve.testing.models`",
         "shape": f"{shape.width} wide, {shape.depth} layers, {shape.heads} heads, MLP {shape.mlp}",
         "params": sum(p.numel() for m in engine.adapter.modules.values() for p in m.parameters()),
         "dtype": dtype_name(engine.dtype),

@@ -62,7 +62,7 @@ STORE_OPS = ("lookup_or_claim", "put", "get", "wait_for", "headers", "claim", "r
 
 
 def jpegs(case: str, start: int, count: int, size: int) -> list[bytes]:
-    from vitserve.encoder.testimages import make_image
+    from vitserve.testing.images import make_image
 
     base = CASE_SEEDS[case] + start
     return [make_image(size, size, fmt="JPEG", seed=base + i) for i in range(count)]

@@ -228,7 +228,7 @@ def main() -> None:
     args = parser.parse_args()
     if set(args.blocks) - set(SETUPS):
         parser.error(f"--blocks takes letters of {''.join(SETUPS)}")
-    from vitserve.encoder.testmodels import cached_model
+    from vitserve.testing.models import cached_model
 
     model = cached_model("qwen2_vl", args.preset, vllm=True)
     args.logs.mkdir(parents=True, exist_ok=True)

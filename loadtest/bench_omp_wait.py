@@ -70,8 +70,8 @@ def child(images: int, side: int) -> None:
 
     from vitserve.deployments.common.serving import DEMO_FAMILY, DEMO_PRESET
     from vitserve.encoder.engine import EncoderEngine
-    from vitserve.encoder.testimages import make_image
-    from vitserve.encoder.testmodels import cached_model
+    from vitserve.testing.images import make_image
+    from vitserve.testing.models import cached_model
 
     engine = EncoderEngine.from_pretrained(
         str(cached_model(DEMO_FAMILY, DEMO_PRESET)), device="cpu", dtype="fp32"

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from vitserve.encoder.testimages import make_image
+from vitserve.testing.images import make_image
 
 MIXED = [(448, 448), (320, 240), (640, 480), (224, 224), (480, 320), (336, 336)]
 _seeds = itertools.count(1_000_000)

@@ -41,7 +41,7 @@ def _client(url: str, rows: int, width: int, seconds: float, seed: int, go: Any,
     from vitserve.cache import open_connection
     from vitserve.cache.base import Claim, EmbeddingStore, StorePolicy
     from vitserve.cache.codec import encode_record
-    from vitserve.cache.testing import make_record
+    from vitserve.testing.records import make_record
 
     connection, _ = open_connection(url)
     values = [

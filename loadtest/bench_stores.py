@@ -60,7 +60,7 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 def record_of(mib: int, seed: int) -> Any:
     from vitserve.cache.codec import EmbeddingRecord
-    from vitserve.cache.testing import new_key
+    from vitserve.testing.records import new_key
 
     rows = mib * 2**20 // (WIDTH * 2)
     rng = np.random.default_rng(seed)

@@ -1201,7 +1201,7 @@ def main() -> None:
     if set(args.blocks) - set(SETUPS):
         parser.error(f"--blocks takes letters of {''.join(SETUPS)}")
 
-    from vitserve.encoder.testmodels import cached_model
+    from vitserve.testing.models import cached_model
 
     # A stopped run (SIGTERM) unwinds as Ctrl-C does: each server it started is stopped (a
     # plain SIGTERM ended the script and left its vLLM servers running).

@@ -44,7 +44,7 @@ WARM_SEED = 92_000_000
 
 
 def png(size: int, seed: int) -> bytes:
-    from vitserve.encoder.testimages import make_image
+    from vitserve.testing.images import make_image
 
     return make_image(size, size, fmt="PNG", seed=seed)
 
@@ -139,7 +139,7 @@ class Rig:
 def start(args: argparse.Namespace) -> Rig:
     """Flush the store, build the model once, start the application and warm its encoder up."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    from vitserve.encoder.testmodels import cached_model, is_cached
+    from vitserve.testing.models import cached_model, is_cached
 
     started = time.perf_counter()
     load0 = os.getloadavg()

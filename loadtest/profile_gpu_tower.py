@@ -58,7 +58,7 @@ def profile_family(family: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from vitserve.encoder.engine import EncoderEngine
-    from vitserve.encoder.testmodels import cached_model
+    from vitserve.testing.models import cached_model
 
     engine = EncoderEngine.from_pretrained(str(cached_model(family, "large")), device="cuda")
     prepared = [engine.prepare_one(d, i) for i, (_, d) in enumerate(image_set(GPU_SET))]

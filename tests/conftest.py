@@ -35,7 +35,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """family -> folder of a tiny random-weight full VLM saved with save_pretrained."""
-    from vitserve.encoder.testmodels import FAMILIES, make_model
+    from vitserve.testing.models import FAMILIES, make_model
 
     root = tmp_path_factory.mktemp("models")
     return {family: make_model(family, "tiny", root / family) for family in FAMILIES}
@@ -440,7 +440,7 @@ SHARED_FIXTURES = ("main_app", "family_apps", "node_app", "redis_app")
 
 def shared_apps() -> dict[str, tuple[str, ...]]:
     """The applications each of SHARED_FIXTURES deploys with ``keep=True``."""
-    from vitserve.encoder.testmodels import FAMILIES
+    from vitserve.testing.models import FAMILIES
 
     return {
         "main_app": ("main",),
@@ -494,7 +494,7 @@ def family_apps(deploy: Callable[..., App], tiny_models: dict[str, Path]) -> dic
     import concurrent.futures as cf
 
     from vitserve.encoder.loading import load_preprocessor
-    from vitserve.encoder.testmodels import FAMILIES
+    from vitserve.testing.models import FAMILIES
 
     for family in FAMILIES:  # transformers resolves classes lazily, not thread safe
         load_preprocessor(str(tiny_models[family]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _modules_after(code: str) -> set[str]:
+def _all_modules_after(code: str) -> set[str]:
+    """Every module (its whole dotted name) a fresh interpreter holds after running ``code``."""
     code = f"import sys\n{code}\nprint('\\n'.join(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return {line.split(".")[0] for line in out.stdout.split()}
+    return set(out.stdout.split())
+
+
+def _modules_after(code: str) -> set[str]:
+    return {name.split(".")[0] for name in _all_modules_after(code)}
 
 
 def _modules_after_import(module: str) -> set[str]:
@@ -26,7 +32,7 @@ def test_encoder_never_imports_ray_redis_or_http(tiny_models) -> None:
     """A whole encode (load, decode, preprocess, forward) loads no Ray, Redis or HTTP code."""
     loaded = _modules_after(
         "from vitserve.encoder.engine import EncoderEngine\n"
-        "from vitserve.encoder.testimages import make_image\n"
+        "from vitserve.testing.images import make_image\n"
         f"engine = EncoderEngine.from_pretrained({str(tiny_models['qwen3_vl'])!r})\n"
         "assert engine.encode([make_image(64, 64)])[0].num_tokens > 0\n"
     )
@@ -72,7 +78,7 @@ def test_cache_never_imports_torch_or_transformers(redis_url) -> None:
     """A whole store round trip (codec, memory, Redis, tiered, URLs) loads neither."""
     loaded = _modules_after(
         "from vitserve.cache import open_store, tiered_url\n"
-        "from vitserve.cache.testing import make_record\n"
+        "from vitserve.testing.records import make_record\n"
         "import vitserve.cache.node\n"
         f"store = open_store(tiered_url('memory://', {redis_url!r}, namespace='layering'))\n"
         "record = make_record()\n"
@@ -123,8 +129,9 @@ def test_wheel_maps_top_level_folders_to_subpackages(tmp_path) -> None:
         "vitserve/__init__.py",
         "vitserve/errors.py",
         "vitserve/encoder/engine.py",
-        "vitserve/encoder/families/qwen.py",
+        "vitserve/encoder/towers/qwen.py",
         "vitserve/families/llava.py",
+        "vitserve/testing/models.py",
         "vitserve/cache/__init__.py",
         "vitserve/client/__init__.py",
         "vitserve/deployments/runner/cli.py",
@@ -160,7 +167,25 @@ APART = [
     ("encoder.preprocessing", "encoder.replica"),
     ("encoder.replica", "encoder.ingress"),
     ("encoder.replica", "encoder.encode_flow"),
+    # the replica is the Serve shell: it reaches the encode path's parts through the pipeline
+    ("encoder.replica", "encoder.single_flight"),
+    ("encoder.replica", "encoder.flight_store"),
+    ("encoder.replica", "encoder.publisher"),
+    ("encoder.replica", "encoder.device_queue"),
+    ("encoder.replica", "encoder.admission"),
 ]
+#: module -> all it may import: the flight plan is pure state (no thread, store call or clock)
+PURE = {
+    "encoder.single_flight": {
+        "__future__",
+        "asyncio",
+        "enum",
+        "collections",
+        "dataclasses",
+        "typing",
+        "vitserve.cache.base",
+    },
+}
 #: rooms that never import torch or transformers, not even inside a function
 LIGHT_ROOMS = {"common": {"torch", "transformers"}, "vllm": {"torch", "transformers"}}
 
@@ -206,6 +231,9 @@ def room_violations(module: str, source: str) -> list[str]:
         for a, b in APART:
             if here == a and (target == b or target.startswith(b + ".")):
                 found.append(f"{module} imports {name}: {a} and {b} meet in a shared module")
+    for name in _imports(source, module) if here in PURE else []:
+        if not any(name == ok or name.startswith(ok + ".") for ok in PURE[here]):
+            found.append(f"{module} imports {name}: {here} is pure state")
     return found
 
 
@@ -251,6 +279,11 @@ def test_the_rooms_keep_their_import_rules() -> None:
             "from vitserve.deployments.encoder.replica import y",
         ),
         ("vitserve.deployments.encoder.encode_flow", "from .replica import EncodeBatch"),
+        ("vitserve.deployments.encoder.replica", "from .single_flight import SingleFlight"),
+        ("vitserve.deployments.encoder.replica", "from .publisher import Publisher"),
+        ("vitserve.deployments.encoder.single_flight", "import time"),
+        ("vitserve.deployments.encoder.single_flight", "from concurrent.futures import Future"),
+        ("vitserve.deployments.encoder.single_flight", "from vitserve.errors import StoreError"),
         ("vitserve.deployments.encoder.app", "from vitserve.deployments.runner.local import z"),
     ],
 )
@@ -263,6 +296,8 @@ def test_a_room_may_import_what_its_rules_allow() -> None:
         ("vitserve.deployments.encoder.replica", "from vitserve.deployments.common import metrics"),
         ("vitserve.deployments.runner.local", "from vitserve.deployments.prefill.app import a"),
         ("vitserve.deployments.encoder.ingress", "from .wire import describe_header"),
+        ("vitserve.deployments.encoder.replica", "from .pipeline import EncodePipeline"),
+        ("vitserve.deployments.encoder.single_flight", "from collections.abc import Mapping"),
         ("vitserve.deployments.prefill.chat_service", "import torch"),
     ]
     assert [v for m, s in allowed for v in room_violations(m, s)] == []
@@ -362,3 +397,214 @@ def test_an_import_cycle_is_found_even_inside_a_function() -> None:
     assert cycles(import_graph(sources)) == [["vitserve.cache.redis_store", "vitserve.cache.urls"]]
     sources["vitserve.cache.redis_store"] = ("from .redaction import redact_url\n", False)
     assert cycles(import_graph(sources)) == []
+
+
+# -- vitserve.testing: the test helpers that ship ------------------------------------------------
+# The random-weight test models, synthetic images and test records that the command line, the
+# demo and the benchmarks use are one package, vitserve.testing; what only the tests use lives in
+# tests/. Product code imports vitserve.testing only where it builds test models or runs the
+# demo; the encoder, the stores and the SDK never load it; no product package keeps test helpers
+# of its own; and nothing ships that imports the tests.
+TESTING = "vitserve.testing"
+#: the product modules that may import vitserve.testing (besides its own): the CLI
+#: (``make-model``), the demo, and the builder of the ``demo`` model (``resolve_model``)
+MAY_IMPORT_TESTING = {
+    "vitserve.deployments.runner.cli",
+    "vitserve.deployments.runner.demo",
+    "vitserve.deployments.common.serving",
+}
+
+
+def _in_testing(name: str) -> bool:
+    return name == TESTING or name.startswith(TESTING + ".")
+
+
+def helper_violations(module: str, source: str, *, package: bool = False) -> list[str]:
+    """The test-helper rules that ``source``, the product module ``module`` (a package's
+    ``__init__`` when ``package``), breaks at the top or inside a function: it imports
+    vitserve.testing and is neither of it nor of :data:`MAY_IMPORT_TESTING`, or it imports
+    ``tests``."""
+    found = []
+    for name in _imports(source, f"{module}.x" if package else module):
+        if name.split(".")[0] == "tests":
+            found.append(f"{module} imports {name}: the tests' helpers do not ship")
+        elif _in_testing(name) and not (_in_testing(module) or module in MAY_IMPORT_TESTING):
+            found.append(f"{module} imports {name}: only {sorted(MAY_IMPORT_TESTING)} may")
+    return found
+
+
+def misplaced_test_modules(modules: Iterable[str]) -> list[str]:
+    """The modules of ``modules`` named as test code (a part starting with ``test``:
+    ``testing``, ``testmodels``, ``test_utils``) outside vitserve.testing."""
+    return sorted(
+        m for m in modules if not _in_testing(m) and any(p.startswith("test") for p in m.split("."))
+    )
+
+
+def test_only_the_cli_and_the_demo_import_the_test_helpers() -> None:
+    """Every product module keeps the rules (:func:`helper_violations`), and
+    :data:`MAY_IMPORT_TESTING` names only modules that do import vitserve.testing."""
+    modules = product_modules()
+    assert len(modules) > 80  # else the check would be vacuous
+    sources = {m: (p.read_text(), p.name == "__init__.py") for m, p in modules.items()}
+    broken = [v for m, (s, pkg) in sources.items() for v in helper_violations(m, s, package=pkg)]
+    assert broken == []
+    importers = {
+        m
+        for m, (s, pkg) in sources.items()
+        if not _in_testing(m) and any(map(_in_testing, _imports(s, f"{m}.x" if pkg else m)))
+    }
+    assert importers == MAY_IMPORT_TESTING
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "package"),
+    [
+        ("vitserve.encoder.engine", "from vitserve.testing.images import make_image", False),
+        ("vitserve.cache.memory", "def f():\n    from vitserve.testing import records\n", False),
+        ("vitserve.client.sync", "import vitserve.testing.models", False),
+        ("vitserve.deployments.encoder.replica", "from vitserve.testing.models import m", False),
+        ("vitserve.deployments.runner.local", "from vitserve.testing import images", False),
+        ("vitserve.cli", "from .testing import models", False),
+        ("vitserve.encoder", "from ..testing import images", True),
+        ("vitserve.deployments.runner.demo", "from tests.image_inputs import bad_images", False),
+        ("vitserve.testing.models", "import tests.full_model", False),
+    ],
+)
+def test_each_test_helper_rule_fails_when_broken(module: str, source: str, package: bool) -> None:
+    assert helper_violations(module, source, package=package), f"{module}: {source!r}"
+
+
+def test_the_cli_the_demo_and_the_helpers_themselves_may_import_them() -> None:
+    allowed = [
+        ("vitserve.deployments.runner.cli", "from vitserve.testing.models import m", False),
+        ("vitserve.deployments.common.serving", "def f():\n    import vitserve.testing\n", False),
+        ("vitserve.testing.images", "from vitserve.testing import models", False),
+        ("vitserve.testing", "from . import records", True),
+    ]
+    assert [v for m, s, p in allowed for v in helper_violations(m, s, package=p)] == []
+
+
+def test_the_encoder_stores_and_sdk_load_no_test_helpers() -> None:
+    """Every module of vitserve.encoder, vitserve.cache and vitserve.client, imported in one
+    fresh interpreter (but one whose optional library, vLLM, is missing), loads nothing of
+    vitserve.testing, directly or through another module."""
+    modules = sorted(
+        m for m in product_modules() if m.split(".")[:2][-1] in ("encoder", "cache", "client")
+    )
+    loaded = _all_modules_after(
+        "import importlib\n"
+        f"for name in {modules!r}:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ModuleNotFoundError as e:  # an optional library (vllm), not vitserve's own\n"
+        "        if (e.name or 'vitserve').split('.')[0] == 'vitserve':\n"
+        "            raise\n"
+    )
+    assert {"vitserve.encoder.engine", "vitserve.cache.tiered", "vitserve.client.sync"} <= loaded
+    assert sorted(filter(_in_testing, loaded)) == []
+
+
+def test_no_product_package_keeps_test_modules_beside_vitserve_testing() -> None:
+    modules = product_modules()
+    assert {TESTING, f"{TESTING}.models", f"{TESTING}.images"} <= set(modules)  # not vacuous
+    assert misplaced_test_modules(modules) == []
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "vitserve.encoder.testmodels",
+        "vitserve.encoder.testimages",
+        "vitserve.cache.testing",
+        "vitserve.client.test_utils",
+        "vitserve.deployments.runner.testing.fakes",
+        "vitserve.testing_helpers",
+    ],
+)
+def test_a_test_module_in_a_product_package_is_found(module: str) -> None:
+    assert misplaced_test_modules([module, TESTING, f"{TESTING}.records"]) == [module]
+
+
+# -- stores open from a table -------------------------------------------------------------------
+# cache/urls.py keeps the table scheme -> backend module (BACKENDS) and imports a backend only
+# through it, when a URL of its scheme is opened; each backend module declares what it serves
+# (its BACKEND: schemes, options, from_url). The Redis ACL rules are pure (cache/redis_acl.py).
+URLS = "vitserve.cache.urls"
+
+
+def _url_table() -> dict[str, str]:
+    from vitserve.cache.urls import BACKENDS
+
+    return BACKENDS
+
+
+def backend_imports(source: str) -> list[str]:
+    """What ``source`` (the module vitserve.cache.urls) imports of the table's backend modules,
+    at the top or inside a function."""
+    backends = set(_url_table().values())
+    return sorted(
+        name
+        for name in _imports(source, URLS)
+        if any(name == b or name.startswith(b + ".") for b in backends)
+    )
+
+
+def test_the_url_table_imports_no_backend_but_through_the_table() -> None:
+    """No import statement of urls.py names a backend, and importing it loads none (nor Ray or
+    redis-py): each is imported by its row of the table, when a URL of its scheme is opened."""
+    assert backend_imports((ROOT / "cache" / "urls.py").read_text()) == []
+    loaded = _all_modules_after(f"import {URLS}")
+    assert URLS in loaded  # else the check would be vacuous
+    backends = set(_url_table().values())
+    assert sorted(m for m in loaded if m in backends or m.split(".")[0] in ("ray", "redis")) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from vitserve.cache.redis_store import RedisConnection\n",
+        "def f():\n    from vitserve.cache.node import NodeConnection\n",
+        "import vitserve.cache.memory\n",
+        "from .tiered import TieredConnection\n",
+    ],
+)
+def test_a_backend_imported_by_the_url_table_is_found(source: str) -> None:
+    assert backend_imports(source), source
+
+
+def test_each_backend_declares_exactly_the_schemes_the_table_gives_it() -> None:
+    """Every module of the table declares a BACKEND whose schemes are its rows (no more, no
+    fewer, none twice), and every module of cache/ that declares a BACKEND has rows."""
+    import importlib
+
+    table = _url_table()
+    modules = sorted(set(table.values()))
+    assert len(modules) >= 5  # memory, node, redis, redis cluster, tiered
+    for module in modules:
+        schemes = importlib.import_module(module).BACKEND.schemes
+        assert sorted(schemes) == sorted(s for s, m in table.items() if m == module), module
+    cache = (ROOT / "cache").glob("*.py")
+    declaring = {f"vitserve.cache.{p.stem}" for p in cache if declares_backend(p.read_text())}
+    assert declaring == set(modules)
+
+
+def declares_backend(source: str) -> bool:
+    """Whether ``source`` assigns ``BACKEND`` at its top level."""
+    import ast
+
+    for node in ast.parse(source).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(t, ast.Name) and t.id == "BACKEND" for t in targets):
+            return True
+    return False
+
+
+def test_the_redis_acl_rules_import_no_redis_client() -> None:
+    """cache/redis_acl.py builds rules from the standard library alone: the CLI and the auth
+    config write users without redis-py."""
+    source = (ROOT / "cache" / "redis_acl.py").read_text()
+    imported = {name.split(".")[0] for name in _imports(source, "vitserve.cache.redis_acl")}
+    assert imported <= set(sys.stdlib_module_names), imported
+    loaded = _modules_after("from vitserve.cache.redis_acl import writer_acl\nwriter_acl()\n")
+    assert "vitserve" in loaded and "redis" not in loaded

@@ -31,7 +31,7 @@ def resolve_model(model: str) -> str:
     """``demo`` -> the folder of the demo model (built once); anything else unchanged."""
     if model != DEMO_MODEL:
         return model
-    from vitserve.encoder.testmodels import cached_model  # heavy: transformers
+    from vitserve.testing.models import cached_model  # heavy: transformers
 
     return str(cached_model(DEMO_FAMILY, DEMO_PRESET))
 

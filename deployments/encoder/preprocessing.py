@@ -27,7 +27,7 @@ from vitserve.errors import ImageError
 from vitserve.media import VideoFor
 
 if TYPE_CHECKING:  # heavy (the families' image processors): imported where preprocessing runs
-    from vitserve.encoder.families import FamilyAdapter, PreparedImage
+    from vitserve.encoder.towers import FamilyAdapter, PreparedImage
 
 
 class ImagePreparer(Protocol):

@@ -15,10 +15,11 @@ from typing import Any, NoReturn
 
 from vitserve.deployments.common.config import VitserveConfig, parse_value
 
-# light: these two load Ray, torch and transformers only inside the functions that need them
+# light: local and vitserve.testing.models load Ray, torch and transformers only inside the
+# functions that need them
 from vitserve.deployments.runner import local
-from vitserve.encoder.testmodels import FAMILIES, PRESETS, make_model
 from vitserve.errors import ConfigError, VitserveError
+from vitserve.testing.models import FAMILIES, PRESETS, make_model
 
 DESCRIPTION = (
     "vitserve: a disaggregated vision-encoder service. Run it (serve, demo), encode files "
@@ -273,7 +274,7 @@ def redis_acl_lines(
     and ``vitserve-cluster`` (replication between the nodes, the bootstrap; no keys) is added,
     its password from ``cluster_password_file`` (required then)."""
     # heavy (redis-py, numpy): only this subcommand needs the store's modules
-    from vitserve.cache.redis_store import cluster_user_acl, server_reader_acl, writer_acl
+    from vitserve.cache.redis_acl import cluster_user_acl, server_reader_acl, writer_acl
     from vitserve.cache.urls import keeps_redis_ledger, uses_redis_cluster
     from vitserve.deployments.common.auth import READER_USER_PREFIX, redis_readers
 
@@ -331,7 +332,7 @@ def redis_acl_lines(
 
 
 def _redis_acl(args: argparse.Namespace) -> None:
-    from vitserve.cache.redis_store import DEFAULT_PREFIX  # heavy: see redis_acl_lines
+    from vitserve.cache.redis_acl import DEFAULT_PREFIX
 
     cfg = VitserveConfig.load(_overrides(args))
     lines = redis_acl_lines(

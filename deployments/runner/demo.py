@@ -31,8 +31,8 @@ from vitserve.cache.urls import redact_url
 from vitserve.deployments.common.serving import DEMO_FAMILY, DEMO_MODEL, DEMO_PRESET
 from vitserve.deployments.runner.local import APP_NAME, local_config, start_local, stop_local
 from vitserve.encoder.device import describe_cpu
-from vitserve.encoder.testimages import make_image
-from vitserve.encoder.testmodels import is_cached
+from vitserve.testing.images import make_image
+from vitserve.testing.models import is_cached
 
 PROGRESS_PERIOD_S = 1.0
 # The chat's turns: a question and a new image each (width, height); the answers are the

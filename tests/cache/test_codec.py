@@ -22,8 +22,8 @@ from vitserve.cache.codec import (
     row_spans,
     unpack_records,
 )
-from vitserve.cache.testing import make_record
 from vitserve.errors import RecordFormatError
+from vitserve.testing.records import make_record
 
 
 def test_decoded_arrays_view_the_buffer() -> None:

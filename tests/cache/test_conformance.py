@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from vitserve.cache.codec import PREFIX, encode_record
-from vitserve.cache.testing import make_record, new_key
 from vitserve.errors import ConfigError
+from vitserve.testing.records import make_record, new_key
 
 
 def _assert_same(got, want, rows: slice = slice(None)) -> None:

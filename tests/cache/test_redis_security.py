@@ -22,9 +22,9 @@ from tests.conftest import RedisServer
 from vitserve.cache import open_store, tiered_url
 from vitserve.cache.base import EmbeddingStore
 from vitserve.cache.redis_store import RedisStore
-from vitserve.cache.testing import make_record, new_key
 from vitserve.cache.urls import redact_url
 from vitserve.errors import ConfigError, StoreError, StoreUnavailableError
+from vitserve.testing.records import make_record, new_key
 
 PASSWORD = "pw-Secret-7f3a9c"  # distinctive: any text that contains it leaked it
 WRONG = "wrong-Secret-41d2"

@@ -28,8 +28,8 @@ from vitserve.cache.codec import (
     row_spans,
 )
 from vitserve.cache.redis_store import HEAD_READ, RedisStore
-from vitserve.cache.testing import make_record, new_key
 from vitserve.errors import StoreUnavailableError
+from vitserve.testing.records import make_record, new_key
 
 
 def _same(got: EmbeddingRecord | None, want: EmbeddingRecord, rows: slice = slice(None)) -> None:

@@ -9,10 +9,10 @@ import pytest
 from vitserve.cache import open_store, tiered_url
 from vitserve.cache.memory import MemoryConnection, MemoryStore
 from vitserve.cache.redis_store import RedisConnection, RedisStore
-from vitserve.cache.testing import make_record
 from vitserve.cache.tiered import TieredConnection, TieredStore
 from vitserve.cache.urls import parse_size
 from vitserve.errors import ConfigError, StoreUnavailableError
+from vitserve.testing.records import make_record
 
 
 def test_urls_build_every_store(redis_url) -> None:

@@ -16,9 +16,9 @@ from vitserve.cache import open_connection, open_store
 from vitserve.cache.base import Claim, EmbeddingStore, Pending, StorePolicy
 from vitserve.cache.codec import encode_record
 from vitserve.cache.connection import Connection
-from vitserve.cache.testing import make_record
 from vitserve.cache.views import StoreViews
 from vitserve.errors import ConfigError
+from vitserve.testing.records import make_record
 
 FP_A, FP_B = "a" * 64, "b" * 64
 

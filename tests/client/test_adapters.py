@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.full_model import greedy_after_prefill, image_prompt, pixel_inputs
 from vitserve.cache.codec import EmbeddingRecord
-from vitserve.cache.testing import make_record
 from vitserve.client.adapters import (
     FAMILIES,
     mrope_positions,
@@ -42,18 +42,12 @@ from vitserve.client.adapters import (
     transformers_inputs,
     vllm_inputs,
 )
-from vitserve.encoder.testimages import make_image
-from vitserve.encoder.testmodels import (
-    IMAGE_TOKEN_ID,
-    VISION_END_ID,
-    VISION_START_ID,
-    greedy_after_prefill,
-    image_prompt,
-    pixel_inputs,
-)
 from vitserve.errors import ConfigError
 from vitserve.families import SPECS
 from vitserve.families.spec import Positions, VllmEmbeds
+from vitserve.testing.images import make_image
+from vitserve.testing.models import IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID
+from vitserve.testing.records import make_record
 
 SIZES = ((140, 84), (56, 112))  # (width, height): two images whose Qwen grids differ
 NEW_TOKENS = 8
@@ -86,7 +80,7 @@ def served(family_apps) -> dict[str, list[EmbeddingRecord]]:
 def _model(path: Path, family: str) -> Any:
     import torch
 
-    from vitserve.encoder.testmodels import full_model_class
+    from vitserve.testing.models import full_model_class
 
     model = full_model_class(family).from_pretrained(
         path, attn_implementation="sdpa", dtype=torch.float32

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from tests.blocking import Blocking
-from vitserve.cache.testing import expected_read_bytes
+from tests.store_reads import expected_read_bytes
 from vitserve.client import AsyncEncoderClient, EncoderClient, ImageHandle, RetryPolicy
-from vitserve.encoder.testimages import make_image
 from vitserve.errors import CacheMissError, StoreUnavailableError
 from vitserve.keys import content_key
+from vitserve.testing.images import make_image
 
 pytestmark = pytest.mark.slow
 

@@ -25,9 +25,9 @@ import pytest
 
 from tests.blocking import Blocking
 from vitserve.cache.codec import EmbeddingRecord
-from vitserve.cache.testing import make_record
 from vitserve.cache.urls import open_store
 from vitserve.client import AsyncEncoderClient, EncoderClient, ImageHandle
+from vitserve.testing.records import make_record
 
 pytestmark = pytest.mark.gpu
 

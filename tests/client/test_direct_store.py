@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from vitserve.cache.memory import MemoryStore
-from vitserve.cache.testing import make_record
 from vitserve.client.core import ApiCall, ClientCore, Reply
 from vitserve.errors import ConfigError
+from vitserve.testing.records import make_record
 
 FP, OTHER = "f" * 64, "e" * 64
 MODEL = {"status": "ok", "fingerprint": FP, "namespace": "ns"}

@@ -14,7 +14,7 @@ import pytest
 
 from tests.client.test_client import encoded_images, fresh_images
 from tests.client.test_client import make_client as make_client  # the fixture
-from vitserve.cache.testing import expected_read_bytes
+from tests.store_reads import expected_read_bytes
 
 _seed = iter(range(50_000, 10**9))
 

@@ -28,9 +28,9 @@ from vitserve.client import AsyncEncoderClient, EncoderClient
 from vitserve.deployments.common import auth
 from vitserve.deployments.common.auth import Authenticator, Tenant, bearer_token, read_tokens_file
 from vitserve.deployments.common.config import VitserveConfig
-from vitserve.encoder.testimages import make_image
 from vitserve.errors import AuthenticationError, CacheMissError, ConfigError
 from vitserve.keys import content_key
+from vitserve.testing.images import make_image
 
 ALICE = "alice-token-0123456789abcdef"
 ALICE_2 = "alice-rotated-token-9876543210"  # a second token of the same tenant

@@ -26,9 +26,8 @@ from typing import Any
 import httpx
 import pytest
 
-from vitserve.encoder.testimages import (
-    bad_images,
-    crafted_png,
+from tests.image_inputs import bad_images, crafted_png
+from vitserve.testing.images import (
     gif_with_sub_blocks,
     jpeg_scan_bomb,
     jpeg_with_stray_bytes,

@@ -36,7 +36,7 @@ from vitserve.encoder.device import (
     LLC_ENV,
     default_max_batch_patches,
 )
-from vitserve.encoder.testimages import make_image
+from vitserve.testing.images import make_image
 
 # Every test but the prefill one runs again as on each CPU profile in CI (cpu_profile): what the
 # profile decides (the dtype, the batch cap) reaches the demo test's encoder the same way, and
@@ -216,7 +216,7 @@ def test_demo_serves_encodes_twice_and_the_second_pass_comes_from_the_store(
     user_cache, monkeypatch
 ) -> None:
     from vitserve.deployments.common.serving import DEMO_FAMILY, DEMO_PRESET
-    from vitserve.encoder.testmodels import is_cached
+    from vitserve.testing.models import is_cached
 
     monkeypatch.setenv("VITSERVE_CACHE", str(user_cache))
     built_before = is_cached(DEMO_FAMILY, DEMO_PRESET)

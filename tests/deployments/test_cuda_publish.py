@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from vitserve.cache.urls import open_store
-from vitserve.encoder.testimages import make_image
+from vitserve.testing.images import make_image
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from vitserve.encoder.testmodels import FAMILIES
+from vitserve.testing.models import FAMILIES
 
 HELD = 5  # min_tokens
 MORE = 3  # max_tokens - min_tokens
@@ -70,7 +70,7 @@ def test_greedy_with_the_end_tokens_held_back_equals_transformers_min_new_tokens
     import torch
 
     from vitserve.deployments.prefill.generation import Sampling
-    from vitserve.encoder.testmodels import full_model_class
+    from vitserve.testing.models import full_model_class
 
     generator, loaded, ids, first = _with_first_token_as_end(family, generators, tiny_models)
     plain = Sampling(max_tokens=HELD + MORE, temperature=0.0)

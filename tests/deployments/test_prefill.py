@@ -39,10 +39,10 @@ import pytest
 from vitserve.client.adapters import FAMILIES
 from vitserve.client.chunks import chunk_bounds
 from vitserve.deployments.prefill.chat import PIECE_CHARS
-from vitserve.encoder.testimages import make_image
-from vitserve.encoder.testmodels import IMAGE_TOKEN_ID
 from vitserve.families import SPECS
 from vitserve.families.spec import Marker, Positions, Tower
+from vitserve.testing.images import make_image
+from vitserve.testing.models import IMAGE_TOKEN_ID
 
 SIZES = ((140, 84), (56, 112))  # (width, height): two images whose Qwen grids differ
 NEW_TOKENS = 6
@@ -96,7 +96,7 @@ def pairs(family_apps, deploy_prefill) -> dict[str, Any]:
 def _full_model(path: Path, family: str) -> Any:
     import torch
 
-    from vitserve.encoder.testmodels import full_model_class
+    from vitserve.testing.models import full_model_class
 
     return (
         full_model_class(family)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from vitserve.encoder.testimages import make_image
+from vitserve.testing.images import make_image
 
 CHUNK = 32
 _seed = iter(range(50_000, 10**9))
@@ -61,8 +61,8 @@ def test_each_chunk_pulls_only_the_rows_it_covers(pair, redis_url) -> None:
     """The chat service's prefill (the replicas' code, here in-process with a direct Redis
     client): per chunk one batched store read of exactly the rows of the placeholders inside
     it, its bytes counted by the store."""
+    from tests.store_reads import expected_read_bytes
     from vitserve.cache import open_store
-    from vitserve.cache.testing import expected_read_bytes
     from vitserve.client import EncoderClient
     from vitserve.client.chunks import plan_chunk
     from vitserve.deployments.prefill.chat_service import ChatService

@@ -19,8 +19,8 @@ from tests.conftest import App
 from vitserve.deployments.encoder.admission import image_work
 from vitserve.deployments.encoder.routing import rendezvous_rank
 from vitserve.encoder.images import ImageLimits
-from vitserve.encoder.testimages import make_image
 from vitserve.keys import content_key
+from vitserve.testing.images import make_image
 
 _seeds = itertools.count(9_300_000)
 REPLICAS = 2

@@ -19,9 +19,10 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.image_inputs import bad_images, crafted_png
 from vitserve.encoder.engine import BATCH_TOLERANCE_ULPS, ulps_apart
-from vitserve.encoder.testimages import bad_images, crafted_png, make_image
 from vitserve.keys import content_key
+from vitserve.testing.images import make_image
 
 pytestmark = pytest.mark.cpu_profile  # CI runs it again as on each CPU profile
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from vitserve.cache.node import NodeConnection
-from vitserve.encoder.testimages import make_image
+from vitserve.testing.images import make_image
 
 ALICE = "alice-token-0123456789abcdef"
 BOB = "bob-token-fedcba9876543210xyz"

@@ -10,12 +10,12 @@ from urllib.parse import quote
 import pytest
 import redis
 
-from vitserve.cache.redis_store import READER_COMMANDS, reader_acl
-from vitserve.cache.testing import make_record
+from vitserve.cache.redis_acl import READER_COMMANDS, reader_acl
 from vitserve.cache.urls import open_store
 from vitserve.deployments.common.auth import redis_readers, tenant_namespace
 from vitserve.deployments.common.config import VitserveConfig
 from vitserve.errors import ConfigError, StoreError
+from vitserve.testing.records import make_record
 
 WRITER = ("writer", "writer-pw-0123456789")
 TOKENS = {"alice": "alice-token-0123456789ab", "bob": "bob-token-0123456789abcd"}

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from vitserve.encoder.testimages import make_image
+from vitserve.testing.images import make_image
 
 FRONT = "t-vllm-front"
 UPSTREAM_KEY = "sk-upstream-secret"  # the front's vllm.api_key

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from vitserve.encoder.device import CudaProbe, probe_cuda
-from vitserve.encoder.testmodels import FAMILIES
+from vitserve.testing.models import FAMILIES
 
 
 class FakeCuda:
@@ -163,8 +163,8 @@ def test_the_default_budget_is_a_fraction_of_free_device_memory(tiny_models) -> 
 def test_bf16_batched_equals_alone_on_cuda(tiny_models, batching_limits, family: str) -> None:
     import torch
 
+    from tests.image_inputs import mixed_set
     from vitserve.encoder.engine import BATCH_TOLERANCE_ULPS, ulps_apart
-    from vitserve.encoder.testimages import mixed_set
 
     images = [b for _, b in mixed_set()]
     engine = _cuda_engine(tiny_models[family], **batching_limits)

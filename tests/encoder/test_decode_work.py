@@ -19,14 +19,14 @@ from PIL import Image
 from tests.fuzz.budget import examples
 from vitserve.encoder.decode_work import DecodeWork, check_decode_work, decode_work
 from vitserve.encoder.images import DEFAULT_LIMITS, ImageLimits, decode_image, image_header
-from vitserve.encoder.testimages import (
+from vitserve.errors import ImageTooLargeError
+from vitserve.testing.images import (
     gif_with_sub_blocks,
     jpeg_scan_bomb,
     jpeg_with_stray_bytes,
     make_image,
     png_in_tiny_chunks,
 )
-from vitserve.errors import ImageTooLargeError
 
 UNBOUNDED = ImageLimits(max_jpeg_scans=10**9, max_structure_steps=10**9)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.image_inputs import bad_images, mixed_set
 from vitserve.encoder.device import (
     BF16_ENV,
     LLC_ENV,
@@ -20,8 +21,8 @@ from vitserve.encoder.device import (
     resolve_device,
 )
 from vitserve.encoder.engine import BATCH_TOLERANCE_ULPS, Embedding, EncoderEngine, ulps_apart
-from vitserve.encoder.testimages import bad_images, make_image, mixed_set
 from vitserve.errors import ConfigError, ImageDecodeError, ImageError, ImageTooLargeError
+from vitserve.testing.images import make_image
 
 pytestmark = pytest.mark.cpu_profile  # CI runs it again as on each CPU profile
 

@@ -24,10 +24,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.image_inputs import mixed_set
 from vitserve.encoder.engine import BATCH_TOLERANCE_ULPS, EncoderEngine, ulps_apart
 from vitserve.encoder.images import decode_image
-from vitserve.encoder.testimages import make_image, mixed_set
-from vitserve.encoder.testmodels import FAMILIES, full_model_class
+from vitserve.testing.images import make_image
+from vitserve.testing.models import FAMILIES, full_model_class
 
 pytestmark = pytest.mark.cpu_profile  # CI runs it again as on each CPU profile
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
+from tests.image_inputs import crafted_bmp, crafted_png, decompression_bomb
 from vitserve.encoder import images
 from vitserve.encoder.images import (
     ALLOWED_FORMATS,
@@ -17,7 +18,6 @@ from vitserve.encoder.images import (
     decode_image,
     image_size,
 )
-from vitserve.encoder.testimages import crafted_bmp, crafted_png, decompression_bomb
 from vitserve.errors import (
     ConfigError,
     ImageDecodeError,

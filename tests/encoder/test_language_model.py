@@ -22,22 +22,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.checkpoints import fake_hub_cache, rename_tensors
+from tests.full_model import greedy_after_prefill, image_prompt, pixel_inputs
 from vitserve.client.adapters import transformers_forward, transformers_inputs
 from vitserve.encoder.language_model import LoadedLanguageModel, load_language_model
 from vitserve.encoder.loading import INDEX_FILE
-from vitserve.encoder.testimages import make_image
-from vitserve.encoder.testmodels import (
-    FAMILIES,
-    IMAGE_TOKEN_ID,
-    fake_hub_cache,
-    full_model_class,
-    greedy_after_prefill,
-    image_prompt,
-    pixel_inputs,
-    rename_tensors,
-)
 from vitserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from vitserve.families import family_spec
+from vitserve.testing.images import make_image
+from vitserve.testing.models import FAMILIES, IMAGE_TOKEN_ID, full_model_class
 
 # Every layout's vision/projector tensor names, spelled out here rather than taken from the
 # adapters, so the expected sets are computed independently of the loader.

@@ -12,12 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.checkpoints import fake_hub_cache, rename_tensors
+from tests.image_inputs import mixed_set
 from vitserve.encoder.engine import EncoderEngine
 from vitserve.encoder.loading import INDEX_FILE, SINGLE_FILE, vision_identity
-from vitserve.encoder.testimages import mixed_set
-from vitserve.encoder.testmodels import FAMILIES, fake_hub_cache, rename_tensors
 from vitserve.errors import ModelLoadError, UnsupportedModelError
 from vitserve.families import family_spec
+from vitserve.testing.models import FAMILIES
 
 IMAGES = [b for _, b in mixed_set()[:4]]
 
@@ -141,7 +142,7 @@ def test_single_file_checkpoint(tiny_models, engines, tmp_path) -> None:
 
 
 def test_fingerprint_tracks_weights_processor_and_dtype(tiny_models, engines, tmp_path) -> None:
-    from vitserve.encoder.testmodels import make_model
+    from vitserve.testing.models import make_model
 
     base = engines["qwen2_vl"]
     moved = tmp_path / "moved"
@@ -165,7 +166,7 @@ def test_the_identity_an_llm_server_checks_tracks_weights_and_config_not_place_o
     """``vision_identity`` of a checkpoint (what the vLLM connector computes from vLLM's copy)
     equals the encoder's own; a copy elsewhere or in another dtype keeps it; other vision
     weights change ``weights`` only; another processor setting or family changes both."""
-    from vitserve.encoder.testmodels import make_model
+    from vitserve.testing.models import make_model
 
     base = engines["qwen2_vl"]
     assert vision_identity(str(tiny_models["qwen2_vl"])) == base.identity

@@ -84,7 +84,7 @@ def test_a_truncated_stream_is_refused_not_padded() -> None:
 
 
 def test_an_image_format_is_not_a_video() -> None:
-    from vitserve.encoder.testimages import make_image
+    from vitserve.testing.images import make_image
 
     with pytest.raises(VideoDecodeError, match=r"not one of|no video stream|cannot open"):
         probe(make_image(32, 32, seed=1))
@@ -127,8 +127,8 @@ def test_decoding_yields_exactly_the_sampled_frames() -> None:
 
 
 def test_media_is_told_from_the_containers_first_bytes() -> None:
-    from vitserve.encoder.testimages import make_image
     from vitserve.media import Media, media_of
+    from vitserve.testing.images import make_image
 
     assert media_of(clip(4)) is Media.VIDEO  # MP4: ftyp at byte 4
     assert media_of(b"\x1a\x45\xdf\xa3" + bytes(20)) is Media.VIDEO  # Matroska / WebM

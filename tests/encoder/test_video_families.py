@@ -19,11 +19,11 @@ import torch
 from tests.encoder.test_families import QWEN, REFERENCE_ULPS_PER_LAYER
 from tests.encoder.test_video import clip
 from vitserve.encoder.engine import BATCH_TOLERANCE_ULPS, ulps_apart
-from vitserve.encoder.testimages import make_image
-from vitserve.encoder.testmodels import full_model_class
 from vitserve.encoder.video import VideoSampling, decode_frames, probe, sample_indices
 from vitserve.families import family_spec
 from vitserve.keys import content_key
+from vitserve.testing.images import make_image
+from vitserve.testing.models import full_model_class
 
 # Small frames are not upscaled to the video processors' 128-token floor: each frame's own size.
 SAMPLING = VideoSampling(min_pixels=32 * 32)

@@ -17,9 +17,9 @@ from PIL import Image
 from vitserve.encoder.images import ImageLimits, image_size
 from vitserve.encoder.loading import load_preprocessor
 from vitserve.encoder.preprocess import Preprocessor
-from vitserve.encoder.testmodels import FAMILIES
 from vitserve.encoder.work import MAX_ASPECT_RATIO, Capacity, ImageWork, ResizeRule
 from vitserve.errors import ImagePreprocessError
+from vitserve.testing.models import FAMILIES
 
 QWEN = [f for f in FAMILIES if f.startswith("qwen")]
 LIMITS = ImageLimits(max_image_bytes=2**30, max_image_pixels=10**9)
@@ -113,7 +113,7 @@ def test_a_fixed_rule_ignores_the_input_size() -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_output_widths_are_the_records_row(engines, family: str) -> None:
-    from vitserve.encoder.testimages import make_image
+    from vitserve.testing.images import make_image
 
     engine = engines[family]
     [embedding] = engine.encode([make_image(96, 64, seed=5)])

@@ -29,7 +29,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
 from tests.fuzz.budget import budget
-from vitserve.encoder.testimages import make_image
+from vitserve.testing.images import make_image
 
 # Examples per (operation, generation mode) at full budget (tests/fuzz/budget.py: make test
 # draws a fifth); hypothesis stops early where a space is exhausted. ~1,250 requests in all at

@@ -20,7 +20,7 @@ import pytest
 
 from tests.fuzz.budget import budget
 from vitserve.encoder.images import ALLOWED_FORMATS
-from vitserve.encoder.testimages import make_image
+from vitserve.testing.images import make_image
 
 TARGET = Path(__file__).with_name("atheris_images.py")
 FUZZ_SECONDS = int(os.environ.get("VITSERVE_TEST_ATHERIS_SECONDS", budget(12)))

@@ -321,7 +321,7 @@ def test_arbitrary_and_mutated_images(reliability: Any) -> None:
 @pytest.fixture(scope="module")
 def real_bombs() -> list[bytes]:
     """Small files that really decode to huge images (not just a lying header)."""
-    from vitserve.encoder.testimages import decompression_bomb
+    from tests.image_inputs import decompression_bomb
 
     bombs = [decompression_bomb(12_000)]  # 144 M pixels in 17 KB: above PIL's own threshold
     for fmt, kwargs in (("GIF", {}), ("WEBP", {"lossless": True})):  # 42 M pixels, 31 / 2 KB

@@ -48,9 +48,9 @@ from tests.k8s.test_manifests import (
 from vitserve.cache.base import Claim
 from vitserve.cache.codec import EmbeddingRecord
 from vitserve.cache.redis_store import RedisConnection
-from vitserve.cache.testing import make_record, new_key
 from vitserve.cache.urls import open_store
 from vitserve.errors import StoreError
+from vitserve.testing.records import make_record, new_key
 
 NAMESPACE = "acl"
 # Every command the reader's rules may allow: reads of a value (and PING for the probe).

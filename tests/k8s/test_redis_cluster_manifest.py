@@ -33,8 +33,8 @@ from tests.k8s.test_redis_acl import STAND_INS, Pod, _acl_users, run_init_contai
 from tests.redis_process import RedisServer, cluster_port
 from vitserve.cache.base import Claim
 from vitserve.cache.codec import encode_record
-from vitserve.cache.testing import make_record
 from vitserve.cache.urls import open_store
+from vitserve.testing.records import make_record
 
 Render = Callable[[str], list[dict[str, Any]]]
 CLUSTER_PASSWORD = "cluster-pw-not-in-the-manifest"

@@ -32,8 +32,8 @@ from tests.conftest import App
 from tests.multinode.conftest import MultiNode
 from tests.reliability.faults import Load, check_answers, fresh_image, replicas
 from vitserve.cache.codec import encode_record
-from vitserve.cache.testing import make_record
 from vitserve.cache.urls import tiered_url
+from vitserve.testing.records import make_record
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from vitserve.client.core import RetryPolicy
-from vitserve.encoder.testimages import make_image
+from vitserve.testing.images import make_image
 
 _seeds = itertools.count(7_000_000)  # images no other test module sends
 

@@ -53,9 +53,9 @@ from tests.redis_process import RedisServer
 from tests.reliability_table import Tally
 from vitserve.cache.codec import unpack_records
 from vitserve.client import AsyncEncoderClient, EncoderClient, ImageHandle
-from vitserve.encoder.testimages import make_image
 from vitserve.errors import CacheMissError, StoreError, VitserveError
 from vitserve.keys import content_key
+from vitserve.testing.images import make_image
 
 ALICE = "xt-alice-token-0123456789abcdef"
 BOB = "xt-bob-token-fedcba9876543210xy"

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import App, RedisServer
-from vitserve.encoder.testimages import make_image
+from vitserve.testing.images import make_image
 
 ADMITTED = 4  # encoder: 2 running + 2 queued requests; Serve answers the rest BackPressureError
 CLIENTS = 10 * ADMITTED
@@ -66,7 +66,7 @@ def small_model(depth: int | None) -> Path:
     """The demo model (Qwen2-VL) with its ViT-B tower at ``depth`` layers (None: its 12), built
     once into the user's cache."""
     from vitserve.deployments.common.serving import DEMO_FAMILY, DEMO_PRESET
-    from vitserve.encoder.testmodels import cached_model
+    from vitserve.testing.models import cached_model
 
     return cached_model(DEMO_FAMILY, DEMO_PRESET, depth=depth)
 
@@ -280,7 +280,7 @@ def settled():
         f.write("5")
     return rss
 from vitserve.encoder.engine import EncoderEngine
-from vitserve.encoder.testimages import make_image
+from vitserve.testing.images import make_image
 model, dtype, n, side, budget = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \\
     int(sys.argv[5])
 engine = EncoderEngine.from_pretrained(model, device="cpu", dtype=dtype, budget_bytes=budget)

@@ -28,7 +28,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import App
-from vitserve.encoder.testimages import make_image
+from vitserve.testing.images import make_image
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ import pytest
 
 from tests.cli_process import VITSERVE, cli_env, wait_healthy
 from tests.conftest import RedisServer
-from vitserve.encoder.testimages import make_image
+from vitserve.testing.images import make_image
 
 STOP_LIMIT_S = 10.0  # the brief: Kubernetes and systemd wait 30 s; we promise 10
 # From the signal to the drain's start, and from its report to the exit (the teardown of torch's
@@ -39,7 +39,7 @@ def user_cache() -> Path:
     """The user's cache folder, holding the demo model (built there once, as ``vitserve
     serve --model demo`` would)."""
     from vitserve.deployments.common.serving import resolve_model
-    from vitserve.encoder.testmodels import cache_dir
+    from vitserve.testing.models import cache_dir
 
     resolve_model("demo")
     return cache_dir()

@@ -15,7 +15,7 @@ Two parts, two virtual environments (vLLM's pins its own torch and transformers:
     # 2. vLLM's venv: generate from pixels and from the embeddings, compare
     .venv-vllm/bin/python tests/vllm/check_adapter.py --vllm --model DIR --dtype fp32
 
-``DIR`` is a model both serve (``vitserve.encoder.testmodels.cached_model("qwen2_vl", "tiny",
+``DIR`` is a model both serve (``vitserve.testing.models.cached_model("qwen2_vl", "tiny",
 vllm=True)``). ``--dtype`` (fp32 or bf16) is both vitserve's encoder dtype and vLLM's model
 dtype; bf16 embeddings are stored as raw uint16 words (vitserve's record convention) and
 ``vllm_inputs`` views them as ``torch.bfloat16``. Part 1 writes ``--out`` (the PNG bytes, the

@@ -204,7 +204,7 @@ def after(up: RayUp, server: contextlib.AbstractContextManager[Any]) -> Iterator
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from vitserve.encoder.testmodels import cached_model
+    from vitserve.testing.models import cached_model
 
     return cached_model("qwen2_vl", "tiny", vllm=True)
 

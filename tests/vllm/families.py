@@ -54,7 +54,7 @@ VLLM_FAMILIES = tuple(SIZES)
 
 
 if __name__ == "__main__":  # each family's tiny vLLM test model folder, built if missing
-    from vitserve.encoder.testmodels import cached_model
+    from vitserve.testing.models import cached_model
 
     for family in VLLM_FAMILIES:
         print(cached_model(family, "tiny", vllm=True))

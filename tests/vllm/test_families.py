@@ -1,7 +1,7 @@
 """Every family vLLM's CPU build serves: vLLM with vitserve's connector == vLLM alone.
 
 One Serve cluster serves every family's tiny test model (built ``vllm=True``: see
-:mod:`vitserve.encoder.testmodels` and ``families.py``), one vitserve application per family,
+:mod:`vitserve.testing.models` and ``families.py``), one vitserve application per family,
 started the way a Serve config of several applications is run (``serve run config.yaml``, the
 ``applications:`` a RayService's ``serveConfigV2`` lists too); beside it one vLLM per family
 over the same folder with the connector, its ``url`` the family's application. All start at
@@ -221,7 +221,7 @@ def families(
     """family -> its application, vLLM, and (NOISE_FAMILIES) front and noise vLLM, all
     started at once."""
     from vitserve.deployments.runner.local import free_port
-    from vitserve.encoder.testmodels import cached_model
+    from vitserve.testing.models import cached_model
 
     work = tmp_path_factory.mktemp("families")
     models = {family: cached_model(family, "tiny", vllm=True) for family in FAMILIES}

@@ -66,7 +66,7 @@ def config_value(config: Any, path: str) -> Any:
 
 
 class Tower(enum.Enum):
-    """Which torch adapter (``vitserve.encoder.families``) runs the family's vision side."""
+    """Which torch adapter (``vitserve.encoder.towers``) runs the family's vision side."""
 
     # Variable resolution: each image becomes its own number of patches, and a forward packs
     # the images of a batch into one sequence (Qwen-VL: ``QwenAdapter``).
@@ -223,7 +223,7 @@ class RecipeShape:
 
 @dataclass(frozen=True, slots=True)
 class Recipe:
-    """What :mod:`vitserve.encoder.testmodels` needs to build the family's random-weight
+    """What :mod:`vitserve.testing.models` needs to build the family's random-weight
     test model, its image processor and its offline tokenizer."""
 
     config_class: str  # the transformers config class (a top-level transformers name)

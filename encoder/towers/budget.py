@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vitserve.encoder.families.base import FamilyAdapter, ImageFeatures, PreparedImage, TowerShape
+from vitserve.encoder.towers.base import FamilyAdapter, ImageFeatures, PreparedImage, TowerShape
 from vitserve.encoder.work import ResizeRule
 from vitserve.errors import ModelLoadError
 from vitserve.families.spec import FamilySpec, config_value

@@ -14,7 +14,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from vitserve.encoder.testmodels import (
+from vitserve.families import SPECS
+from vitserve.testing.models import (
     CACHE_VERSION,
     FAMILIES,
     VOCAB_SIZE,
@@ -24,7 +25,6 @@ from vitserve.encoder.testmodels import (
     is_cached,
     make_tokenizer,
 )
-from vitserve.families import SPECS
 
 QWEN = {
     "pad_token_id": "<|endoftext|>",
@@ -299,8 +299,8 @@ def test_a_depth_override_keeps_the_towers_width_and_the_activation_estimate(
     """``depth`` changes only the tower's layer count, in a folder of its own, and the engine's
     activation estimate of an image (what the memory tests bound) is the same at any depth."""
     from vitserve.encoder.engine import EncoderEngine
-    from vitserve.encoder.testimages import make_image
     from vitserve.errors import ConfigError
+    from vitserve.testing.images import make_image
 
     monkeypatch.setenv("VITSERVE_CACHE", str(tmp_path))
     base = build_config("qwen2_vl", "tiny").vision_config

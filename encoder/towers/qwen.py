@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from vitserve.encoder.families.base import (
+from vitserve.encoder.towers.base import (
     FamilyAdapter,
     ImageFeatures,
     PreparedImage,

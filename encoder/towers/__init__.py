@@ -9,10 +9,10 @@ tower is one of these kinds needs no code here.
 
 from __future__ import annotations
 
-from vitserve.encoder.families.base import FamilyAdapter, ImageFeatures, PreparedImage
-from vitserve.encoder.families.budget import Gemma4Adapter
-from vitserve.encoder.families.fixed_size import Gemma3Adapter, LlavaAdapter
-from vitserve.encoder.families.qwen import QwenAdapter
+from vitserve.encoder.towers.base import FamilyAdapter, ImageFeatures, PreparedImage
+from vitserve.encoder.towers.budget import Gemma4Adapter
+from vitserve.encoder.towers.fixed_size import Gemma3Adapter, LlavaAdapter
+from vitserve.encoder.towers.qwen import QwenAdapter
 from vitserve.families import family_spec
 from vitserve.families.spec import Tower
 

@@ -48,6 +48,11 @@ default models (kept as they were) lack:
 The vision side is unchanged (the same ``seed`` draws the same vision and projector weights, so
 vitserve's embeddings of a ``vllm=True`` model are the default model's).
 :func:`cached_model` keeps such models in their own folders (``-vllm``).
+
+Its users: ``vitserve make-model``, the ``demo`` model (:func:`cached_model`), the load tests
+and the tests. What only the tests use (the full model's prompts, inputs and greedy decoding;
+fake hub caches and renamed checkpoints) is theirs: ``tests/full_model.py``,
+``tests/checkpoints.py``.
 """
 
 from __future__ import annotations
@@ -58,13 +63,12 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vitserve.errors import ConfigError
 from vitserve.families import MODEL_TYPES, find_spec
-from vitserve.families.spec import FamilySpec, ImageAttention, Positions, RecipeShape
+from vitserve.families.spec import FamilySpec, RecipeShape
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -464,66 +468,6 @@ def cached_model(
     return target
 
 
-# -- inputs for checks against the monolithic model ----------------------------------------------
-def image_prompt(config: Any, counts: list[int]) -> list[int]:
-    """A test prompt's token ids: BOS, text, then per image its placeholders as the family's
-    processor expands them (its spec's open token, ``counts[k]`` image tokens for image ``k``,
-    its close token: Qwen vision_start/end, Gemma 3 boi/eoi, LLaVA none), then text."""
-    placeholders = _spec(str(config.model_type)).placeholders
-    open_ = [getattr(config, placeholders.open)] if placeholders.open else []
-    close = [getattr(config, placeholders.close)] if placeholders.close else []
-    ids = [1, 11, 12, 13]
-    for k, n in enumerate(counts):
-        ids += [*open_, *[config.image_token_id] * n, *close, 20 + k, 21 + k, 22]
-    return [*ids, 30, 31]
-
-
-def pixel_inputs(config: Any, ids: list[int], pixels: Mapping[str, Any]) -> dict[str, Any]:
-    """The full model's forward arguments for prompt ``ids`` and the image processor's output
-    ``pixels``: the family's extras (Qwen's grids and ``mm_token_type_ids``, Gemma 3's
-    ``token_type_ids``, Gemma 4's patch positions) included."""
-    # heavy: the CLI imports this module (FAMILIES, PRESETS) and must start without it
-    import torch
-
-    spec = _spec(str(config.model_type))
-    input_ids = torch.tensor([ids])
-    kwargs = {
-        "input_ids": input_ids,
-        "attention_mask": torch.ones_like(input_ids),
-        "pixel_values": pixels["pixel_values"],
-    }
-    if "image_position_ids" in pixels:  # Gemma 4's patch positions (-1: padding)
-        kwargs["image_position_ids"] = pixels["image_position_ids"]
-    image_types = (input_ids == config.image_token_id).long()
-    if spec.positions is Positions.MROPE:
-        kwargs |= {"image_grid_thw": pixels["image_grid_thw"], "mm_token_type_ids": image_types}
-    if spec.image_attention is ImageAttention.BIDIRECTIONAL:
-        kwargs["token_type_ids"] = image_types
-    return kwargs
-
-
-def fake_hub_cache(src: Path, cache: Path, repo: str, files: list[str]) -> str:
-    """A huggingface_hub cache under ``cache`` holding only ``files`` of the model folder
-    ``src`` as repo ``repo`` at one snapshot (offline tests of loading by HF id); its commit."""
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    root = cache / f"models--{repo.replace('/', '--')}"
-    snapshot = root / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (root / "refs").mkdir()
-    (root / "refs" / "main").write_text(commit)
-    for name in files:
-        shutil.copy(src / name, snapshot / name)
-    return commit
-
-
-def rename_tensors(src: Path, dst: Path, rules: list[tuple[str, str]]) -> None:
-    """Copy the sharded checkpoint ``src`` to ``dst`` with every tensor name rewritten by the
-    regex ``rules`` (``re.sub(pattern, repl)`` in order), shards and index kept (tests of
-    older hub layouts)."""
-    shutil.copytree(src, dst)
-    _rename_in_place(dst, rules)
-
-
 def _rename_in_place(dst: Path, rules: list[tuple[str, str]]) -> None:
     """Rewrite every tensor name of the sharded checkpoint ``dst`` by the regex ``rules``."""
     # heavy: the CLI imports this module (FAMILIES, PRESETS) and must start without it
@@ -542,37 +486,3 @@ def _rename_in_place(dst: Path, rules: list[tuple[str, str]]) -> None:
         save_file(out, dst / shard, metadata={"format": "pt"})
     index["weight_map"] = renamed
     index_path.write_text(json.dumps(index))
-
-
-def greedy_after_prefill(
-    model: Any,
-    prefill: Any,
-    attention_mask: Any,
-    position_ids: Any,
-    steps: int,
-    eos: Collection[int] = (),
-) -> list[int]:
-    """Greedy tokens continuing a prefill's output (``.logits``, ``.past_key_values``), one
-    token a step through the full model: at most ``steps``, stopping after a token in ``eos``.
-    Qwen's M-RoPE positions (``position_ids`` given) continue at ``position_ids.max() + 1`` in
-    all three rows."""
-    # heavy: the CLI imports this module (FAMILIES, PRESETS) and must start without it
-    import torch
-
-    start = int(position_ids.max()) + 1 if position_ids is not None else attention_mask.shape[1]
-    out, mask, tokens = prefill, attention_mask, []
-    for step in range(steps):
-        tokens.append(int(out.logits[0, -1].argmax()))
-        if tokens[-1] in eos or step == steps - 1:
-            break
-        mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
-        kwargs = {
-            "input_ids": torch.tensor([[tokens[-1]]]),
-            "attention_mask": mask,
-            "past_key_values": out.past_key_values,
-            "use_cache": True,
-        }
-        if position_ids is not None:
-            kwargs["position_ids"] = torch.full((3, 1, 1), start + step)
-        out = model(**kwargs)
-    return tokens

@@ -26,7 +26,7 @@ from typing import Any
 
 from PIL import Image
 
-from vitserve.encoder.families.base import (
+from vitserve.encoder.towers.base import (
     FamilyAdapter,
     ImageFeatures,
     PreparedImage,
