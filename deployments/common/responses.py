@@ -161,6 +161,13 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_middleware(LastResort)
 
 
+#: how every app declares its ``/metrics`` route (``@api.get("/metrics", **METRICS_ROUTE)``)
+METRICS_ROUTE: dict[str, Any] = {
+    "summary": "This node's vitserve metrics (Prometheus text format)",
+    "response_class": PlainTextResponse,
+}
+
+
 async def metrics_response(scrape: ScrapeGate, authorization: str | None) -> Response:
     """This node's ``vitserve_*`` metrics (Prometheus text) for a caller ``scrape`` lets in
     (everyone with auth off; the scrape token's holder with it on: 401 otherwise), or the error

@@ -64,7 +64,7 @@ import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from vitserve.cache import open_connection
@@ -78,6 +78,7 @@ from vitserve.deployments.common.auth import Gate, Tenant, bearer_token
 from vitserve.deployments.common.config import VitserveConfig
 from vitserve.deployments.common.lifecycle import Draining
 from vitserve.deployments.common.responses import (
+    METRICS_ROUTE,
     error_response,
     error_responses,
     install_error_handlers,
@@ -480,11 +481,7 @@ class Ingress:
             return error_response(exc)
         return JSONResponse(await self._health(tenant))
 
-    @api.get(
-        "/metrics",
-        summary="This node's vitserve metrics (Prometheus text format)",
-        response_class=PlainTextResponse,
-    )
+    @api.get("/metrics", **METRICS_ROUTE)
     async def metrics_page(self, request: Request) -> Response:
         return await metrics_response(self.gate.scrape, request.headers.get("authorization"))
 

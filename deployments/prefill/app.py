@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.concurrency import run_in_threadpool
 
@@ -52,6 +52,7 @@ from vitserve.deployments.common.clients import TenantClients
 from vitserve.deployments.common.config import VitserveConfig
 from vitserve.deployments.common.lifecycle import Draining
 from vitserve.deployments.common.responses import (
+    METRICS_ROUTE,
     error_response,
     error_responses,
     install_error_handlers,
@@ -180,11 +181,7 @@ class PrefillServer:
             }
         )
 
-    @api.get(
-        "/metrics",
-        summary="This node's vitserve metrics (Prometheus text format)",
-        response_class=PlainTextResponse,
-    )
+    @api.get("/metrics", **METRICS_ROUTE)
     async def metrics_page(self, request: Request) -> Response:
         return await metrics_response(self.gate.scrape, request.headers.get("authorization"))
 

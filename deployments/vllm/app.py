@@ -101,7 +101,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.concurrency import run_in_threadpool
 
@@ -118,6 +118,7 @@ from vitserve.deployments.common.config import VitserveConfig
 from vitserve.deployments.common.lifecycle import Draining
 from vitserve.deployments.common.requests import DATA_URL
 from vitserve.deployments.common.responses import (
+    METRICS_ROUTE,
     error_response,
     error_responses,
     install_error_handlers,
@@ -602,11 +603,7 @@ class VllmFront:
             body["error"] = refusal.to_dict()
         return JSONResponse(body, status_code=200 if refusal is None else 503)
 
-    @api.get(
-        "/metrics",
-        summary="This node's vitserve metrics (Prometheus text format)",
-        response_class=PlainTextResponse,
-    )
+    @api.get("/metrics", **METRICS_ROUTE)
     async def metrics_page(self, request: Request) -> Response:
         return await metrics_response(self.gate.scrape, request.headers.get("authorization"))
 

@@ -123,6 +123,17 @@ class FamilyAdapter(ABC):
             module.eval()
             module.requires_grad_(False)
 
+    @property
+    def tower(self) -> Any:
+        """The vision tower (``modules["tower"]``, which every family builds)."""
+        return self.modules["tower"]
+
+    @property
+    def projector(self) -> Any:
+        """The projector into the language model's width (``modules["projector"]``; a tower
+        with its merger inside, Qwen's, has none)."""
+        return self.modules["projector"]
+
     def video_sampling_for(self, which: VideoFor) -> VideoSampling | None:
         """How a video encoded ``which`` way is sampled: the model's, or vLLM's loader's for
         the family (``FamilySpec.vllm_video`` over the model's); None: not known (the model
@@ -184,9 +195,18 @@ class FamilyAdapter(ABC):
         the extras): what one row of its record holds."""
 
     @property
-    @abstractmethod
     def tower_shape(self) -> TowerShape:
-        """The tower's dimensions, for cost estimates."""
+        """The tower's dimensions, for cost estimates: a ViT's, from the standard config names
+        (a tower that names them otherwise overrides this)."""
+        v = self.config.vision_config
+        return TowerShape(
+            width=v.hidden_size,
+            depth=v.num_hidden_layers,
+            heads=v.num_attention_heads,
+            mlp=v.intermediate_size,
+            mlp_matrices=3 if self.spec.vision.gated_mlp else 2,
+            patch_dim=getattr(v, "num_channels", 3) * v.patch_size**2,
+        )
 
     @abstractmethod
     def settings(self) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vitserve.encoder.towers.base import FamilyAdapter, ImageFeatures, PreparedImage, TowerShape
+from vitserve.encoder.towers.base import FamilyAdapter, ImageFeatures, PreparedImage
 from vitserve.encoder.work import ResizeRule
 from vitserve.errors import ModelLoadError
 from vitserve.families.spec import FamilySpec, config_value
@@ -57,14 +57,6 @@ class Gemma4Adapter(FamilyAdapter):
         return {"tower": tower, "projector": projector}
 
     @property
-    def tower(self) -> Any:
-        return self.modules["tower"]
-
-    @property
-    def projector(self) -> Any:
-        return self.modules["projector"]
-
-    @property
     def kernel(self) -> int:
         return int(self.config.vision_config.pooling_kernel_size)
 
@@ -72,18 +64,6 @@ class Gemma4Adapter(FamilyAdapter):
     def budget(self) -> int:
         """The patches every image is padded to: the processor's ``max_soft_tokens * k**2``."""
         return int(self.processor.max_soft_tokens) * self.kernel**2
-
-    @property
-    def tower_shape(self) -> TowerShape:
-        v = self.config.vision_config
-        return TowerShape(
-            width=v.hidden_size,
-            depth=v.num_hidden_layers,
-            heads=v.num_attention_heads,
-            mlp=v.intermediate_size,
-            mlp_matrices=3 if self.spec.vision.gated_mlp else 2,
-            patch_dim=3 * v.patch_size**2,
-        )
 
     @classmethod
     def check_processor(cls, spec: FamilySpec, processor: Any) -> None:

@@ -30,7 +30,6 @@ from vitserve.encoder.towers.base import (
     FamilyAdapter,
     ImageFeatures,
     PreparedImage,
-    TowerShape,
     pack_rows,
 )
 from vitserve.encoder.work import ResizeRule
@@ -51,26 +50,6 @@ class FixedSizeAdapter(FamilyAdapter):
         projector = getattr(importlib.import_module(module), name)(config)
         tower = AutoModel.from_config(config.vision_config, attn_implementation="sdpa")
         return {"tower": tower, "projector": projector}
-
-    @property
-    def tower(self) -> Any:
-        return self.modules["tower"]
-
-    @property
-    def projector(self) -> Any:
-        return self.modules["projector"]
-
-    @property
-    def tower_shape(self) -> TowerShape:
-        v = self.config.vision_config
-        return TowerShape(
-            width=v.hidden_size,
-            depth=v.num_hidden_layers,
-            heads=v.num_attention_heads,
-            mlp=v.intermediate_size,
-            mlp_matrices=2,
-            patch_dim=v.num_channels * v.patch_size**2,
-        )
 
     def num_tokens(self, patches: int) -> int:
         return patches

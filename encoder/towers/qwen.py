@@ -55,10 +55,6 @@ class QwenAdapter(FamilyAdapter):
         return {"tower": tower_cls._from_config(config.vision_config, attn_implementation="sdpa")}
 
     @property
-    def tower(self) -> Any:
-        return self.modules["tower"]
-
-    @property
     def merge_size(self) -> int:
         return int(self.config.vision_config.spatial_merge_size)
 
