@@ -6,46 +6,27 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from vitserve.cache.base import EmbeddingStore
 from vitserve.cache.codec import EmbeddingRecord
+from vitserve.client.base import ClientBase
 from vitserve.client.chunks import chunk_bounds, item_spans
-from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, Sleep, retried
+from vitserve.client.core import ApiCall, Flow, Sleep, retried
 from vitserve.client.device import to_device
 from vitserve.client.handles import FetchedChunk, ImageHandle, Submitted
 from vitserve.client.inputs import ImageInput
 from vitserve.client.transports import (
     AsyncHandleTransport,
     AsyncHttpTransport,
-    IngressHandle,
-    pick_transport,
 )
 from vitserve.errors import VitserveError
 from vitserve.media import VideoFor
 
 
-class AsyncEncoderClient:
+class AsyncEncoderClient(ClientBase[AsyncHttpTransport, AsyncHandleTransport]):
     """The asyncio twin of :class:`~vitserve.client.sync.EncoderClient` (same arguments, same
     operations, awaited). Direct store reads run in worker threads."""
 
-    def __init__(
-        self,
-        url: str | None = None,
-        *,
-        handle: IngressHandle | None = None,
-        store: EmbeddingStore | str | None = None,
-        token: str | None = None,
-        retry: RetryPolicy | None = None,
-        timeout_s: float = 60.0,
-        registry: Any = None,
-    ) -> None:
-        self.core = ClientCore.for_client(url, handle, store, registry)
-        self.transport: AsyncHttpTransport | AsyncHandleTransport = pick_transport(
-            url,
-            handle,
-            lambda u: AsyncHttpTransport(u, timeout_s, token=token),
-            lambda h: AsyncHandleTransport(h, token),
-        )
-        self.retry = retry or RetryPolicy()
+    http_transport = AsyncHttpTransport
+    handle_transport = AsyncHandleTransport
 
     async def encode(
         self, images: Sequence[ImageInput], video_for: VideoFor = VideoFor.MODEL
@@ -109,12 +90,6 @@ class AsyncEncoderClient:
 
     async def describe(self) -> dict[str, Any]:
         return await self._run(self.core.describe())
-
-    def use_token(self, token: str | None) -> None:
-        """Call the service with ``token`` from the next call on: a rotated token of the same
-        tenant (the namespace, and so every key, stays the tenant's). A call under way keeps
-        the token it started with."""
-        self.transport.use_token(token)
 
     async def close(self) -> None:
         await self.transport.close()

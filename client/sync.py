@@ -7,24 +7,22 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from vitserve.cache.base import EmbeddingStore
 from vitserve.cache.codec import EmbeddingRecord
+from vitserve.client.base import ClientBase
 from vitserve.client.chunks import chunk_bounds, item_spans
-from vitserve.client.core import ApiCall, ClientCore, Flow, RetryPolicy, Sleep, retried
+from vitserve.client.core import ApiCall, Flow, Sleep, retried
 from vitserve.client.device import to_device
 from vitserve.client.handles import FetchedChunk, ImageHandle, Submitted
 from vitserve.client.inputs import ImageInput
 from vitserve.client.transports import (
     HandleTransport,
     HttpTransport,
-    IngressHandle,
-    pick_transport,
 )
 from vitserve.errors import VitserveError
 from vitserve.media import VideoFor
 
 
-class EncoderClient:
+class EncoderClient(ClientBase[HttpTransport, HandleTransport]):
     """Encode images through a vitserve service and fetch their embeddings per prefill chunk.
 
     ``url`` reaches the ingress over HTTP; inside the Ray cluster pass ``handle`` (the ingress
@@ -36,25 +34,8 @@ class EncoderClient:
     reports). ``registry``: a prometheus_client registry for the SDK's metrics.
     """
 
-    def __init__(
-        self,
-        url: str | None = None,
-        *,
-        handle: IngressHandle | None = None,
-        store: EmbeddingStore | str | None = None,
-        token: str | None = None,
-        retry: RetryPolicy | None = None,
-        timeout_s: float = 60.0,
-        registry: Any = None,
-    ) -> None:
-        self.core = ClientCore.for_client(url, handle, store, registry)
-        self.transport: HttpTransport | HandleTransport = pick_transport(
-            url,
-            handle,
-            lambda u: HttpTransport(u, timeout_s, token=token),
-            lambda h: HandleTransport(h, token),
-        )
-        self.retry = retry or RetryPolicy()
+    http_transport = HttpTransport
+    handle_transport = HandleTransport
 
     # -- the operations ------------------------------------------------------------------------
     def encode(
@@ -131,12 +112,6 @@ class EncoderClient:
     def describe(self) -> dict[str, Any]:
         """The service's model, fingerprint, namespace and limits (asked once)."""
         return self._run(self.core.describe())
-
-    def use_token(self, token: str | None) -> None:
-        """Call the service with ``token`` from the next call on: a rotated token of the same
-        tenant (the namespace, and so every key, stays the tenant's). A call under way keeps
-        the token it started with."""
-        self.transport.use_token(token)
 
     def close(self) -> None:
         self.transport.close()
